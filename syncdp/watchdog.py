@@ -1,0 +1,144 @@
+"""The stall watchdog: a collective that waits too long ends the job and names the missing ranks.
+
+A background thread on every rank watches the collective its rank is in. After
+``stall_warning`` seconds it prints a warning; after ``stall_timeout`` seconds it asks every other
+rank, over a separate communicator, where it is, prints which ranks have not arrived and why,
+and aborts the whole MPI job. The same thread answers the other ranks' questions, so a rank that
+is busy elsewhere (another code path, another collective) says so, and a rank that does not
+answer at all is stopped or hung.
+
+The main thread only sets two attributes per collective; all the waiting happens here.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from mpi4py import MPI
+
+from syncdp.config import Config
+
+__all__ = ["Watchdog"]
+
+_QUERY, _REPLY = 1, 2
+_POLL_SECONDS = 0.1
+_ANSWER_GRACE_SECONDS = 3.0
+
+
+class Watchdog:
+    """Watches one rank's collectives on ``comm``.
+
+    Args:
+        comm: The communicator the collectives run on. The watchdog talks over its own duplicate.
+        config: ``stall_timeout`` (0 disables the abort) and ``stall_warning``.
+    """
+
+    def __init__(self, comm: MPI.Comm, config: Config):
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.timeout = config.stall_timeout
+        self.warning = config.stall_warning
+        # (seq, name, start time, timeout) of the collective in progress, or None.
+        self.current = None
+        self.last_done = 0
+        # Questions need MPI from two threads at once; without it the watchdog can still warn and
+        # abort, but cannot say where the other ranks are.
+        self._can_ask = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._side = comm.Dup() if self._can_ask else None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="syncdp-watchdog", daemon=True)
+        self._thread.start()
+
+    def enter(self, seq: int, name: str, timeout: float | None = None) -> None:
+        """Called by the main thread as collective number ``seq`` starts."""
+        self.current = (seq, name, time.monotonic(), self.timeout if timeout is None else timeout)
+
+    def leave(self, seq: int) -> None:
+        """Called by the main thread as collective ``seq`` ends."""
+        self.current = None
+        self.last_done = seq
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        if self._side is not None:
+            self._side.Free()
+            self._side = None
+
+    def _where(self):
+        current = self.current
+        if current is None:
+            return (None, None, self.last_done)
+        return (current[0], current[1], self.last_done)
+
+    def _answer_questions(self) -> None:
+        status = MPI.Status()
+        while self._side.Iprobe(source=MPI.ANY_SOURCE, tag=_QUERY, status=status):
+            source = status.Get_source()
+            self._side.recv(source=source, tag=_QUERY)
+            self._side.send(self._where(), dest=source, tag=_REPLY)
+
+    def _loop(self) -> None:
+        warned_for = None
+        while not self._stop.wait(_POLL_SECONDS):
+            if self._can_ask:
+                self._answer_questions()
+            current = self.current
+            if current is None:
+                continue
+            seq, name, start, timeout = current
+            waited = time.monotonic() - start
+            if self.warning and waited > self.warning and warned_for != seq and (
+                    not timeout or self.warning < timeout):
+                warned_for = seq
+                print(f"syncdp: warning: rank {self.rank} has waited {waited:.0f} s in "
+                      f"collective #{seq} {name} for other ranks.", file=sys.stderr, flush=True)
+            if timeout and waited > timeout and self.current is current:
+                self._abort(seq, name, waited)
+
+    def _ask_others(self, seq: int) -> dict[int, tuple]:
+        others = [r for r in range(self.size) if r != self.rank]
+        for r in others:
+            self._side.isend(seq, dest=r, tag=_QUERY)
+        replies = {}
+        deadline = time.monotonic() + _ANSWER_GRACE_SECONDS
+        status = MPI.Status()
+        while len(replies) < len(others) and time.monotonic() < deadline:
+            self._answer_questions()
+            if self._side.Iprobe(source=MPI.ANY_SOURCE, tag=_REPLY, status=status):
+                source = status.Get_source()
+                replies[source] = self._side.recv(source=source, tag=_REPLY)
+            else:
+                time.sleep(0.01)
+        return replies
+
+    def _abort(self, seq: int, name: str, waited: float) -> None:
+        lines = [f"syncdp: rank {self.rank} stalled: collective #{seq} {name} waited "
+                 f"{waited:.1f} s (stall timeout {self.timeout:g} s)."]
+        if self._can_ask:
+            replies = self._ask_others(seq)
+            missing = []
+            for r in range(self.size):
+                if r == self.rank:
+                    continue
+                if r not in replies:
+                    missing.append(r)
+                    lines.append(f"  rank {r}: did not answer (stopped, hung or dead).")
+                    continue
+                their_seq, their_name, their_done = replies[r]
+                if their_seq == seq:
+                    continue
+                missing.append(r)
+                if their_seq is None:
+                    lines.append(f"  rank {r}: not in a collective (last finished #{their_done}).")
+                else:
+                    lines.append(f"  rank {r}: in collective #{their_seq} {their_name} instead.")
+            if missing:
+                lines.insert(1, "syncdp: ranks that have not arrived: "
+                             + ", ".join(str(r) for r in missing))
+        lines.append("syncdp: ending the job. Set SYNCDP_STALL_TIMEOUT (or --stall-timeout) "
+                     "to wait longer, or 0 to wait forever.")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(1)
