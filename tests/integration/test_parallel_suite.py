@@ -1,0 +1,18 @@
+"""Runs tests/parallel through the real launcher at np=1 and np=2.
+
+Every rank runs the same pytest session; ``-x`` makes a failing rank exit at once, and the
+launcher then ends the others, so a failure can never leave a rank waiting.
+"""
+
+import pytest
+
+from tests.launcher import check, launch
+
+
+@pytest.mark.parametrize("np", [1, 2])
+def test_parallel_suite(np):
+    result = check(launch(np, "python", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                          "tests/parallel", timeout=600))
+    for rank in range(np):
+        assert f"[{rank}]<stdout>:" in result.stdout
+    assert " passed" in result.stdout and " failed" not in result.stdout

@@ -1,0 +1,69 @@
+"""Runs the real ``syncdp-run`` launcher from tests, always with a timeout.
+
+A multi-process test must fail, not hang: :func:`launch` kills the whole process group of a job
+that outlives its timeout and fails the test with the output seen so far.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a test job gets: the repo importable, one intra-op thread per rank."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["TF_NUM_INTRAOP_THREADS"] = "1"
+    env["TF_NUM_INTEROP_THREADS"] = "2"
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env.update(extra or {})
+    return env
+
+
+def launch(np: int, *command: str, timeout: float = 180, env: dict[str, str] | None = None,
+           launcher_args: tuple[str, ...] = (), cwd: str | os.PathLike | None = None
+           ) -> subprocess.CompletedProcess:
+    """Runs ``syncdp-run -np NP [launcher_args] COMMAND`` and returns the finished process.
+
+    Its ``stdout``/``stderr`` are text and ``elapsed`` holds the wall time in seconds. Fails the
+    test (after killing every process of the job) when the job outlives ``timeout``.
+    """
+    cmd = [sys.executable, "-m", "launch", "-np", str(np), *launcher_args, *command]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=rank_env(env), cwd=cwd or ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"job did not end within {timeout} s: {' '.join(cmd)}\n"
+                    f"--- stdout ---\n{out[-5000:]}\n--- stderr ---\n{err[-5000:]}")
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    result.elapsed = time.monotonic() - start
+    return result
+
+
+def python_script(tmp_path: Path, source: str, name: str = "job.py") -> str:
+    """Writes ``source`` to a file under ``tmp_path`` and returns its path."""
+    path = tmp_path / name
+    path.write_text(source)
+    return str(path)
+
+
+def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """Fails the test with the job's output unless it exited 0."""
+    if result.returncode != 0:
+        pytest.fail(f"job failed with {result.returncode}: {' '.join(result.args)}\n"
+                    f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n"
+                    f"{result.stderr[-6000:]}")
+    return result
