@@ -319,12 +319,13 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0):
         return None
     assigns = []
     threshold = runtime.get_config().fusion_threshold
-    for b, bucket in enumerate(plan_buckets(variables, threshold)):
-        members = [variables[i] for i in bucket.indices]
-        values = [tf.convert_to_tensor(v) for v in members]
+    # Keras 3 variables report their dtype as a string: plan on the tensors' values.
+    current = [tf.convert_to_tensor(v) for v in variables]
+    for b, bucket in enumerate(plan_buckets(current, threshold)):
+        values = [current[i] for i in bucket.indices]
         received = broadcast(pack(values), root_rank, name=f"broadcast_variables.bucket{b}")
-        for v, value in zip(members, unpack(received, values)):
-            assigns.append(v.assign(value, read_value=False))
+        for i, value in zip(bucket.indices, unpack(received, values)):
+            assigns.append(variables[i].assign(value))
     return None if tf.executing_eagerly() else tf.group(*assigns)
 
 

@@ -1,0 +1,127 @@
+"""Every collective equals the mathematics at any number of ranks, eagerly and in tf.function."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+DTYPES = [tf.float16, tf.float32, tf.float64, tf.bfloat16, tf.int32, tf.int64]
+MODES = ["eager", "function"]
+
+
+def run(mode, fn, *args):
+    return (fn if mode == "eager" else tf.function(fn))(*args)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_allreduce_sum_average_min_max(hvd, mode, dtype):
+    r, n = hvd.rank(), hvd.size()
+    x = tf.cast(tf.fill([2, 3], r + 1), dtype)
+    total = n * (n + 1) // 2
+    for op, expected in [(hvd.Sum, total), (hvd.Min, 1), (hvd.Max, n),
+                         (hvd.Average, total / n if dtype.is_floating else total // n)]:
+        out = run(mode, lambda t, op=op: hvd.allreduce(t, op=op), x)
+        assert out.dtype == dtype and out.shape == x.shape
+        np.testing.assert_array_equal(tf.cast(out, tf.float64).numpy(), np.full([2, 3], expected))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_allgather_concatenates_in_rank_order(hvd, mode, dtype):
+    r, n = hvd.rank(), hvd.size()
+    x = tf.cast(tf.fill([r + 1, 2], r), dtype)  # rank r contributes r + 1 rows of r
+    out = run(mode, hvd.allgather, x)
+    expected = np.concatenate([np.full([k + 1, 2], k) for k in range(n)])
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(tf.cast(out, tf.float64).numpy(), expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_broadcast_gives_the_roots_value(hvd, mode, dtype):
+    root = hvd.size() - 1
+    x = tf.cast(tf.fill([4], hvd.rank() * 10 + 1), dtype)
+    out = run(mode, lambda t: hvd.broadcast(t, root_rank=root), x)
+    np.testing.assert_array_equal(tf.cast(out, tf.float64).numpy(), np.full([4], root * 10 + 1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_allreduce_mixed_dtypes_none_and_scalars(hvd, mode):
+    r, n = hvd.rank(), hvd.size()
+    tensors = [tf.fill([3], float(r)), None, tf.constant(r + 1, tf.int64),
+               tf.fill([2, 2], tf.constant(r, tf.float64)), tf.zeros([0, 4])]
+    out = run(mode, lambda ts: hvd.grouped_allreduce(ts, op=hvd.Sum), tensors)
+    total = n * (n - 1) / 2
+    np.testing.assert_array_equal(out[0].numpy(), np.full([3], total))
+    assert out[1] is None
+    assert out[2].numpy() == n * (n + 1) // 2 and out[2].dtype == tf.int64
+    np.testing.assert_array_equal(out[3].numpy(), np.full([2, 2], total))
+    assert out[4].shape == (0, 4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allreduce_of_indexed_slices_gathers_rows(hvd, mode):
+    r, n = hvd.rank(), hvd.size()
+    slices = tf.IndexedSlices(tf.fill([1, 2], float(r + 1)), tf.constant([r]), tf.constant([n, 2]))
+
+    def reduce(values, indices):
+        out = hvd.allreduce(tf.IndexedSlices(values, indices, tf.constant([n, 2])),
+                            op=hvd.Average)
+        return tf.convert_to_tensor(out)
+
+    dense = run(mode, reduce, slices.values, slices.indices).numpy()
+    expected = np.array([[(k + 1) / n] * 2 for k in range(n)])
+    np.testing.assert_allclose(dense, expected, rtol=1e-6)
+
+
+def test_allreduce_gradient_is_the_allreduce_of_the_gradient(hvd):
+    x = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        y = hvd.allreduce(x * float(hvd.rank() + 1), op=hvd.Sum)
+        loss = tf.reduce_sum(y)
+    grad = tape.gradient(loss, x).numpy()
+    # d/dx sum_k (k+1) x summed again over ranks: every rank's upstream gradient is 1, and the
+    # backward allreduce sums the n ones before the local factor (rank + 1) applies.
+    np.testing.assert_allclose(grad, np.full([2], hvd.size() * (hvd.rank() + 1.0)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_broadcast_variables_makes_replicas_identical(hvd, mode):
+    tf.random.set_seed(100 + hvd.rank())  # a different initialisation on every rank
+    variables = [tf.Variable(tf.random.normal([5, 3])), tf.Variable(tf.random.normal([7])),
+                 tf.Variable(tf.constant([hvd.rank()], tf.int64))]
+    root_values = hvd.broadcast_object([v.numpy() for v in variables], root_rank=0)
+
+    def sync():
+        hvd.broadcast_variables(variables, root_rank=0)
+
+    run(mode, sync)
+    for v, expected in zip(variables, root_values):
+        np.testing.assert_array_equal(v.numpy(), expected)
+    digests = hvd.allgather_object([v.numpy().tobytes() for v in variables])
+    assert all(d == digests[0] for d in digests)
+
+
+def test_python_object_collectives(hvd):
+    r, n = hvd.rank(), hvd.size()
+    assert hvd.broadcast_object({"from": r, "data": [r] * 3}, root_rank=n - 1) == {
+        "from": n - 1, "data": [n - 1] * 3}
+    assert hvd.allgather_object(("rank", r)) == [("rank", k) for k in range(n)]
+
+
+def test_topology_and_join(hvd):
+    n = hvd.size()
+    assert 0 <= hvd.rank() < n and hvd.is_chief() == (hvd.rank() == 0)
+    assert hvd.local_size() == n and hvd.local_rank() == hvd.rank()  # one host
+    assert hvd.cross_size() == 1 and hvd.cross_rank() == 0
+    assert 0 <= hvd.join() < n
+    hvd.barrier()
+
+
+def test_bad_arguments_raise(hvd):
+    with pytest.raises(ValueError, match="root_rank"):
+        hvd.broadcast(tf.ones(1), root_rank=hvd.size())
+    with pytest.raises(ValueError, match="op must be"):
+        hvd.allreduce(tf.ones(1), op="mean")
+    with pytest.raises(TypeError, match="cannot reduce bool"):
+        hvd.allreduce(tf.constant([True]))

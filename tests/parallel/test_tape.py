@@ -1,0 +1,80 @@
+"""N ranks on 1/N of each batch reach the weights of one process on the whole batch."""
+
+import numpy as np
+import tensorflow as tf
+
+import keras
+
+GLOBAL_BATCH = 16
+STEPS = 10
+
+
+def make_model(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input([6]), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(3)])
+
+
+def data(step):
+    rng = np.random.default_rng(step)
+    x = rng.normal(size=[GLOBAL_BATCH, 6]).astype(np.float32)
+    y = rng.integers(0, 3, size=[GLOBAL_BATCH])
+    return x, y
+
+
+def train(model, optimizer, tape_wrapper, shard):
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape_wrapper(tape).gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    for s in range(STEPS):
+        x, y = data(s)
+        step(*shard(x, y))
+
+
+def test_distributed_tape_matches_single_process(hvd):
+    r, n = hvd.rank(), hvd.size()
+    model = make_model(seed=r)  # different initial weights on every rank
+    optimizer = keras.optimizers.Adam(0.01)
+    optimizer.build(model.trainable_variables)
+    hvd.broadcast_variables(model.variables + optimizer.variables, root_rank=0)
+
+    reference = make_model(seed=0)
+    reference.set_weights(model.get_weights())
+    ref_optimizer = keras.optimizers.Adam(0.01)
+
+    per_rank = GLOBAL_BATCH // n
+    train(model, optimizer, hvd.DistributedGradientTape,
+          lambda x, y: (x[r * per_rank:(r + 1) * per_rank], y[r * per_rank:(r + 1) * per_rank]))
+    train(reference, ref_optimizer, lambda tape: tape, lambda x, y: (x, y))
+
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    everyone = hvd.allgather_object([w.tobytes() for w in model.get_weights()])
+    assert all(weights == everyone[0] for weights in everyone), "replicas differ"
+
+
+def test_tape_as_context_manager_and_sum(hvd):
+    x = tf.Variable([1.0, 1.0])
+    with hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Sum) as tape:
+        loss = tf.reduce_sum(x * float(hvd.rank() + 1))
+    grad = tape.gradient(loss, x)
+    n = hvd.size()
+    np.testing.assert_allclose(grad.numpy(), np.full([2], n * (n + 1) / 2))
+
+
+def test_fp16_compression_and_unconnected_gradients(hvd):
+    a, b = tf.Variable(tf.fill([4], 1.0)), tf.Variable(2.0)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(a * (hvd.rank() + 1.0) / 3.0)
+    tape = hvd.DistributedGradientTape(tape, compression=hvd.Compression.fp16)
+    grad_a, grad_b = tape.gradient(loss, [a, b])
+    assert grad_b is None and grad_a.dtype == tf.float32
+    n = hvd.size()
+    expected = (n + 1) / 2 / 3.0
+    np.testing.assert_allclose(grad_a.numpy(), np.full([4], expected), rtol=1e-3)
