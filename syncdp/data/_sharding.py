@@ -1,0 +1,252 @@
+"""Which files each rank reads: resolving inputs, counting records together, balancing.
+
+Every rank resolves the same file list, counts a share of the files (by bytes), and one
+``allgather`` gives every rank every count and every error. All later decisions (which rank
+reads which file, how many batches each rank yields) are computed from that shared view, so
+every rank reaches the same answer with no further communication, and an error found by any
+rank is raised on all of them.
+"""
+
+from __future__ import annotations
+
+import glob
+import heapq
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from syncdp import runtime
+from syncdp._exceptions import DataError
+from syncdp.data._tfrecord import _read_with_tensorflow, _scan_headers, count_records
+
+__all__ = ["shard_files"]
+
+# (realpath, size, mtime_ns, verify, compression) -> count, so that rebuilding a dataset every
+# epoch does not count (or checksum) the files again.
+_count_cache: dict[tuple, int] = {}
+
+
+def _resolve_files(files, caller: str) -> list[str]:
+    """Expands ``files`` (a path, a glob, or a sequence of them) into a list of paths."""
+    if isinstance(files, (str, os.PathLike)):
+        files = [files]
+    elif not isinstance(files, Sequence):
+        raise TypeError(
+            f"{caller} takes a path, a glob pattern or a list of paths; got {type(files).__name__}."
+        )
+    paths: list[str] = []
+    for entry in files:
+        entry = os.fspath(entry)
+        if glob.has_magic(entry):
+            matched = sorted(glob.glob(entry))
+            if not matched:
+                raise DataError(
+                    f"{caller}: the pattern {entry!r} matches no files. Check the "
+                    "pattern and the directory it names."
+                )
+            paths.extend(matched)
+        else:
+            paths.append(entry)
+    if not paths:
+        raise DataError(f"{caller} needs at least one file; got an empty list.")
+    seen: dict[str, str] = {}
+    for path in paths:
+        real = os.path.realpath(path)
+        if real in seen:
+            raise DataError(
+                f"{caller}: {path!r} is listed twice (also as {seen[real]!r}); its "
+                "records would be read twice. List every file once."
+            )
+        seen[real] = path
+    return paths
+
+
+def _file_bytes(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _count_one(
+    path: str, verify: bool, compression_type: str | None, skip_corrupt: bool
+) -> tuple[int, str | None, int | None]:
+    """Returns (records a reader will yield, what was wrong or None, records skipped)."""
+    verify = verify or skip_corrupt
+    try:
+        stat = os.stat(path)
+        key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, verify, compression_type)
+    except OSError:
+        key = None
+    if key in _count_cache:
+        return _count_cache[key], None, 0
+    try:
+        count = count_records(path, verify=verify, compression_type=compression_type)
+    except DataError as error:
+        if not skip_corrupt or key is None:
+            raise
+        # TensorFlow's reader yields the records before the damaged one and skips the rest of
+        # the file; count exactly what it will yield so the step count stays exact.
+        valid = _read_with_tensorflow(path, compression_type, skip_corrupt=True)
+        try:
+            total = None if compression_type else _scan_headers(path)
+        except DataError:
+            total = None
+        return valid, str(error), None if total is None else total - valid
+    if key is not None:
+        _count_cache[key] = count
+    return count, None, 0
+
+
+def _assign(
+    weights: Sequence[int], size: int, *, seed: int | None = None, epoch: int = 0
+) -> list[list[int]]:
+    """Splits item indices into ``size`` groups of near-equal total weight.
+
+    Greedy largest-first onto the least-loaded group (ties: fewer items, then lower index),
+    which is deterministic and within 4/3 of the best possible largest group. With a seed,
+    ties between equal weights are broken by a permutation drawn from ``(seed, epoch)``,
+    group ``g`` goes to rank ``(g - seed_offset - epoch) % size`` (so consecutive epochs never
+    give a rank the same group), and each group's order is shuffled.
+
+    Returns:
+        ``groups[r]``: the indices for rank ``r``.
+    """
+    n = len(weights)
+    if seed is None:
+        tiebreak = np.arange(n)
+    else:
+        tiebreak = np.random.default_rng([seed, epoch]).permutation(n)
+    order = sorted(range(n), key=lambda i: (-weights[i], tiebreak[i]))
+    heap = [(0, 0, g) for g in range(size)]
+    groups: list[list[int]] = [[] for _ in range(size)]
+    for i in order:
+        load, items, g = heapq.heappop(heap)
+        groups[g].append(i)
+        heapq.heappush(heap, (load + weights[i], items + 1, g))
+    if seed is None:
+        return [sorted(group) for group in groups]
+    rng = np.random.default_rng([seed, epoch, 1])
+    shift = int(np.random.default_rng([seed]).integers(size)) + epoch
+    return [
+        [group[j] for j in rng.permutation(len(group))]
+        for group in (groups[(r + shift) % size] for r in range(size))
+    ]
+
+
+def _gather_counts(
+    paths: list[str], *, verify: bool, compression_type: str | None, skip_corrupt: bool, caller: str
+):
+    """Counts every file's records, sharing the work and the results among all ranks.
+
+    A synchronization point: all ranks must call it, in the same order, with the same files.
+
+    Returns:
+        ``(counts, damaged)``: the records each file yields, and ``(path, what was wrong,
+        records skipped or None when unknown)`` for each damaged file (only with
+        ``skip_corrupt``).
+
+    Raises:
+        DataError: On every rank, when any rank found a file missing or corrupt, or when
+            ranks were given different file lists.
+    """
+    comm = runtime.communicator()
+    mine = _assign([_file_bytes(p) for p in paths], comm.size)[comm.rank]
+    results: dict[int, tuple] = {}
+    errors: list[str] = []
+    for i in mine:
+        try:
+            results[i] = _count_one(paths[i], verify, compression_type, skip_corrupt)
+        except DataError as error:
+            errors.append(str(error))
+    gathered = comm.allgather_object((paths, results, errors), name=f"{caller}.count_records")
+    errors = [e for _, _, rank_errors in gathered for e in rank_errors]
+    for rank, (rank_paths, _, _) in enumerate(gathered):
+        if rank_paths != paths:
+            errors.insert(
+                0,
+                f"ranks were given different files: rank {comm.rank} has "
+                f"{len(paths)} starting {paths[:2]}, rank {rank} has {len(rank_paths)} "
+                f"starting {rank_paths[:2]}. Pass the same list (or glob) on every "
+                "rank.",
+            )
+            break
+    if errors:
+        shown = "\n  ".join(errors[:10])
+        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
+        raise DataError(f"{caller}: {len(errors)} bad input file(s):\n  {shown}{more}")
+    merged: dict[int, tuple] = {}
+    for _, rank_results, _ in gathered:
+        merged.update(rank_results)
+    counts = [merged[i][0] for i in range(len(paths))]
+    damaged = [
+        (paths[i], merged[i][1], merged[i][2])
+        for i in range(len(paths))
+        if merged[i][1] is not None
+    ]
+    return counts, damaged
+
+
+def shard_files(
+    files,
+    *,
+    balance: bool = True,
+    seed: int | None = None,
+    epoch: int = 0,
+    compression_type: str | None = None,
+) -> list[str]:
+    """This rank's share of ``files``: disjoint between ranks, together covering every file.
+
+    A synchronization point when ``balance`` is True (ranks count the records together): all
+    ranks must call it, in the same order, with the same files. Every rank gets the same
+    assignment without further communication.
+
+    Args:
+        files: A list of TFRecord paths, or a glob pattern (matches are sorted).
+        balance: Assign files by their record counts (greedy largest-first onto the rank with
+            the fewest records) so ranks get near-equal numbers of records. If False, file
+            ``i`` goes to rank ``i % size`` and nothing is read. Defaults to True.
+        seed: If set, reshuffle the assignment every epoch, identically on all ranks (a rank
+            never keeps the same files two epochs running). Defaults to None.
+        epoch: The epoch the assignment is for; only used with a seed. Defaults to 0.
+        compression_type: ``None``, ``"GZIP"`` or ``"ZLIB"``; compressed files are read in
+            full to be counted. Defaults to None.
+
+    Returns:
+        The paths this rank reads.
+
+    Raises:
+        DataError: A file is missing or corrupt, a pattern matches nothing, a file is listed
+            twice, or there are fewer files than ranks. Raised on every rank.
+
+    Example:
+        >>> my_files = syncdp.data.shard_files("data/*.tfrecord", seed=1, epoch=epoch)
+    """
+    paths = _resolve_files(files, "shard_files")
+    size, rank = runtime.size(), runtime.rank()
+    if len(paths) < size:
+        raise DataError(
+            f"shard_files needs at least as many files as ranks: got {len(paths)} "
+            f"files for {size} ranks. Write more shards, or use "
+            "tfrecord_dataset(..., shard_by='records')."
+        )
+    if balance:
+        weights, _ = _gather_counts(
+            paths,
+            verify=False,
+            compression_type=compression_type,
+            skip_corrupt=False,
+            caller="shard_files",
+        )
+        return [paths[i] for i in _assign(weights, size, seed=seed, epoch=epoch)[rank]]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise DataError(
+            f"shard_files: {len(missing)} file(s) do not exist: {missing[:5]}. "
+            "Check the paths, or that every host sees the same files."
+        )
+    order = np.arange(len(paths))
+    if seed is not None:
+        order = np.random.default_rng([seed, epoch]).permutation(len(paths))
+    return [paths[i] for i in order[rank::size]]
