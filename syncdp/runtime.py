@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 import traceback
 
 import mpi4py
@@ -46,6 +47,7 @@ class _State:
     cross_rank = 0
     cross_size = 1
     hook_installed = False
+    exit_comm: MPI.Comm | None = None
     shutdown_hooks: list = []
 
 
@@ -94,7 +96,8 @@ def init(comm: MPI.Comm | None = None, **options) -> None:
     _state.config = config
     _pin_gpu(_state.local_rank)
     _install_failure_hook()
-    atexit.register(shutdown)
+    _state.exit_comm = world.mpi.Dup()
+    atexit.register(_at_exit)
     if config.verbose:
         print(f"syncdp: rank {world.rank}/{world.size} on {hosts[world.rank]} "
               f"(local {_state.local_rank}/{_state.local_size}), {config}", file=sys.stderr)
@@ -134,6 +137,34 @@ def _install_failure_hook() -> None:
 
     sys.excepthook = hook
     _state.hook_installed = True
+
+
+def _at_exit() -> None:
+    """Leaves together, or ends the job if another rank is waiting for this one.
+
+    MPI_Finalize waits for every rank. A rank whose program ends early (``sys.exit(3)`` in
+    the middle of training) would sit there while the others wait for it in a collective, and
+    neither would ever finish. So each rank waits at a barrier of its own here, asking the
+    others where they are, and aborts the job with a message naming both sides when one of
+    them is inside a collective this rank never reached.
+    """
+    comm, exit_comm = _state.comm, _state.exit_comm
+    watchdog = comm.watchdog if comm is not None else None
+    if watchdog is not None and watchdog.can_ask and exit_comm is not None:
+        watchdog.exiting = True
+        everyone_here = exit_comm.Ibarrier()
+        while not everyone_here.Test():
+            for other, (seq, name, _) in watchdog.ask_others(grace=0.5).items():
+                if seq is not None and seq > comm.seq:
+                    print(f"syncdp: rank {comm.rank} finished its program after collective "
+                          f"#{comm.seq}, but rank {other} is waiting for it in collective "
+                          f"#{seq} {name}; ending the job.", file=sys.stderr, flush=True)
+                    MPI.COMM_WORLD.Abort(1)
+            time.sleep(0.2)
+    if exit_comm is not None:
+        exit_comm.Free()
+        _state.exit_comm = None
+    shutdown()
 
 
 def shutdown() -> None:

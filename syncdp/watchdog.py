@@ -43,6 +43,8 @@ class Watchdog:
         # (seq, name, start time, timeout) of the collective in progress, or None.
         self.current = None
         self.last_done = 0
+        # Set when this rank's program has finished and it waits at exit for the others.
+        self.exiting = False
         # Questions need MPI from two threads at once; without it the watchdog can still warn and
         # abort, but cannot say where the other ranks are.
         self._can_ask = MPI.Query_thread() == MPI.THREAD_MULTIPLE
@@ -67,18 +69,25 @@ class Watchdog:
             self._side.Free()
             self._side = None
 
+    @property
+    def can_ask(self) -> bool:
+        """Whether this rank can ask the others where they are (needs MPI_THREAD_MULTIPLE)."""
+        return self._can_ask
+
     def _where(self):
         current = self.current
         if current is None:
-            return (None, None, self.last_done)
+            return (None, "exit" if self.exiting else None, self.last_done)
         return (current[0], current[1], self.last_done)
 
     def _answer_questions(self) -> None:
+        # Matched probes: the main thread may answer questions too (ask_others), and a plain
+        # Iprobe + recv from two threads could race for the same message.
         status = MPI.Status()
-        while self._side.Iprobe(source=MPI.ANY_SOURCE, tag=_QUERY, status=status):
-            source = status.Get_source()
-            self._side.recv(source=source, tag=_QUERY)
-            self._side.send(self._where(), dest=source, tag=_REPLY)
+        while (message := self._side.improbe(source=MPI.ANY_SOURCE, tag=_QUERY,
+                                             status=status)) is not None:
+            message.recv()
+            self._side.send(self._where(), dest=status.Get_source(), tag=_REPLY)
 
     def _loop(self) -> None:
         warned_for = None
@@ -98,18 +107,25 @@ class Watchdog:
             if timeout and waited > timeout and self.current is current:
                 self._abort(seq, name, waited)
 
-    def _ask_others(self, seq: int) -> dict[int, tuple]:
+    def ask_others(self, grace: float = _ANSWER_GRACE_SECONDS) -> dict[int, tuple]:
+        """Asks every other rank where it is; waits ``grace`` seconds for the answers.
+
+        Returns:
+            rank -> (collective number or None, collective name, or "exit" when that rank has
+            finished its program, or None; number of its last finished collective), for the
+            ranks that answered.
+        """
         others = [r for r in range(self.size) if r != self.rank]
         for r in others:
-            self._side.isend(seq, dest=r, tag=_QUERY)
+            self._side.isend(None, dest=r, tag=_QUERY)
         replies = {}
-        deadline = time.monotonic() + _ANSWER_GRACE_SECONDS
+        deadline = time.monotonic() + grace
         status = MPI.Status()
         while len(replies) < len(others) and time.monotonic() < deadline:
             self._answer_questions()
-            if self._side.Iprobe(source=MPI.ANY_SOURCE, tag=_REPLY, status=status):
-                source = status.Get_source()
-                replies[source] = self._side.recv(source=source, tag=_REPLY)
+            message = self._side.improbe(source=MPI.ANY_SOURCE, tag=_REPLY, status=status)
+            if message is not None:
+                replies[status.Get_source()] = message.recv()
             else:
                 time.sleep(0.01)
         return replies
@@ -118,7 +134,7 @@ class Watchdog:
         lines = [f"syncdp: rank {self.rank} stalled: collective #{seq} {name} waited "
                  f"{waited:.1f} s (stall timeout {self.timeout:g} s)."]
         if self._can_ask:
-            replies = self._ask_others(seq)
+            replies = self.ask_others()
             missing = []
             for r in range(self.size):
                 if r == self.rank:
@@ -131,7 +147,10 @@ class Watchdog:
                 if their_seq == seq:
                     continue
                 missing.append(r)
-                if their_seq is None:
+                if their_name == "exit":
+                    lines.append(f"  rank {r}: has finished its program "
+                                 f"(last collective #{their_done}).")
+                elif their_seq is None:
                     lines.append(f"  rank {r}: not in a collective (last finished #{their_done}).")
                 else:
                     lines.append(f"  rank {r}: in collective #{their_seq} {their_name} instead.")

@@ -54,7 +54,9 @@ syncdp.barrier()
 """)
     result = launch(2, "python", script, timeout=120)
     assert result.returncode != 0
-    assert "syncdp-run: rank 1" in result.stderr and "exited with code 3" in result.stderr
+    assert ("syncdp: rank 1 finished its program after collective #1, but rank 0 is waiting "
+            "for it in collective #2 barrier" in result.stderr)
+    assert "first failure: rank 1" in result.stderr.splitlines()[-1]
 
 
 def test_sigterm_stops_every_rank(tmp_path):
