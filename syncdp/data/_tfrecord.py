@@ -165,18 +165,28 @@ def count_records(
 def _feature(name: str, value):
     import tensorflow as tf
 
-    array = np.asarray(value)
-    if array.dtype.kind in "SUO" or isinstance(value, (bytes, str)):
-        items = [v.encode() if isinstance(v, str) else bytes(v) for v in array.reshape(-1)]
+    if isinstance(value, (bytes, str)):
+        items = [value]
+    elif isinstance(value, (list, tuple)) and value and isinstance(value[0], (bytes, str)):
+        items = list(value)
+    elif isinstance(value, np.ndarray) and value.dtype.kind in "SUO":
+        items = value.reshape(-1).tolist()
+    else:
+        items = None
+    if items is not None and all(isinstance(v, (bytes, str)) for v in items):
+        # Encoded one by one, not through NumPy, which drops trailing zero bytes.
+        items = [v.encode() if isinstance(v, str) else v for v in items]
         return tf.train.Feature(bytes_list=tf.train.BytesList(value=items))
+    array = np.asarray(value) if items is None else np.asarray(items, dtype=object)
     if array.dtype.kind in "biu":
         return tf.train.Feature(int64_list=tf.train.Int64List(value=array.reshape(-1).tolist()))
     if array.dtype.kind == "f":
         return tf.train.Feature(float_list=tf.train.FloatList(value=array.reshape(-1).tolist()))
     raise DataError(
-        f"write_tfrecord_shards: feature {name!r} must be an int, float, bytes, str "
-        f"or a NumPy array of those; got {type(value).__name__} with dtype "
-        f"{array.dtype}. Convert it first, e.g. with np.asarray(value, np.float32)."
+        f"write_tfrecord_shards: feature {name!r} must be an int, float, bytes, str, or a "
+        f"NumPy array or list of those; got {type(value).__name__}"
+        f"{f' with dtype {array.dtype}' if isinstance(value, np.ndarray) else ''}. Convert "
+        "it first, e.g. with np.asarray(value, np.float32)."
     )
 
 
