@@ -1,0 +1,22 @@
+"""syncdp for Keras 3: ``import syncdp.keras as hvd`` where ``horovod.keras`` was.
+
+Everything in :mod:`syncdp` (``init``, ``rank``, ``size``, ``allreduce``, ...), plus
+:class:`DistributedOptimizer`, :func:`load_model` and the :mod:`~syncdp.keras.callbacks`
+module. Keras' progress output stays on rank 0 unless ``SYNCDP_LOG_ALL_RANKS`` is set.
+
+Example:
+    >>> import keras
+    >>> import syncdp.keras as hvd
+    >>> hvd.init()
+    >>> opt = hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3 * hvd.size()))
+    >>> model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    >>> model.fit(dataset, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+    ...                               hvd.callbacks.MetricAverageCallback()])
+"""
+
+from syncdp import *  # noqa: F403
+from syncdp import __all__ as _core_all
+from syncdp.keras import callbacks
+from syncdp.keras.optimizer import DistributedOptimizer, load_model
+
+__all__ = [*_core_all, "DistributedOptimizer", "load_model", "callbacks"]

@@ -1,0 +1,330 @@
+"""Keras callbacks for synchronous data-parallel ``model.fit``, with Horovod's names.
+
+Pass them to ``model.fit(callbacks=[...])`` on every rank, in this order::
+
+    callbacks = [
+        syncdp.keras.callbacks.BroadcastGlobalVariablesCallback(0),
+        syncdp.keras.callbacks.MetricAverageCallback(),
+        syncdp.keras.callbacks.LearningRateWarmupCallback(initial_lr=0.1 * syncdp.size()),
+        # then Keras' own: ReduceLROnPlateau, EarlyStopping, ModelCheckpoint on rank 0 ...
+    ]
+
+Every syncdp callback, when attached to a model, also
+
+- turns the model's ``jit_compile`` off (with a warning) if its optimizer is a
+  :class:`~syncdp.keras.DistributedOptimizer`, because XLA cannot compile syncdp's host-side
+  collectives (the train function is rebuilt without XLA);
+- keeps Keras' progress output to rank 0 (see :mod:`syncdp.keras._display`).
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from syncdp import ops, runtime
+from syncdp._exceptions import CollectiveError
+from syncdp.keras import _display
+from syncdp.keras.optimizer import turn_off_jit
+
+__all__ = [
+    "BroadcastGlobalVariablesCallback",
+    "MetricAverageCallback",
+    "LearningRateScheduleCallback",
+    "LearningRateWarmupCallback",
+]
+
+
+class _SyncdpCallback(keras.callbacks.Callback):
+    """Makes the model fit for syncdp when attached: no XLA around collectives, quiet ranks."""
+
+    def set_model(self, model):
+        super().set_model(model)
+        _display.quiet_other_ranks()
+        # fit() attaches callbacks before it builds its train function, so this is in time.
+        turn_off_jit(model)
+
+
+class BroadcastGlobalVariablesCallback(_SyncdpCallback):
+    """Broadcasts the model's weights and optimizer state from ``root_rank`` before training.
+
+    Runs at ``on_train_begin``, before the first step (Horovod broadcast after the first step,
+    so its first update mixed different initial weights): with it, N ranks on 1/N of each
+    batch take exactly the steps one process would take on the whole batch. The optimizer's
+    variables are created first if needed. Use it also after rank 0 alone restored a
+    checkpoint. A synchronization point: every rank must pass it to ``fit``.
+
+    If the model has no weights yet when training begins (a subclassed model whose shapes
+    Keras could not infer), the broadcast happens after the first batch instead, with a
+    warning; build the model first (``model.build(shape)`` or call it on a batch) to avoid it.
+
+    Args:
+        root_rank: The rank whose state everyone receives. Defaults to 0.
+        device: Accepted for Horovod compatibility.
+
+    Example:
+        >>> model.fit(ds, callbacks=[BroadcastGlobalVariablesCallback(0)])
+    """
+
+    def __init__(self, root_rank: int = 0, device: str = ""):
+        super().__init__()
+        self.root_rank = root_rank
+        self.broadcast_done = False
+
+    def _broadcast(self):
+        model = self.model
+        optimizer = getattr(model, "optimizer", None)
+        variables = list(model.weights)
+        if optimizer is not None:
+            if not optimizer.built:
+                optimizer.build(model.trainable_variables)
+            variables += list(optimizer.variables)
+        ops.broadcast_variables(variables, root_rank=self.root_rank)
+        self.broadcast_done = True
+
+    def on_train_begin(self, logs=None):
+        if self.broadcast_done:
+            return
+        if not self.model.weights:
+            warnings.warn(
+                "syncdp: the model has no weights before its first step, so "
+                "BroadcastGlobalVariablesCallback broadcasts after it and the first step mixes "
+                "different initial weights. Build the model before fit() "
+                "(model.build(input_shape) or model(batch)) for an exact first step.",
+                stacklevel=2,
+            )
+            return
+        self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.broadcast_done:
+            self._broadcast()
+
+
+class MetricAverageCallback(_SyncdpCallback):
+    """Averages the epoch-end metrics over all ranks, in place.
+
+    Each rank computes its metrics on its own shard; at the end of every epoch the logs
+    (``loss``, ``accuracy``, ``val_*``, ...) are replaced by their mean over ranks, so every
+    rank, the progress bar and every later callback (ReduceLROnPlateau, EarlyStopping, a
+    rank-0 ModelCheckpoint) see the same values. Put it before those callbacks. A
+    synchronization point once per epoch. Non-numeric log entries are left alone.
+
+    Args:
+        device: Accepted for Horovod compatibility.
+
+    Raises:
+        CollectiveError: Ranks logged different metric names.
+    """
+
+    def __init__(self, device: str = ""):
+        super().__init__()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        mine = {k: float(v) for k, v in logs.items() if _is_number(v)}
+        everyone = ops.allgather_object(mine, name="MetricAverageCallback")
+        names = sorted(mine)
+        for r, theirs in enumerate(everyone):
+            if sorted(theirs) != names:
+                raise CollectiveError(
+                    "MetricAverageCallback needs the same metrics on every rank: rank "
+                    f"{runtime.rank()} logged {names}, rank {r} logged {sorted(theirs)}. "
+                    "Compile the same metrics and validation data on every rank."
+                )
+        for k in names:
+            logs[k] = float(np.mean([theirs[k] for theirs in everyone], dtype=np.float64))
+
+
+def _is_number(value) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, numbers.Number):
+        return True
+    return (
+        isinstance(value, np.ndarray | np.generic)
+        and np.size(value) == 1
+        and np.issubdtype(np.asarray(value).dtype, np.number)
+    )
+
+
+def _get_lr(optimizer) -> float:
+    return float(tf.convert_to_tensor(optimizer.learning_rate).numpy())
+
+
+def _momentum_buffers(optimizer) -> list:
+    """The velocity buffers that carry the learning rate inside them (SGD, RMSprop momentum).
+
+    Keras 3 keeps ``momentum`` as a Python number traced into the train step, so Horovod's
+    trick of changing it for one batch has no effect; scaling these buffers by the ratio of
+    the new to the old learning rate is the same momentum correction (Goyal et al. 2017).
+    """
+    while getattr(optimizer, "inner_optimizer", None) is not None:
+        optimizer = optimizer.inner_optimizer
+    if isinstance(optimizer, keras.optimizers.SGD):
+        return list(getattr(optimizer, "momentums", []))
+    if isinstance(optimizer, keras.optimizers.RMSprop):
+        return list(getattr(optimizer, "_momentums", []))
+    return []
+
+
+class LearningRateScheduleCallback(_SyncdpCallback):
+    """Sets the learning rate to ``initial_lr * multiplier(epoch)`` during chosen epochs.
+
+    With ``staircase=True`` the rate changes at the first batch of each epoch (``epoch`` is an
+    integer); otherwise at every batch, with ``epoch`` fractional
+    (``epoch + batch / steps_per_epoch``). Outside ``[start_epoch, end_epoch)`` the rate is
+    left as it is. A constant ``multiplier`` means ``multiplier ** epoch`` (exponential
+    decay), as in Horovod. At each epoch end the rate is logged as ``lr``. Not a collective:
+    every rank computes the same rates.
+
+    Args:
+        initial_lr: The learning rate the multiplier scales (usually the base rate times
+            ``syncdp.size()``).
+        multiplier: A function ``epoch -> factor``, or a constant (``factor ** epoch``).
+        start_epoch: First epoch (0-based) to adjust. Defaults to 0.
+        end_epoch: First epoch not to adjust; None for no end. Defaults to None.
+        staircase: Adjust once per epoch (True) or every batch (False). Defaults to True.
+        momentum_correction: When the rate changes, scale SGD/RMSprop momentum buffers by
+            ``new_lr / old_lr``. Defaults to True.
+        steps_per_epoch: Batches per epoch, needed when ``staircase=False``. Defaults to what
+            ``fit`` reports.
+
+    Raises:
+        ValueError: ``initial_lr`` is None, or the steps per epoch cannot be known.
+
+    Example:
+        >>> # x0.1 from epoch 30 to 60, x0.01 after.
+        >>> LearningRateScheduleCallback(0.1, 0.1, start_epoch=30, end_epoch=60)
+    """
+
+    def __init__(
+        self,
+        initial_lr: float,
+        multiplier,
+        start_epoch: int = 0,
+        end_epoch: int | None = None,
+        staircase: bool = True,
+        momentum_correction: bool = True,
+        steps_per_epoch: int | None = None,
+    ):
+        super().__init__()
+        if initial_lr is None:
+            raise ValueError(
+                f"{type(self).__name__} needs initial_lr, the learning rate the "
+                "schedule scales; got None. Pass e.g. initial_lr=0.1 * "
+                "syncdp.size()."
+            )
+        self.initial_lr = float(initial_lr)
+        if callable(multiplier):
+            self.multiplier = multiplier
+        else:
+            factor = float(multiplier)
+            self.multiplier = lambda epoch: factor**epoch
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = staircase
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch = 0
+
+    def on_train_begin(self, logs=None):
+        if not self.staircase and not self.steps_per_epoch:
+            steps = self.params.get("steps") if self.params else None
+            if not steps:
+                raise ValueError(
+                    f"{type(self).__name__} needs the number of batches per epoch, and fit() "
+                    "does not know it (the dataset's cardinality is unknown). Pass "
+                    "steps_per_epoch= to the callback (or to fit())."
+                )
+            self.steps_per_epoch = steps
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        epoch = self.current_epoch
+        if epoch < self.start_epoch or (self.end_epoch is not None and epoch >= self.end_epoch):
+            return
+        if self.staircase:
+            if batch == 0:
+                self._set_lr(self.initial_lr * self.multiplier(epoch))
+        else:
+            self._set_lr(self.initial_lr * self.multiplier(epoch + batch / self.steps_per_epoch))
+
+    def _set_lr(self, new_lr: float) -> None:
+        optimizer = self.model.optimizer
+        old_lr = _get_lr(optimizer)
+        optimizer.learning_rate = new_lr
+        if self.momentum_correction and old_lr > 0 and new_lr != old_lr:
+            for buffer in _momentum_buffers(optimizer):
+                buffer.assign(buffer * (new_lr / old_lr))
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["lr"] = _get_lr(self.model.optimizer)
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Ramps the learning rate from ``initial_lr / size`` up to ``initial_lr``, batch by batch.
+
+    Linear scaling with gradual warmup (Goyal et al. 2017, "Accurate, Large Minibatch SGD"):
+    train with ``initial_lr = base_lr * syncdp.size()``, but start at ``base_lr`` and grow
+    linearly over ``warmup_epochs``. At batch ``b`` of epoch ``e`` the rate is, as in Horovod,
+    ``initial_lr / size * (t * (size - 1) / warmup_epochs + 1)`` with
+    ``t = e + (b + 1) / steps_per_epoch``, so the last batch of the warmup runs at
+    ``initial_lr``. Not a collective: every rank computes the same rates.
+
+    Args:
+        initial_lr: The rate reached at the end of the warmup (base rate times size).
+        warmup_epochs: Epochs the warmup lasts. Defaults to 5.
+        momentum_correction: Scale SGD/RMSprop momentum buffers when the rate changes.
+            Defaults to True.
+        steps_per_epoch: Batches per epoch. Defaults to what ``fit`` reports.
+        verbose: 1 to print (on rank 0) when the warmup ends. Defaults to 0.
+
+    Example:
+        >>> LearningRateWarmupCallback(initial_lr=0.01 * syncdp.size(), warmup_epochs=3)
+    """
+
+    def __init__(
+        self,
+        initial_lr: float,
+        warmup_epochs: int = 5,
+        momentum_correction: bool = True,
+        steps_per_epoch: int | None = None,
+        verbose: int = 0,
+    ):
+        super().__init__(
+            initial_lr,
+            self._warmup_factor,
+            start_epoch=0,
+            end_epoch=warmup_epochs,
+            staircase=False,
+            momentum_correction=momentum_correction,
+            steps_per_epoch=steps_per_epoch,
+        )
+        self.warmup_epochs = warmup_epochs
+        self.verbose = verbose
+
+    def _warmup_factor(self, epoch: float) -> float:
+        size = runtime.size()
+        # The +1/steps shifts each batch to its end, so epoch boundaries give round rates.
+        t = epoch + 1.0 / self.steps_per_epoch
+        return (t * (size - 1) / self.warmup_epochs + 1) / size
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        if epoch == self.warmup_epochs - 1 and self.verbose and runtime.rank() == 0:
+            print(
+                f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                f"{_get_lr(self.model.optimizer):g}.",
+                file=sys.stdout,
+                flush=True,
+            )
