@@ -1,0 +1,188 @@
+"""syncdp.data at any number of ranks: disjoint records, full coverage, equal step counts."""
+
+import shutil
+import tempfile
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import syncdp
+from syncdp import DataError
+from syncdp.data import shard_files, tfrecord_dataset, write_tfrecord_shards
+
+SPEC = {"id": tf.io.FixedLenFeature([], tf.int64)}
+
+
+def parse_id(record):
+    return tf.io.parse_single_example(record, SPEC)["id"]
+
+
+def _write(directory, name, ids):
+    """One shard holding the given record ids (written by rank 0 only)."""
+    paths = write_tfrecord_shards(
+        ({"id": i, "x": np.full(4, i, np.float32)} for i in ids), f"{directory}/{name}", 1
+    )
+    return paths[0]
+
+
+@pytest.fixture(scope="module")
+def data():
+    """Shared files: 100/37/64-record shards, one 50-record file, six small shards, one bad."""
+    hvd = syncdp
+    directory = hvd.broadcast_object(tempfile.mkdtemp() if hvd.rank() == 0 else None)
+    spans = {"a": range(0, 100), "b": range(100, 137), "c": range(137, 201)}
+    paths = {name: f"{directory}/{name}/shard-00000-of-00001.tfrecord" for name in spans}
+    single = f"{directory}/single/shard-00000-of-00001.tfrecord"
+    six = [f"{directory}/six/shard-0000{k}-of-00006.tfrecord" for k in range(6)]
+    corrupt = f"{directory}/corrupt/shard-00000-of-00001.tfrecord"
+    if hvd.rank() == 0:
+        for name, ids in spans.items():
+            _write(directory, name, ids)
+        _write(directory, "single", range(1000, 1050))
+        write_tfrecord_shards(({"id": 2000 + i} for i in range(60)), f"{directory}/six", 6)
+        _write(directory, "corrupt", range(3000, 3020))
+        raw = bytearray(open(corrupt, "rb").read())
+        record = len(raw) // 20
+        raw[5 * record + 20] ^= 0xFF  # a payload byte of record 5: records 5..19 are lost
+        open(corrupt, "wb").write(bytes(raw))
+    hvd.barrier()
+    yield {
+        "dir": directory,
+        "abc": [paths["a"], paths["b"], paths["c"]],
+        "single": single,
+        "six": six,
+        "corrupt": corrupt,
+        "good": [paths["a"], paths["c"]],
+    }
+    hvd.barrier()
+    if hvd.rank() == 0:
+        shutil.rmtree(directory)
+
+
+def _epoch_ids(dataset):
+    batches = [b.numpy() for b in dataset]
+    return batches, (np.concatenate(batches) if batches else np.zeros(0, np.int64))
+
+
+def _check_disjoint_equal(hvd, dataset, batch_size, expected_steps, universe):
+    """Every rank yields ``expected_steps`` full batches, no id twice, all from ``universe``."""
+    batches, ids = _epoch_ids(dataset)
+    assert int(dataset.cardinality()) == expected_steps
+    assert len(batches) == expected_steps
+    assert all(len(b) == batch_size for b in batches)
+    everyone = hvd.allgather_object(ids.tolist())
+    assert [len(r) for r in everyone] == [expected_steps * batch_size] * hvd.size()
+    flat = [i for r in everyone for i in r]
+    assert len(flat) == len(set(flat)), "a record was read twice"
+    assert set(flat) <= set(universe)
+    return flat
+
+
+def test_unequal_files_give_equal_steps_and_disjoint_records(hvd, data):
+    size = hvd.size()
+    # np=1: 201 records -> 25 batches of 8. np=2: files balanced to 100 and 37+64=101 records,
+    # so 100 // 8 = 12 batches on each rank.
+    expected = {1: 25, 2: 12}.get(size)
+    dataset = tfrecord_dataset(data["abc"], parse_id, 8)
+    if expected is None:
+        expected = int(dataset.cardinality())
+    used = _check_disjoint_equal(hvd, dataset, 8, expected, range(201))
+    assert len(used) >= 0.9 * 201
+    # A glob gives the same files (sorted), and a second pass gives the same batches.
+    again = tfrecord_dataset(f"{data['dir']}/[abc]/*.tfrecord", parse_id, 8)
+    assert [b.tolist() for b in _epoch_ids(again)[0]] == [
+        b.tolist() for b in _epoch_ids(dataset)[0]
+    ]
+
+
+def test_shuffled_epochs_differ_but_stay_disjoint(hvd, data):
+    size = hvd.size()
+    orders = []
+    for epoch in range(2):
+        dataset = tfrecord_dataset(data["abc"], parse_id, 8, shuffle_buffer=50, seed=7, epoch=epoch)
+        steps = int(dataset.cardinality())
+        assert steps == {1: 25, 2: 12}.get(size, steps)
+        orders.append(_check_disjoint_equal(hvd, dataset, 8, steps, range(201)))
+    assert orders[0] != orders[1]
+
+
+def test_per_epoch_file_reshuffle_agrees_across_ranks(hvd, data):
+    size = hvd.size()
+    assignments = []
+    for epoch in range(3):
+        mine = shard_files(data["six"], seed=11, epoch=epoch)
+        everyone = hvd.allgather_object(mine)
+        # Every rank computed the same assignment: the shares partition the files.
+        flat = [p for share in everyone for p in share]
+        assert sorted(flat) == sorted(data["six"])
+        agreed = hvd.allgather_object(everyone)
+        assert all(view == everyone for view in agreed)
+        assignments.append(everyone)
+    for before, after in zip(assignments, assignments[1:], strict=False):
+        assert before != after
+        if size > 1:  # a rank never keeps its files two epochs running
+            assert sorted(before[0]) != sorted(after[0])
+    # Without a seed the assignment is fixed and needs no record counts to agree.
+    fixed = shard_files(data["six"])
+    assert fixed == shard_files(data["six"], epoch=5)
+    assert shard_files(data["six"], balance=False) == data["six"][hvd.rank() :: size]
+
+
+def test_fewer_files_than_ranks_split_by_record(hvd, data):
+    size = hvd.size()
+    share = len(range(hvd.rank(), 50, size))
+    expected = min(len(range(r, 50, size)) for r in range(size)) // 4
+    records = tfrecord_dataset(data["single"], parse_id, 4, shard_by="records")
+    _check_disjoint_equal(hvd, records, 4, expected, range(1000, 1050))
+    assert share >= expected * 4
+    if size == 1:
+        return
+    with pytest.raises(DataError, match=f"got 1 files for {size} ranks"):
+        tfrecord_dataset(data["single"], parse_id, 4, shard_by="files")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        auto = tfrecord_dataset([data["single"]], parse_id, 4)
+    if hvd.rank() == 0:
+        assert any("shard_by='records'" in str(w.message) for w in caught)
+    _check_disjoint_equal(hvd, auto, 4, expected, range(1000, 1050))
+    with pytest.raises(DataError, match="at least as many files as ranks"):
+        shard_files([data["single"]])
+
+
+def test_skip_corrupt_skips_the_damaged_part_and_reports_it(hvd, data):
+    files = data["good"] + [data["corrupt"]]
+    with pytest.raises(DataError, match="corrupt/shard-00000-of-00001.tfrecord: corrupt"):
+        tfrecord_dataset(files, parse_id, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dataset = tfrecord_dataset(files, parse_id, 8, skip_corrupt=True)
+    if hvd.rank() == 0:
+        # Records 0..4 of the damaged file are read; 5..19 are skipped.
+        assert any("skipping 15 corrupt" in str(w.message) for w in caught), caught
+    usable = list(range(0, 100)) + list(range(137, 201)) + list(range(3000, 3005))
+    steps = int(dataset.cardinality())
+    if hvd.size() == 1:
+        assert steps == len(usable) // 8
+    _check_disjoint_equal(hvd, dataset, 8, steps, usable)
+
+
+def test_keras_fit_runs_the_agreed_steps(hvd, data):
+    def parse(record):
+        example = tf.io.parse_single_example(
+            record, {"x": tf.io.FixedLenFeature([4], tf.float32), **SPEC}
+        )
+        return example["x"], tf.cast(example["id"], tf.float32)
+
+    dataset = tfrecord_dataset(data["abc"], parse, 8)
+    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    seen = []
+    batches = tf.keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(batch)
+    )
+    model.fit(dataset, epochs=1, verbose=0, callbacks=[batches], shuffle=False)
+    assert len(seen) == int(dataset.cardinality())
+    assert hvd.allgather_object(len(seen)) == [len(seen)] * hvd.size()
+    assert syncdp.size() == hvd.size()
