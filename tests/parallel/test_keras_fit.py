@@ -1,0 +1,275 @@
+"""model.fit with syncdp.keras at any number of ranks equals one process on the whole batch.
+
+Every expectation is computed here from the mathematics: the reference is a fresh model,
+initialized from rank 0's seed, trained by plain Keras in this process on the whole global
+batch; the learning rates come from the warmup formula; the averaged metrics from the ranks'
+own values gathered here.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import syncdp.keras as hvd
+
+GLOBAL_BATCH = 24
+FEATURES, CLASSES = 5, 3
+
+
+def _local_batch():
+    if GLOBAL_BATCH % hvd.size():
+        pytest.skip(f"the global batch of {GLOBAL_BATCH} does not split over {hvd.size()} ranks")
+    return GLOBAL_BATCH // hvd.size()
+
+
+def _data(steps, seed=0):
+    """The global data: ``steps`` global batches, the same on every rank."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(steps * GLOBAL_BATCH, FEATURES)).astype("float32")
+    y = rng.integers(0, CLASSES, size=steps * GLOBAL_BATCH)
+    return x, y
+
+
+def _my_rows(x, y, local):
+    """This rank's part of every global batch, in step order."""
+    rows = np.concatenate(
+        [
+            np.arange(s + hvd.rank() * local, s + (hvd.rank() + 1) * local)
+            for s in range(0, len(x), GLOBAL_BATCH)
+        ]
+    )
+    return x[rows], y[rows]
+
+
+def _model(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(CLASSES),
+        ]
+    )
+
+
+def _loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _assert_identical_across_ranks(values):
+    values = [np.asarray(v) for v in values]
+    everyone = hvd.allgather_object(values)
+    for r, theirs in enumerate(everyone):
+        for mine, other in zip(values, theirs, strict=True):
+            assert np.array_equal(mine, other), f"rank {hvd.rank()} and rank {r} differ"
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        lambda: keras.optimizers.Adam(0.01),
+    ],
+    ids=["sgd-momentum", "adam"],
+)
+def test_fit_on_half_batches_equals_one_process_on_whole_batch(make_optimizer):
+    local = _local_batch()
+    x, y = _data(steps=4)
+    # Different initial weights on every rank: the broadcast before step 1 must fix them.
+    model = _model(seed=100 + hvd.rank())
+    model.compile(
+        optimizer=hvd.DistributedOptimizer(make_optimizer()), loss=_loss(), jit_compile=False
+    )
+    xs, ys = _my_rows(x, y, local)
+    model.fit(
+        xs,
+        ys,
+        batch_size=local,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+    )
+
+    reference = _model(seed=100)
+    reference.compile(optimizer=make_optimizer(), loss=_loss(), jit_compile=False)
+    reference.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+
+    for got, want in zip(model.weights, reference.weights, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=0, atol=1e-5)
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 8
+    _assert_identical_across_ranks(
+        [w.numpy() for w in model.weights] + [v.numpy() for v in model.optimizer.variables]
+    )
+
+
+class _Record(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epoch_logs, self.batch_lrs = [], []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.batch_lrs.append(float(self.model.optimizer.learning_rate.numpy()))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch_logs.append(dict(logs))
+
+
+def test_metric_average_is_the_mean_over_ranks():
+    local = _local_batch()
+    x, y = _data(steps=3, seed=1)
+    xs, ys = _my_rows(x, y, local)
+    model = _model(seed=7)
+    model.compile(
+        optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)),
+        loss=_loss(),
+        metrics=["accuracy"],
+        jit_compile=False,
+    )
+    before, after = _Record(), _Record()
+    history = model.fit(
+        xs,
+        ys,
+        batch_size=local,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        validation_data=(xs[:local], ys[:local]),
+        callbacks=[
+            hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+            before,
+            hvd.callbacks.MetricAverageCallback(),
+            after,
+        ],
+    )
+    everyone = hvd.allgather_object(before.epoch_logs)
+    for epoch, logs in enumerate(after.epoch_logs):
+        assert set(logs) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+        for name, value in logs.items():
+            expected = sum(theirs[epoch][name] for theirs in everyone) / hvd.size()
+            assert value == pytest.approx(expected, rel=1e-12, abs=1e-12)
+            assert history.history[name][epoch] == value
+    _assert_identical_across_ranks([[logs[k] for k in sorted(logs)] for logs in after.epoch_logs])
+
+
+def test_warmup_learning_rate_follows_the_formula_step_by_step():
+    local = _local_batch()
+    steps, warmup, initial = 3, 2, 0.04
+    x, y = _data(steps=steps, seed=2)
+    xs, ys = _my_rows(x, y, local)
+    model = _model(seed=3)
+    model.compile(
+        optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.5, momentum=0.9)),
+        loss=_loss(),
+        jit_compile=False,
+    )
+    record = _Record()
+    history = model.fit(
+        xs,
+        ys,
+        batch_size=local,
+        epochs=warmup + 1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+            hvd.callbacks.LearningRateWarmupCallback(initial, warmup_epochs=warmup),
+            record,
+        ],
+    )
+    n = hvd.size()
+    expected = []
+    for epoch in range(warmup + 1):
+        for batch in range(steps):
+            if epoch < warmup:
+                t = epoch + (batch + 1) / steps
+                expected.append(initial / n * (t * (n - 1) / warmup + 1))
+            else:  # after the warmup the rate stays where the warmup ended
+                expected.append(expected[-1])
+    np.testing.assert_allclose(record.batch_lrs, expected, rtol=1e-6)
+    assert record.batch_lrs[warmup * steps - 1] == pytest.approx(initial, rel=1e-6)
+    np.testing.assert_allclose(
+        history.history["lr"], [expected[(e + 1) * steps - 1] for e in range(warmup + 1)], rtol=1e-6
+    )
+
+
+def test_backward_passes_per_step_2_equals_one_step_on_both_batches():
+    local = _local_batch()
+    x, y = _data(steps=4, seed=3)  # 4 micro-batches of GLOBAL_BATCH rows -> 2 updates
+    xs, ys = _my_rows(x, y, local)
+    model = _model(seed=11)
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), backward_passes_per_step=2)
+    model.compile(optimizer=opt, loss=_loss(), jit_compile=False)
+    model.fit(
+        xs,
+        ys,
+        batch_size=local,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+    )
+
+    reference = _model(seed=11)
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=_loss(), jit_compile=False)
+    reference.fit(x, y, batch_size=2 * GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+
+    assert int(opt.iterations) == 2  # Adam's bias correction saw 2 updates, not 4 passes
+    for got, want in zip(model.weights, reference.weights, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=0, atol=1e-5)
+    _assert_identical_across_ranks([w.numpy() for w in model.weights])
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_custom_loop_apply_gradients_with_accumulation(traced):
+    local = _local_batch()
+    x, y = _data(steps=2, seed=4)
+    xs, ys = _my_rows(x, y, local)
+    model = _model(seed=5)
+    opt = hvd.DistributedOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.5), backward_passes_per_step=2
+    )
+    opt.build(model.trainable_variables)
+    hvd.broadcast_variables(model.weights, root_rank=0)
+    loss_fn = _loss()
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+    step = tf.function(step) if traced else step
+    for i in range(2):
+        step(xs[i * local : (i + 1) * local], ys[i * local : (i + 1) * local])
+
+    reference = _model(seed=5)
+    ref_opt = keras.optimizers.SGD(0.1, momentum=0.5)
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, reference(x, training=True))
+    grads = tape.gradient(loss, reference.trainable_variables)
+    ref_opt.apply_gradients(zip(grads, reference.trainable_variables, strict=True))
+
+    assert int(opt.iterations) == 1
+    for got, want in zip(model.weights, reference.weights, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=0, atol=1e-5)
+
+
+def test_fp16_compression_keeps_replicas_identical():
+    local = _local_batch()
+    x, y = _data(steps=2, seed=5)
+    xs, ys = _my_rows(x, y, local)
+    model = _model(seed=20 + hvd.rank())
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=hvd.Compression.fp16)
+    model.compile(optimizer=opt, loss=_loss(), jit_compile=False)
+    model.fit(
+        xs,
+        ys,
+        batch_size=local,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+    )
+    _assert_identical_across_ranks([w.numpy() for w in model.weights])

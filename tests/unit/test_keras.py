@@ -1,0 +1,230 @@
+"""syncdp.keras in one process: API surface, config and saving, XLA guard, LR callbacks."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import syncdp
+import syncdp.keras as hvd
+from syncdp.keras import callbacks as cb
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    syncdp.init()
+
+
+def _model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+
+
+def _xy(n=16):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 2)).astype("float32")
+
+
+def test_all_lists_the_exports():
+    import syncdp.tensorflow.keras as tfk
+
+    core = set(syncdp.__all__)
+    assert set(hvd.__all__) == core | {"DistributedOptimizer", "load_model", "callbacks"}
+    for name in hvd.__all__:
+        assert getattr(hvd, name) is getattr(tfk, name)
+    public = {
+        n
+        for n in vars(cb)
+        if not n.startswith("_")
+        and isinstance(getattr(cb, n), type)
+        and getattr(cb, n).__module__ == cb.__name__
+    }
+    assert public == set(cb.__all__)
+
+
+def test_horovod_module_paths_are_the_same_objects():
+    import syncdp.tensorflow.keras as tfk
+    from syncdp.tensorflow.keras import callbacks
+
+    assert tfk.DistributedOptimizer is hvd.DistributedOptimizer
+    assert tfk.callbacks.MetricAverageCallback is cb.MetricAverageCallback
+    assert callbacks.LearningRateWarmupCallback is cb.LearningRateWarmupCallback
+    assert tfk.allreduce is syncdp.allreduce
+
+
+def test_wrapped_optimizer_exposes_learning_rate_and_hyperparameters():
+    inner = keras.optimizers.SGD(0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(inner)
+    assert isinstance(opt, keras.optimizers.Optimizer)
+    assert float(opt.learning_rate.numpy()) == pytest.approx(0.1)
+    opt.learning_rate = 0.25
+    assert float(inner.learning_rate.numpy()) == pytest.approx(0.25)
+    assert opt.momentum == 0.9
+    assert opt.iterations is inner.iterations
+    with pytest.raises(AttributeError):
+        opt._no_such_thing  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(op=syncdp.Max), ValueError, "op must be syncdp.Average or syncdp.Sum"),
+        (dict(backward_passes_per_step=0), ValueError, "integer >= 1; got 0"),
+        (dict(compression="fp8"), ValueError, "Compression.fp16; got 'fp8'"),
+        (dict(learning_rate=0.1), TypeError, "set learning rate"),
+    ],
+)
+def test_bad_arguments_say_what_to_do(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(), **kwargs)
+
+
+def test_rejects_what_is_not_a_keras_3_optimizer():
+    with pytest.raises(TypeError, match="Pass an instance such as keras.optimizers.Adam"):
+        hvd.DistributedOptimizer("adam")
+    with pytest.raises(ValueError, match="already a DistributedOptimizer"):
+        hvd.DistributedOptimizer(hvd.DistributedOptimizer(keras.optimizers.SGD()))
+
+
+def test_config_round_trip():
+    opt = hvd.DistributedOptimizer(
+        keras.optimizers.Adam(0.003, beta_1=0.8),
+        compression=syncdp.Compression.fp16,
+        op=syncdp.Sum,
+        backward_passes_per_step=3,
+        average_aggregated_gradients=False,
+    )
+    again = hvd.DistributedOptimizer.from_config(opt.get_config())
+    assert again.compression is syncdp.Compression.fp16
+    assert again.op is syncdp.Sum
+    assert again.backward_passes_per_step == 3 and not again.average_aggregated_gradients
+    assert isinstance(again.inner_optimizer, keras.optimizers.Adam)
+    assert again.inner_optimizer.beta_1 == 0.8
+    assert float(again.learning_rate.numpy()) == pytest.approx(0.003)
+
+
+@pytest.mark.parametrize(
+    "loader",
+    [keras.saving.load_model, hvd.load_model],
+    ids=["keras.saving.load_model", "syncdp.keras.load_model"],
+)
+def test_saved_model_loads_with_its_optimizer_state(tmp_path, loader):
+    x, y = _xy()
+    model = _model()
+    model.compile(
+        optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)),
+        loss="mse",
+        jit_compile=False,
+    )
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = loader(path)
+    assert isinstance(loaded.optimizer, hvd.DistributedOptimizer)
+    assert isinstance(loaded.optimizer.inner_optimizer, keras.optimizers.Adam)
+    assert int(loaded.optimizer.iterations) == 2
+    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert int(loaded.optimizer.iterations) == 4
+
+
+def test_load_model_wraps_a_plain_optimizer(tmp_path):
+    x, y = _xy()
+    model = _model()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, verbose=0)
+    model.save(tmp_path / "plain.keras")
+    loaded = hvd.load_model(str(tmp_path / "plain.keras"))
+    assert isinstance(loaded.optimizer, hvd.DistributedOptimizer)
+    loaded.fit(x, y, verbose=0)
+
+
+def test_callbacks_turn_jit_off_with_a_warning():
+    x, y = _xy()
+    model = _model()
+    model.compile(
+        optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=True
+    )
+    with pytest.warns(UserWarning, match="turning jit_compile off"):
+        model.fit(x, y, verbose=0, callbacks=[cb.BroadcastGlobalVariablesCallback(0)])
+    assert model.jit_compile is False
+
+
+def test_xla_compiled_step_raises_a_clear_error():
+    model = _model()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    opt.build(model.trainable_variables)
+
+    @tf.function(jit_compile=True)
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+    # A ConfigError; autograph re-raises it from a user's tf.function as a StagingError.
+    with pytest.raises(Exception, match="DistributedOptimizer cannot run inside an XLA"):
+        step(tf.ones((2, 3)))
+
+
+def test_plain_keras_model_keeps_jit():
+    model = _model()
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cb.MetricAverageCallback().set_model(model)
+    assert model.jit_compile is True
+
+
+def test_momentum_correction_scales_sgd_velocity_by_lr_ratio():
+    model = _model()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+    model.compile(optimizer=opt, loss="mse")
+    opt.build(model.trainable_variables)
+    for m in opt.inner_optimizer.momentums:
+        m.assign(tf.ones_like(m))
+    callback = cb.LearningRateScheduleCallback(0.4, 0.5)  # epoch 0: 0.4, epoch 1: 0.2
+    callback.set_model(model)
+    callback.on_train_begin()
+    callback.on_epoch_begin(0)
+    callback.on_train_batch_begin(0)
+    assert float(opt.learning_rate.numpy()) == pytest.approx(0.4)
+    for m in opt.inner_optimizer.momentums:
+        np.testing.assert_allclose(m.numpy(), 4.0)  # 0.4 / 0.1
+    callback.on_train_batch_begin(1)  # staircase: no change inside the epoch
+    callback.on_epoch_begin(1)
+    callback.on_train_batch_begin(0)
+    assert float(opt.learning_rate.numpy()) == pytest.approx(0.2)
+    for m in opt.inner_optimizer.momentums:
+        np.testing.assert_allclose(m.numpy(), 2.0)
+
+
+def test_schedule_window_and_callable_multiplier():
+    model = _model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(1.0)), loss="mse")
+    callback = cb.LearningRateScheduleCallback(
+        0.3, lambda e: 1.0 / (e + 1), start_epoch=1, end_epoch=3, staircase=False, steps_per_epoch=4
+    )
+    callback.set_model(model)
+    callback.on_train_begin()
+    seen = {}
+    for epoch in range(4):
+        callback.on_epoch_begin(epoch)
+        callback.on_train_batch_begin(2)
+        seen[epoch] = float(model.optimizer.learning_rate.numpy())
+    assert seen[0] == pytest.approx(1.0)  # before start_epoch: untouched
+    assert seen[1] == pytest.approx(0.3 / 2.5)
+    assert seen[2] == pytest.approx(0.3 / 3.5)
+    assert seen[3] == pytest.approx(seen[2])  # from end_epoch on: left as it was
+
+
+def test_schedule_needs_initial_lr_and_known_steps():
+    with pytest.raises(ValueError, match="needs initial_lr"):
+        cb.LearningRateWarmupCallback(None)
+    callback = cb.LearningRateWarmupCallback(0.1)
+    callback.set_params({"epochs": 1, "steps": None})
+    with pytest.raises(ValueError, match="Pass steps_per_epoch="):
+        callback.on_train_begin()
