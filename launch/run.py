@@ -38,6 +38,7 @@ runs with --oversubscribe (more ranks than cores works, just slower) and --bind-
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import os
 import re
@@ -49,6 +50,8 @@ import sys
 import threading
 import time
 
+from launch.worker import describe_exit
+
 __all__ = ["LaunchConfig", "build_parser", "parse_args", "build_env", "build_command", "run",
            "main"]
 
@@ -57,7 +60,13 @@ MiB = 1024 * 1024
 _TERMINATE_GRACE_SECONDS = 10.0
 # Once a rank has reported a failure, mpirun gets this long to end the job by itself.
 _FAILURE_GRACE_SECONDS = 15.0
-_FAILURE_LINE = re.compile(r"syncdp(?:-run)?: (rank \d+ .*)")
+_FAILURE_LINE = re.compile(r"syncdp(?:-run)?: (ranks? \d+(?:, \d+)* .*)")
+_RANK_PREFIX = re.compile(r"\[\d+\]<std(?:out|err)>:")
+# mpirun's own words when a supervisor died without reporting (e.g. it was SIGKILLed).
+_MPIRUN_SIGNAL = re.compile(r"process rank (\d+) with PID (\d+) on node (\S+) exited on\s+"
+                            r"signal (\d+)")
+_MPIRUN_EXIT = re.compile(r"Process name: \[\S+?,(\d+)\]\s+Exit code:\s+(\d+)")
+_MPIRUN_LINES = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,22 +204,45 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
 
 
 class _OutputWatcher:
-    """Copies mpirun's output through and remembers the first failure a rank reported."""
+    """Copies mpirun's output through and remembers the first failure a rank reported.
+
+    When no rank's supervisor could report (the supervisor itself was killed), mpirun's own
+    report is read instead, from the lines it writes without a rank prefix.
+    """
 
     def __init__(self):
         self.first_failure: str | None = None
         self.failure_seen = threading.Event()
+        self._mpirun_lines: collections.deque[str] = collections.deque(maxlen=_MPIRUN_LINES)
 
     def pump(self, source, sink) -> None:
         for raw in iter(source.readline, b""):
             sink.write(raw)
             sink.flush()
+            line = raw.decode(errors="replace")
+            if not _RANK_PREFIX.match(line):
+                self._mpirun_lines.append(line.strip())
             if self.first_failure is None:
-                match = _FAILURE_LINE.search(raw.decode(errors="replace"))
+                match = _FAILURE_LINE.search(line)
                 if match:
                     self.first_failure = match.group(1).strip()
                     self.failure_seen.set()
         source.close()
+
+    def cause(self) -> str:
+        """The first failure, in words, for the launcher's last line."""
+        if self.first_failure:
+            return self.first_failure
+        text = " ".join(self._mpirun_lines)
+        match = _MPIRUN_SIGNAL.search(text)
+        if match:
+            rank, pid, node, signum = match.groups()
+            return f"rank {rank} (pid {pid} on {node}) {describe_exit(-int(signum))}"
+        match = _MPIRUN_EXIT.search(text)
+        if match:
+            rank, code = match.groups()
+            return f"rank {rank} {describe_exit(int(code))}"
+        return "see the output above"
 
 
 def _stop(process: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
@@ -275,7 +307,7 @@ def run(config: LaunchConfig) -> int:
               "ended.", file=sys.stderr, flush=True)
         return 128 + interrupted[0]
     if code != 0:
-        cause = watcher.first_failure or "see the output above"
+        cause = watcher.cause()
         print(f"syncdp-run: the job failed (mpirun exit code {code}); first failure: {cause}",
               file=sys.stderr, flush=True)
         return code if code > 0 else 1

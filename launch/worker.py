@@ -70,8 +70,11 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         return 127
 
+    forwarded: list[int] = []
+
     def forward(signum, frame):
         if child.poll() is None:
+            forwarded.append(signum)
             child.send_signal(signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
@@ -85,9 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     returncode = child.wait()
     for p in pumps:
         p.join(timeout=5)
-    if returncode != 0:
-        print(f"syncdp-run: rank {rank} (pid {child.pid} on {socket.gethostname()}) "
+    where = f"(pid {child.pid} on {socket.gethostname()})"
+    if returncode != 0 and forwarded:
+        # Stopped on request (mpirun ending the job because another rank failed, or Ctrl-C):
+        # not a failure of this rank, so not worded as one (the launcher reports the first).
+        name = signal.Signals(forwarded[0]).name
+        print(f"syncdp-run: stopped rank {rank} {where} with {name} as the job ends; it "
               f"{describe_exit(returncode)}.", file=sys.stderr, flush=True)
+    elif returncode != 0:
+        print(f"syncdp-run: rank {rank} {where} {describe_exit(returncode)}.", file=sys.stderr,
+              flush=True)
     return returncode if returncode >= 0 else 128 - returncode
 
 

@@ -7,6 +7,7 @@
     │   ├── StallError         a collective waited past the stall timeout
     │   └── StepMismatchError  ranks reduced gradients of different steps
     ├── VerificationError      replicas that should be identical are not
+    ├── CheckpointError        a checkpoint cannot be written, read or matched to the model
     └── DataError              missing, empty or corrupt input data
 
 Catch ``SyncdpError`` to handle any of them.
@@ -20,6 +21,7 @@ __all__ = [
     "StallError",
     "StepMismatchError",
     "VerificationError",
+    "CheckpointError",
     "DataError",
 ]
 
@@ -50,6 +52,10 @@ class StepMismatchError(CollectiveError):
 
 class VerificationError(SyncdpError, AssertionError):
     """Replicas that must hold bit-identical values differ."""
+
+
+class CheckpointError(SyncdpError, RuntimeError):
+    """A checkpoint could not be written, read, or matched to the objects it restores."""
 
 
 class DataError(SyncdpError, ValueError):

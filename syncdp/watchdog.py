@@ -1,11 +1,20 @@
 """The stall watchdog: a collective that waits too long ends the job and names the missing ranks.
 
 A background thread on every rank watches the collective its rank is in. After
-``stall_warning`` seconds it prints a warning; after ``stall_timeout`` seconds it asks every other
-rank, over a separate communicator, where it is, prints which ranks have not arrived and why,
-and aborts the whole MPI job. The same thread answers the other ranks' questions, so a rank that
-is busy elsewhere (another code path, another collective) says so, and a rank that does not
-answer at all is stopped or hung.
+``stall_warning`` seconds (or half the stall timeout, if that is sooner) it prints a warning;
+after ``stall_timeout`` seconds it asks every other rank, over a separate communicator, where it
+is, prints which ranks have not arrived and why, and aborts the whole MPI job. The same thread
+answers the other ranks' questions, so a rank that is busy elsewhere (another code path,
+another collective) says so, and a rank that does not answer within a few seconds is stopped or
+hung. The report's first line names the stalled ranks::
+
+    syncdp: rank 1 stalled: collective #23 allreduce.bucket0 waited 10.0 s for it on rank 0 ...
+    syncdp: ranks that have not arrived: 1
+      rank 1: did not answer (stopped, hung or dead).
+
+Defaults (``syncdp.config``): warning at 10 s, abort at 60 s (``SYNCDP_STALL_TIMEOUT`` or
+``syncdp-run --stall-timeout``; 0 waits forever). A stalled job therefore ends within the stall
+timeout plus about 3 s (the time given to the other ranks to answer).
 
 The main thread only sets two attributes per collective; all the waiting happens here.
 """
@@ -99,8 +108,8 @@ class Watchdog:
                 continue
             seq, name, start, timeout = current
             waited = time.monotonic() - start
-            if self.warning and waited > self.warning and warned_for != seq and (
-                    not timeout or self.warning < timeout):
+            warn_at = min(self.warning, timeout / 2) if timeout else self.warning
+            if warn_at and waited > warn_at and warned_for != seq:
                 warned_for = seq
                 print(f"syncdp: warning: rank {self.rank} has waited {waited:.0f} s in "
                       f"collective #{seq} {name} for other ranks.", file=sys.stderr, flush=True)
@@ -131,32 +140,43 @@ class Watchdog:
         return replies
 
     def _abort(self, seq: int, name: str, waited: float) -> None:
-        lines = [f"syncdp: rank {self.rank} stalled: collective #{seq} {name} waited "
-                 f"{waited:.1f} s (stall timeout {self.timeout:g} s)."]
+        details, missing = [], []
         if self._can_ask:
             replies = self.ask_others()
-            missing = []
             for r in range(self.size):
                 if r == self.rank:
                     continue
                 if r not in replies:
                     missing.append(r)
-                    lines.append(f"  rank {r}: did not answer (stopped, hung or dead).")
+                    details.append(f"  rank {r}: did not answer (stopped, hung or dead).")
                     continue
                 their_seq, their_name, their_done = replies[r]
                 if their_seq == seq:
                     continue
                 missing.append(r)
                 if their_name == "exit":
-                    lines.append(f"  rank {r}: has finished its program "
-                                 f"(last collective #{their_done}).")
+                    details.append(f"  rank {r}: has finished its program "
+                                   f"(last collective #{their_done}).")
                 elif their_seq is None:
-                    lines.append(f"  rank {r}: not in a collective (last finished #{their_done}).")
+                    details.append(f"  rank {r}: not in a collective (last finished "
+                                   f"#{their_done}); it is busy elsewhere or on another path.")
                 else:
-                    lines.append(f"  rank {r}: in collective #{their_seq} {their_name} instead.")
-            if missing:
-                lines.insert(1, "syncdp: ranks that have not arrived: "
-                             + ", ".join(str(r) for r in missing))
+                    details.append(f"  rank {r}: in collective #{their_seq} {their_name} "
+                                   "instead (the ranks took different code paths).")
+        limit = f"(stall timeout {self.timeout:g} s)"
+        where = f"collective #{seq} {name}"
+        if missing:
+            who = ("rank " if len(missing) == 1 else "ranks ") + ", ".join(map(str, missing))
+            lines = [f"syncdp: {who} stalled: {where} waited {waited:.1f} s for "
+                     f"{'it' if len(missing) == 1 else 'them'} on rank {self.rank} {limit}.",
+                     "syncdp: ranks that have not arrived: " + ", ".join(map(str, missing))]
+        elif self._can_ask:
+            lines = [f"syncdp: rank {self.rank} stalled: {where} ran {waited:.1f} s although "
+                     f"every rank has arrived {limit}; an MPI transfer is stuck or very slow."]
+        else:
+            lines = [f"syncdp: rank {self.rank} stalled: {where} waited {waited:.1f} s for "
+                     f"other ranks {limit}; MPI without thread support cannot say which."]
+        lines += details
         lines.append("syncdp: ending the job. Set SYNCDP_STALL_TIMEOUT (or --stall-timeout) "
                      "to wait longer, or 0 to wait forever.")
         print("\n".join(lines), file=sys.stderr, flush=True)
