@@ -1,9 +1,8 @@
 """N ranks on 1/N of each batch reach the weights of one process on the whole batch."""
 
+import keras
 import numpy as np
 import tensorflow as tf
-
-import keras
 
 GLOBAL_BATCH = 16
 STEPS = 10
