@@ -104,8 +104,8 @@ def main(argv=None) -> None:
     hvd.init()  # syncdp: start MPI, learn this process's rank
     keras.utils.set_random_seed(1234)
 
-    # syncdp: rank 0 writes the data once; the others wait for it at the barrier.
-    if hvd.rank() == 0 and not os.path.isdir(os.path.join(args.data_dir, "test")):
+    # syncdp: rank 0 writes the data once (training shards last); the others wait for it.
+    if hvd.rank() == 0 and not os.path.isdir(os.path.join(args.data_dir, "train")):
         write_digits(args.data_dir)
     hvd.barrier()
 
@@ -153,14 +153,16 @@ def main(argv=None) -> None:
         ),
         SaveCheckpoint(manager),  # syncdp: written by rank 0 only
     ]
+    verbose = args.verbose if hvd.rank() == 0 else 0  # syncdp: progress output on rank 0
     model.fit(
         train,
         epochs=args.epochs,
         initial_epoch=initial_epoch,
         validation_data=val,
+        shuffle=False,  # tfrecord_dataset already shuffles
         callbacks=callbacks,
-        verbose=args.verbose if hvd.rank() == 0 else 0,
-    )  # syncdp: log on rank 0
+        verbose=verbose,
+    )
 
     if hvd.rank() == 0:  # syncdp: the whole held-out set, evaluated once
         files = sorted(tf.io.gfile.glob(os.path.join(args.data_dir, "test", "*.tfrecord")))
