@@ -106,9 +106,10 @@ def _assign(
 
     Greedy largest-first onto the least-loaded group (ties: fewer items, then lower index),
     which is deterministic and within 4/3 of the best possible largest group. With a seed,
-    ties between equal weights are broken by a permutation drawn from ``(seed, epoch)``,
-    group ``g`` goes to rank ``(g - seed_offset - epoch) % size`` (so consecutive epochs never
-    give a rank the same group), and each group's order is shuffled.
+    items of equal weight are taken in an order drawn from ``(seed, epoch)`` (so they are
+    grouped differently each epoch), the groups rotate among the ranks by one place per epoch
+    (so with unequal weights a rank never keeps its group two epochs running), and each
+    group's order is shuffled.
 
     Returns:
         ``groups[r]``: the indices for rank ``r``.
@@ -207,8 +208,9 @@ def shard_files(
         balance: Assign files by their record counts (greedy largest-first onto the rank with
             the fewest records) so ranks get near-equal numbers of records. If False, file
             ``i`` goes to rank ``i % size`` and nothing is read. Defaults to True.
-        seed: If set, reshuffle the assignment every epoch, identically on all ranks (a rank
-            never keeps the same files two epochs running). Defaults to None.
+        seed: If set, reshuffle the assignment every epoch, identically on all ranks: the
+            balanced groups of files rotate among the ranks, files of equal record counts
+            are regrouped, and each rank's file order is shuffled. Defaults to None.
         epoch: The epoch the assignment is for; only used with a seed. Defaults to 0.
         compression_type: ``None``, ``"GZIP"`` or ``"ZLIB"``; compressed files are read in
             full to be counted. Defaults to None.

@@ -122,8 +122,6 @@ def test_per_epoch_file_reshuffle_agrees_across_ranks(hvd, data):
         assignments.append(everyone)
     for before, after in zip(assignments, assignments[1:], strict=False):
         assert before != after
-        if size > 1:  # a rank never keeps its files two epochs running
-            assert sorted(before[0]) != sorted(after[0])
     # Without a seed the assignment is fixed and needs no record counts to agree.
     fixed = shard_files(data["six"])
     assert fixed == shard_files(data["six"], epoch=5)
