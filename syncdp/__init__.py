@@ -48,6 +48,7 @@ from syncdp.runtime import (
     size,
 )
 from syncdp.tape import DistributedGradientTape
+from syncdp.verify import verify_synchronized
 
 __version__ = "0.1.0"
 
@@ -78,6 +79,7 @@ __all__ = [
     "Max",
     "Compression",
     "DistributedGradientTape",
+    "verify_synchronized",
     "SyncdpError",
     "NotInitializedError",
     "ConfigError",

@@ -256,8 +256,9 @@ class CheckpointManager:
     def save(self, step: int, *, metadata: dict | None = None) -> str | None:
         """Writes a checkpoint of the current state on rank 0, atomically.
 
-        A synchronization point: all ranks must call it, at the same step; the others wait
-        until rank 0 has finished, so a failed write raises everywhere. Call it eagerly.
+        A synchronization point: all ranks must call it, at the same step. Rank 0 writes only
+        once every rank has arrived, and the others wait until it has finished, so a failed
+        write raises everywhere. Call it eagerly.
 
         Args:
             step: The training step the state belongs to (usually the number of updates done),
@@ -279,6 +280,8 @@ class CheckpointManager:
             raise CheckpointError(f"save(step) needs a step >= 0; got {step}.")
         comm = runtime.communicator()
         self._variables()  # creates the optimizer's slots, so they are in every checkpoint
+        # A checkpoint of step N exists only once every rank has reached step N.
+        comm.barrier(name="checkpoint.save.begin")
         outcome = (None, None)
         if comm.rank == 0:
             try:
@@ -287,7 +290,7 @@ class CheckpointManager:
                 outcome = (None, f"Rank 0 could not write the checkpoint of step {step} to "
                                  f"{self.directory}: {e}. Check the disk space and permissions.")
         path, error = comm.allgather_object(outcome if comm.rank == 0 else None,
-                                            name="checkpoint.save", timeout=_io_timeout())[0]
+                                            name="checkpoint.save.end", timeout=_io_timeout())[0]
         if error:
             raise CheckpointError(error)
         return path if comm.rank == 0 else None

@@ -1,11 +1,15 @@
 """DistributedGradientTape: a tf.GradientTape whose gradients are averaged over all ranks.
 
-Step agreement: every call of :func:`reduce_gradients` is one training step on this rank, and
-it is counted. Before any gradient travels, the ranks exchange their counts in one tiny
-collective (an int64 per rank); if they differ (a rank skipped or repeated a step), every rank
-raises :class:`~syncdp.StepMismatchError` naming the ranks and their steps, instead of
-averaging gradients of different steps. The same count drives ``SYNCDP_VERIFY_EVERY=K``: every
-K-th step the variables the gradients are for are checked to be bit-identical on every rank
+Step agreement: every call of :func:`reduce_gradients` belongs to a training step. Before any
+gradient travels, the ranks exchange their step numbers in one tiny collective (an int64 per
+rank); if they differ, every rank raises :class:`~syncdp.StepMismatchError` naming the ranks
+and their steps, instead of averaging gradients of different steps. The step is the one the
+caller passes (``step=``: ``optimizer.iterations``, which catches a rank that skipped an update,
+or the loop's step, which catches a rank whose data skipped a batch); without one it is this
+rank's count of gradient reductions, which only catches ranks whose counts were set apart.
+
+The count also drives ``SYNCDP_VERIFY_EVERY=K``: every K-th reduction, the variables the
+gradients are for are checked to be bit-identical on every rank
 (:func:`syncdp.verify_synchronized`) before this step's update.
 """
 
@@ -50,7 +54,7 @@ def _check_steps(steps: np.ndarray, rank: int) -> int:
         "rank the same number of steps (syncdp.data.tfrecord_dataset does).")
 
 
-def _agree_on_step(variables):
+def _agree_on_step(variables, step=None):
     """The step-agreement collective (and the periodic verification); returns a step tensor.
 
     Eagerly it raises at once; inside tf.function the returned tensor carries the check, and
@@ -61,24 +65,25 @@ def _agree_on_step(variables):
     variables = list(variables or []) if every else []
     names = [verify.variable_name(v, i) for i, v in enumerate(variables)]
     count = _step_counter().assign_add(1)
-    mine = tf.one_hot(comm.rank, comm.size, dtype=tf.int64) * count
+    step = count if step is None else tf.cast(tf.convert_to_tensor(step), tf.int64)
+    mine = tf.one_hot(comm.rank, comm.size, dtype=tf.int64) * tf.reshape(step, [])
     steps = ops.allreduce(mine, op=ops.Sum, name="step_agreement")
 
-    def check(steps, *values):
-        step = _check_steps(steps, comm.rank)
-        if values and step % every == 0:
+    def check(steps, count, *values):
+        agreed = _check_steps(steps, comm.rank)
+        if values and count % every == 0:
             verify.verify_arrays(names, values)
-        return np.int64(step)
+        return np.int64(agreed)
 
     values = [tf.convert_to_tensor(v) for v in variables]
     if tf.executing_eagerly():
-        return check(steps.numpy(), *[v.numpy() for v in values])
+        return check(steps.numpy(), int(count), *[v.numpy() for v in values])
     # The verification collective inside runs between the step agreement (its input) and the
     # first gradient bucket (which waits for it), so every rank runs it in the same place.
-    step = tf.numpy_function(check, [steps, *values], tf.int64, stateful=True,
-                             name="step_agreement_check")
-    step.set_shape([])
-    return step
+    agreed = tf.numpy_function(check, [steps, count, *values], tf.int64, stateful=True,
+                               name="step_agreement_check")
+    agreed.set_shape([])
+    return agreed
 
 
 def _after(check, grads):
@@ -99,7 +104,7 @@ def _after(check, grads):
 
 def reduce_gradients(grads, *, op=ops.Average, compression=Compression.none,
                      sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
-                     name: str = "gradients", variables=None):
+                     name: str = "gradients", variables=None, step=None):
     """Averages (or sums) a list of gradients over all ranks in fused collectives.
 
     A synchronization point, and one training step: every call is counted, and the ranks first
@@ -119,6 +124,9 @@ def reduce_gradients(grads, *, op=ops.Average, compression=Compression.none,
         variables: The variables the gradients are for; with ``SYNCDP_VERIFY_EVERY=K`` they
             are checked to be identical on every rank every K-th step. Defaults to None (no
             periodic check).
+        step: This rank's training step (an int, or an integer tensor or variable such as
+            ``optimizer.iterations``); every rank must be at the same one. Defaults to None:
+            this rank's count of gradient reductions.
 
     Returns:
         The reduced gradients, in the order given.
@@ -131,7 +139,7 @@ def reduce_gradients(grads, *, op=ops.Average, compression=Compression.none,
     """
     grads = list(grads)
     if runtime.communicator().size > 1:
-        grads = _after(_agree_on_step(variables), grads)
+        grads = _after(_agree_on_step(variables, step), grads)
     if sparse_as_dense:
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                  for g in grads]
@@ -163,6 +171,8 @@ class DistributedGradientTape:
         gradient_predivide_factor: See :func:`reduce_gradients`. Defaults to 1.
         num_groups: Accepted for Horovod compatibility; fusion is set by the threshold.
         groups: Accepted for Horovod compatibility.
+        step: The training step every rank must agree on, e.g. ``optimizer.iterations`` (see
+            :func:`reduce_gradients`). Defaults to None (the count of reductions).
 
     Example:
         >>> with tf.GradientTape() as tape:
@@ -174,8 +184,10 @@ class DistributedGradientTape:
     def __init__(self, gradtape: tf.GradientTape, device_dense: str = "",
                  device_sparse: str = "", compression=Compression.none,
                  sparse_as_dense: bool = False, op=ops.Average,
-                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None):
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                 *, step=None):
         self._tape = gradtape
+        self._step = step
         self._options = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
                              gradient_predivide_factor=gradient_predivide_factor)
 
@@ -195,5 +207,6 @@ class DistributedGradientTape:
         """Like ``tf.GradientTape.gradient``, then reduced over all ranks (a collective)."""
         grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
         flat = tf.nest.flatten(grads, expand_composites=False)
-        reduced = reduce_gradients(flat, variables=tf.nest.flatten(sources), **self._options)
+        reduced = reduce_gradients(flat, variables=tf.nest.flatten(sources), step=self._step,
+                                   **self._options)
         return tf.nest.pack_sequence_as(grads, reduced)

@@ -1,0 +1,172 @@
+"""Crash and resume through CheckpointManager and CheckpointCallback, end to end at np=2.
+
+Expected values come from an uninterrupted run of the same training, done in the same job
+after the resumed one (same initial weights, same per-step data), never from stored outputs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from tests.launcher import check, launch, python_script
+
+TRAIN = r"""
+import os, signal, sys
+import numpy as np
+import tensorflow as tf
+import keras
+import syncdp
+from syncdp.checkpoint import CheckpointManager
+
+syncdp.init()
+rank = syncdp.rank()
+directory = os.environ["CKPT_DIR"]
+crash_at = int(os.environ.get("CRASH_STEP", -1))
+interrupt_at = int(os.environ.get("INTERRUPT_SAVE", -1))
+TOTAL, EVERY = 40, 10
+
+if interrupt_at >= 0 and rank == 0:
+    # Rank 0 dies inside save(interrupt_at): every file written and flushed, not yet renamed.
+    real_rename = os.rename
+    def rename(src, dst):
+        if os.path.basename(dst) == f"ckpt-{interrupt_at:08d}":
+            print("KILLED MID-SAVE", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_rename(src, dst)
+    os.rename = rename
+
+def build():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(1)])
+    rng = np.random.default_rng(7)  # the same initial weights in every launch
+    for v in model.weights:
+        v.assign(rng.normal(size=v.shape).astype("float32") * 0.5)
+    return model, keras.optimizers.Adam(0.01)
+
+def trainer(model, opt):
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        tape = syncdp.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    return step
+
+def batch(i):
+    rng = np.random.default_rng(1000 * i + rank)  # each rank its own data, fixed per step
+    x = rng.normal(size=(8, 4)).astype("float32")
+    return x, np.sin(x.sum(axis=1, keepdims=True))
+
+model, opt = build()
+manager = CheckpointManager(directory, max_to_keep=3, model=model, optimizer=opt)
+start = manager.restore()
+print("RESTORED", start, flush=True)
+step = trainer(model, opt)
+for i in range(start, TOTAL):
+    if i == crash_at and rank == 1:
+        raise RuntimeError(f"rank 1 crashes at step {i}")
+    step(*batch(i))
+    if (i + 1) % EVERY == 0:
+        manager.save(i + 1)
+
+ref, ref_opt = build()
+ref_opt.build(ref.trainable_variables)
+syncdp.broadcast_variables(ref.variables + ref_opt.variables)
+ref_step = trainer(ref, ref_opt)
+for i in range(TOTAL):
+    ref_step(*batch(i))
+diff = max(float(np.max(np.abs(a.numpy() - b.numpy())))
+           for a, b in zip(model.variables + opt.variables, ref.variables + ref_opt.variables))
+syncdp.verify_synchronized(model.variables + opt.variables)
+print(f"ITERATIONS {int(opt.iterations.numpy())} MAXDIFF {diff:.3e}", flush=True)
+"""
+
+FIT = r"""
+import os
+import numpy as np
+import keras
+import syncdp
+from syncdp.checkpoint import CheckpointCallback
+
+syncdp.init()
+crash_epoch = int(os.environ.get("CRASH_EPOCH", -1))
+
+def build():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+class Crash(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == crash_epoch and syncdp.rank() == 1:
+            raise RuntimeError(f"rank 1 crashes at epoch {epoch}")
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(64, 4)).astype("float32")
+y = np.sin(x.sum(axis=1, keepdims=True))
+model = build()
+ckpt = CheckpointCallback(os.environ["CKPT_DIR"], save_freq="epoch")
+model.fit(x, y, batch_size=16, epochs=5, shuffle=False, verbose=0, callbacks=[ckpt, Crash()])
+print("INITIAL_EPOCH", ckpt.initial_epoch, flush=True)
+ref = build()
+ref.fit(x, y, batch_size=16, epochs=5, shuffle=False, verbose=0)
+diff = max(float(np.max(np.abs(a.numpy() - b.numpy())))
+           for a, b in zip(model.variables, ref.variables))
+print(f"ITERATIONS {int(model.optimizer.iterations.numpy())} MAXDIFF {diff:.3e}", flush=True)
+"""
+
+
+def _rank0(result, word: str) -> str:
+    match = re.search(rf"\[0\]<stdout>:{word} (.*)", result.stdout)
+    assert match, result.stdout[-3000:] + result.stderr[-3000:]
+    return match.group(1)
+
+
+def test_crash_resume_and_interrupted_save_match_an_uninterrupted_run(tmp_path):
+    script = python_script(tmp_path, TRAIN)
+    directory = tmp_path / "ckpt"
+    env = {"CKPT_DIR": str(directory)}
+
+    # 1. Rank 1 crashes at step 25, after the checkpoints of steps 10 and 20.
+    crashed = launch(2, "python", script, env={**env, "CRASH_STEP": "25"}, timeout=300)
+    assert crashed.returncode != 0
+    assert _rank0(crashed, "RESTORED") == "0"
+    last = crashed.stderr.strip().splitlines()[-1]
+    assert "rank 1 failed with RuntimeError: rank 1 crashes at step 25" in last, last
+    assert sorted(os.listdir(directory)) == ["ckpt-00000010", "ckpt-00000020"]
+
+    # 2. Resumed at 20; rank 0 dies inside the save of step 30, before the rename.
+    interrupted = launch(2, "python", script, env={**env, "INTERRUPT_SAVE": "30"}, timeout=300)
+    assert interrupted.returncode != 0
+    assert _rank0(interrupted, "RESTORED") == "20"
+    assert "KILLED MID-SAVE" in interrupted.stdout
+    left = sorted(os.listdir(directory))
+    assert "ckpt-00000030" not in left
+    assert any(n.startswith(".ckpt-00000030.tmp-") for n in left), left
+
+    # 3. The half-written step 30 is never restored: resume at 20 and finish.
+    done = check(launch(2, "python", script, env=env, timeout=300))
+    assert _rank0(done, "RESTORED") == "20"
+    iterations, maxdiff = re.fullmatch(r"(\d+) MAXDIFF (\S+)",
+                                       _rank0(done, "ITERATIONS")).groups()
+    assert iterations == "40"  # Adam's step count restored too
+    assert float(maxdiff) <= 1e-6
+    assert sorted(os.listdir(directory)) == ["ckpt-00000020", "ckpt-00000030", "ckpt-00000040"]
+
+
+def test_keras_callback_resumes_fit_at_the_right_epoch(tmp_path):
+    script = python_script(tmp_path, FIT)
+    env = {"CKPT_DIR": str(tmp_path / "ckpt")}
+    crashed = launch(2, "python", script, env={**env, "CRASH_EPOCH": "3"}, timeout=300)
+    assert crashed.returncode != 0
+    assert "rank 1 crashes at epoch 3" in crashed.stderr
+    done = check(launch(2, "python", script, env=env, timeout=300))
+    assert _rank0(done, "INITIAL_EPOCH") == "3"
+    iterations, maxdiff = re.fullmatch(r"(\d+) MAXDIFF (\S+)",
+                                       _rank0(done, "ITERATIONS")).groups()
+    assert iterations == "20"  # 5 epochs of 4 batches
+    assert float(maxdiff) <= 1e-6

@@ -1,0 +1,104 @@
+"""verify_synchronized and step agreement, at any number of ranks.
+
+A deliberately perturbed rank (the last one) must be named on every rank, eagerly and inside
+tf.function; ranks at different training steps must be named before any gradient is averaged.
+"""
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from syncdp import runtime, tape
+
+
+def _variables():
+    return [tf.Variable(tf.ones([3, 2]), name="kernel"), tf.Variable(tf.zeros([2]), name="bias")]
+
+
+def test_identical_replicas_pass(hvd):
+    variables = _variables()
+    assert hvd.verify_synchronized(variables) == 2
+    assert int(tf.function(lambda: hvd.verify_synchronized(variables))()) == 2
+
+
+@pytest.mark.parametrize("in_function", [False, True])
+def test_a_perturbed_rank_is_named(hvd, in_function):
+    kernel, bias = _variables()
+    last = hvd.size() - 1
+    if hvd.size() > 1 and hvd.rank() == last:
+        bias.assign([0.0, np.float32(1e-30)])  # one value, barely different
+    call = (tf.function(lambda: hvd.verify_synchronized([kernel, bias])) if in_function
+            else lambda: hvd.verify_synchronized([kernel, bias]))
+    if hvd.size() == 1:
+        assert int(call()) == 2
+        return
+    error = tf.errors.OpError if in_function else hvd.VerificationError
+    with pytest.raises(error) as raised:
+        call()
+    text = str(raised.value)
+    assert "1 of 2 variables" in text
+    assert re.search(rf"bias\S*: rank {last} differ from rank", text), text
+    assert "kernel" not in text
+
+
+def _train(hvd, skip_rank: int, in_function: bool):
+    """Two steps; ``skip_rank`` skips the first update, then both pass the optimizer's step."""
+    w = tf.Variable(tf.ones([4]))
+    opt = tf.keras.optimizers.SGD(0.1)
+    opt.build([w])
+
+    def step(apply):
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(w * w)
+        grads = hvd.DistributedGradientTape(t, step=opt.iterations).gradient(loss, [w])
+        if apply:
+            opt.apply_gradients(zip(grads, [w]))
+
+    run = tf.function(step) if in_function else step
+    run(True)  # step 0 on every rank: they agree
+    # Rank skip_rank's update of step 1 is skipped (e.g. a rank-dependent NaN check), so its
+    # optimizer is a step behind at the next reduction.
+    run(hvd.rank() != skip_rank)
+    run(True)
+
+
+@pytest.mark.parametrize("in_function", [False, True])
+def test_ranks_at_different_steps_are_named(hvd, in_function):
+    if hvd.size() == 1:
+        _train(hvd, skip_rank=-1, in_function=in_function)
+        return
+    last = hvd.size() - 1
+    error = tf.errors.OpError if in_function else hvd.StepMismatchError
+    with pytest.raises(error) as raised:
+        _train(hvd, skip_rank=last, in_function=in_function)
+    text = str(raised.value)
+    assert f"rank {last} is at step 1" in text and "at step 2" in text
+    hvd.barrier()
+
+
+def test_verify_every_k_steps_catches_a_perturbed_rank(hvd, monkeypatch):
+    config = runtime.get_config()
+    monkeypatch.setattr(runtime._state, "config", dataclasses.replace(config, verify_every=3))
+    monkeypatch.setattr(tape, "_step_counter", lambda: counter)
+    counter = tf.Variable(0, dtype=tf.int64)
+    w = tf.Variable(tf.ones([4]), name="w")
+
+    @tf.function
+    def gradient():
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(w * w)
+        return hvd.DistributedGradientTape(t).gradient(loss, [w])
+
+    gradient()
+    gradient()
+    if hvd.rank() == hvd.size() - 1:
+        w.assign_add([0.0, 0.0, 0.0, 1e-3])
+    if hvd.size() == 1:
+        gradient()
+        return
+    with pytest.raises(tf.errors.OpError, match=rf"w\S*: rank {hvd.size() - 1} differ"):
+        gradient()  # the third reduction checks
+    assert int(tape._step_counter().numpy()) == 3
