@@ -223,6 +223,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
         Raises:
             ConfigError: Traced inside an XLA-compiled function (``jit_compile=True``).
+            StepMismatchError: Ranks are at different updates (``iterations``); see
+                :func:`syncdp.tape.reduce_gradients`, which also runs the
+                ``SYNCDP_VERIFY_EVERY`` replica check on the variables.
         """
         grads = list(grads)
         if not grads:
@@ -241,11 +244,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 self.build(trainable_variables)
         _check_not_xla()
         if self.backward_passes_per_step == 1:
-            self.inner_optimizer.apply(self._reduce(grads), trainable_variables)
+            self.inner_optimizer.apply(
+                self._reduce(grads, trainable_variables), trainable_variables
+            )
         else:
             self._accumulate(grads, trainable_variables)
 
-    def _reduce(self, grads):
+    def _reduce(self, grads, variables):
+        # step= is the update about to be made: ranks that disagree fail before any exchange.
         return reduce_gradients(
             grads,
             op=self.op,
@@ -253,6 +259,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             sparse_as_dense=self.sparse_as_dense,
             gradient_predivide_factor=self.gradient_predivide_factor,
             name=self.name,
+            variables=variables,
+            step=self.iterations,
         )
 
     def _accumulate(self, grads, variables):
@@ -270,7 +278,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             ]
             if self.average_aggregated_gradients:
                 summed = [None if s is None else s / tf.cast(k, s.dtype) for s in summed]
-            self.inner_optimizer.apply(self._reduce(summed), variables)
+            self.inner_optimizer.apply(self._reduce(summed, variables), variables)
             for acc in accumulators:
                 acc.assign(tf.zeros_like(acc))
 
