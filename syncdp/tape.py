@@ -45,13 +45,15 @@ def _check_steps(steps: np.ndarray, rank: int) -> int:
     for r, s in enumerate(steps.tolist()):
         by_step.setdefault(s, []).append(r)
     majority = max(by_step, key=lambda s: (len(by_step[s]), 0 in by_step[s]))
-    odd = ", ".join(f"rank {r} is at step {s}" for r, s in enumerate(steps.tolist())
-                    if s != majority)
+    odd = ", ".join(
+        f"rank {r} is at step {s}" for r, s in enumerate(steps.tolist()) if s != majority
+    )
     raise StepMismatchError(
         "Ranks must reduce gradients of the same step, but they disagree: "
         f"{odd}; {verify._ranks(by_step[majority])} at step {majority}. A rank skipped or "
         "repeated a step (uneven data, a rank-dependent `continue` or early exit); give every "
-        "rank the same number of steps (syncdp.data.tfrecord_dataset does).")
+        "rank the same number of steps (syncdp.data.tfrecord_dataset does)."
+    )
 
 
 def _agree_on_step(variables, step=None):
@@ -80,8 +82,9 @@ def _agree_on_step(variables, step=None):
         return check(steps.numpy(), int(count), *[v.numpy() for v in values])
     # The verification collective inside runs between the step agreement (its input) and the
     # first gradient bucket (which waits for it), so every rank runs it in the same place.
-    agreed = tf.numpy_function(check, [steps, count, *values], tf.int64, stateful=True,
-                               name="step_agreement_check")
+    agreed = tf.numpy_function(
+        check, [steps, count, *values], tf.int64, stateful=True, name="step_agreement_check"
+    )
     agreed.set_shape([])
     return agreed
 
@@ -102,9 +105,17 @@ def _after(check, grads):
     return out
 
 
-def reduce_gradients(grads, *, op=ops.Average, compression=Compression.none,
-                     sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
-                     name: str = "gradients", variables=None, step=None):
+def reduce_gradients(
+    grads,
+    *,
+    op=ops.Average,
+    compression=Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    name: str = "gradients",
+    variables=None,
+    step=None,
+):
     """Averages (or sums) a list of gradients over all ranks in fused collectives.
 
     A synchronization point, and one training step: every call is counted, and the ranks first
@@ -141,17 +152,21 @@ def reduce_gradients(grads, *, op=ops.Average, compression=Compression.none,
     if runtime.communicator().size > 1:
         grads = _after(_agree_on_step(variables, step), grads)
     if sparse_as_dense:
-        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                 for g in grads]
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
     prescale = postscale = 1.0
     if gradient_predivide_factor != 1.0:
         if op is not ops.Average:
             raise ValueError("gradient_predivide_factor needs op=Average.")
         prescale = 1.0 / gradient_predivide_factor
         postscale = gradient_predivide_factor
-    reduced = ops.grouped_allreduce(grads[::-1], op=op, compression=compression,
-                                    prescale_factor=prescale, postscale_factor=postscale,
-                                    name=name)
+    reduced = ops.grouped_allreduce(
+        grads[::-1],
+        op=op,
+        compression=compression,
+        prescale_factor=prescale,
+        postscale_factor=postscale,
+        name=name,
+    )
     return reduced[::-1]
 
 
@@ -181,15 +196,28 @@ class DistributedGradientTape:
         >>> grads = tape.gradient(loss, model.trainable_variables)
     """
 
-    def __init__(self, gradtape: tf.GradientTape, device_dense: str = "",
-                 device_sparse: str = "", compression=Compression.none,
-                 sparse_as_dense: bool = False, op=ops.Average,
-                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
-                 *, step=None):
+    def __init__(
+        self,
+        gradtape: tf.GradientTape,
+        device_dense: str = "",
+        device_sparse: str = "",
+        compression=Compression.none,
+        sparse_as_dense: bool = False,
+        op=ops.Average,
+        gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0,
+        groups=None,
+        *,
+        step=None,
+    ):
         self._tape = gradtape
         self._step = step
-        self._options = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
-                             gradient_predivide_factor=gradient_predivide_factor)
+        self._options = dict(
+            op=op,
+            compression=compression,
+            sparse_as_dense=sparse_as_dense,
+            gradient_predivide_factor=gradient_predivide_factor,
+        )
 
     def __enter__(self):
         self._tape.__enter__()
@@ -202,11 +230,17 @@ class DistributedGradientTape:
         # watch(), stop_recording(), reset(), jacobian() ... belong to the wrapped tape.
         return getattr(self._tape, name)
 
-    def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+    def gradient(
+        self,
+        target,
+        sources,
+        output_gradients=None,
+        unconnected_gradients=tf.UnconnectedGradients.NONE,
+    ):
         """Like ``tf.GradientTape.gradient``, then reduced over all ranks (a collective)."""
         grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
         flat = tf.nest.flatten(grads, expand_composites=False)
-        reduced = reduce_gradients(flat, variables=tf.nest.flatten(sources), step=self._step,
-                                   **self._options)
+        reduced = reduce_gradients(
+            flat, variables=tf.nest.flatten(sources), step=self._step, **self._options
+        )
         return tf.nest.pack_sequence_as(grads, reduced)

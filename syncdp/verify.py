@@ -58,7 +58,8 @@ def _raise_if_different(names: Sequence[str], table: Sequence[Sequence[bytes]]) 
         counts = ", ".join(f"rank {r}: {len(row)}" for r, row in enumerate(table))
         raise VerificationError(
             "verify_synchronized must be called with the same variables on every rank; got "
-            f"different counts ({counts}). Pass the same list (e.g. model.variables) everywhere.")
+            f"different counts ({counts}). Pass the same list (e.g. model.variables) everywhere."
+        )
     lines = []
     for i, name in enumerate(names):
         groups: dict[bytes, list[int]] = {}
@@ -80,7 +81,8 @@ def _raise_if_different(names: Sequence[str], table: Sequence[Sequence[bytes]]) 
         "bit-identical on every rank:\n" + "\n".join(listed) + "\nEvery rank must apply the "
         "same updates from the same state. Look for rank-dependent code that changes variables, "
         "a missing syncdp.broadcast_variables at the start, or non-deterministic ops; restore "
-        "rank 0's state with syncdp.broadcast_variables or CheckpointManager.restore().")
+        "rank 0's state with syncdp.broadcast_variables or CheckpointManager.restore()."
+    )
 
 
 def verify_arrays(names: Sequence[str], arrays: Sequence[np.ndarray]) -> int:
@@ -137,8 +139,7 @@ def verify_synchronized(variables: Sequence, *, name: str = "verify_synchronized
         rows = [np.frombuffer(_digest(a), np.uint8) for a in arrays]
         return np.stack(rows)
 
-    local = tf.numpy_function(digests, values, tf.uint8, stateful=False,
-                              name=f"{name}_digests")
+    local = tf.numpy_function(digests, values, tf.uint8, stateful=False, name=f"{name}_digests")
     local.set_shape([len(values), _DIGEST_BYTES])
     gathered = ops.allgather(local, name=name)
 
@@ -147,7 +148,8 @@ def verify_synchronized(variables: Sequence, *, name: str = "verify_synchronized
         _raise_if_different(names, [[bytes(d) for d in row] for row in rows])
         return np.int64(len(names))
 
-    checked = tf.numpy_function(compare, [gathered], tf.int64, stateful=True,
-                                name=f"{name}_compare")
+    checked = tf.numpy_function(
+        compare, [gathered], tf.int64, stateful=True, name=f"{name}_compare"
+    )
     checked.set_shape([])
     return checked

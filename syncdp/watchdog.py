@@ -93,8 +93,9 @@ class Watchdog:
         # Matched probes: the main thread may answer questions too (ask_others), and a plain
         # Iprobe + recv from two threads could race for the same message.
         status = MPI.Status()
-        while (message := self._side.improbe(source=MPI.ANY_SOURCE, tag=_QUERY,
-                                             status=status)) is not None:
+        while (
+            message := self._side.improbe(source=MPI.ANY_SOURCE, tag=_QUERY, status=status)
+        ) is not None:
             message.recv()
             self._side.send(self._where(), dest=status.Get_source(), tag=_REPLY)
 
@@ -111,8 +112,12 @@ class Watchdog:
             warn_at = min(self.warning, timeout / 2) if timeout else self.warning
             if warn_at and waited > warn_at and warned_for != seq:
                 warned_for = seq
-                print(f"syncdp: warning: rank {self.rank} has waited {waited:.0f} s in "
-                      f"collective #{seq} {name} for other ranks.", file=sys.stderr, flush=True)
+                print(
+                    f"syncdp: warning: rank {self.rank} has waited {waited:.0f} s in "
+                    f"collective #{seq} {name} for other ranks.",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if timeout and waited > timeout and self.current is current:
                 self._abort(seq, name, waited)
 
@@ -155,29 +160,42 @@ class Watchdog:
                     continue
                 missing.append(r)
                 if their_name == "exit":
-                    details.append(f"  rank {r}: has finished its program "
-                                   f"(last collective #{their_done}).")
+                    details.append(
+                        f"  rank {r}: has finished its program (last collective #{their_done})."
+                    )
                 elif their_seq is None:
-                    details.append(f"  rank {r}: not in a collective (last finished "
-                                   f"#{their_done}); it is busy elsewhere or on another path.")
+                    details.append(
+                        f"  rank {r}: not in a collective (last finished "
+                        f"#{their_done}); it is busy elsewhere or on another path."
+                    )
                 else:
-                    details.append(f"  rank {r}: in collective #{their_seq} {their_name} "
-                                   "instead (the ranks took different code paths).")
+                    details.append(
+                        f"  rank {r}: in collective #{their_seq} {their_name} "
+                        "instead (the ranks took different code paths)."
+                    )
         limit = f"(stall timeout {self.timeout:g} s)"
         where = f"collective #{seq} {name}"
         if missing:
             who = ("rank " if len(missing) == 1 else "ranks ") + ", ".join(map(str, missing))
-            lines = [f"syncdp: {who} stalled: {where} waited {waited:.1f} s for "
-                     f"{'it' if len(missing) == 1 else 'them'} on rank {self.rank} {limit}.",
-                     "syncdp: ranks that have not arrived: " + ", ".join(map(str, missing))]
+            lines = [
+                f"syncdp: {who} stalled: {where} waited {waited:.1f} s for "
+                f"{'it' if len(missing) == 1 else 'them'} on rank {self.rank} {limit}.",
+                "syncdp: ranks that have not arrived: " + ", ".join(map(str, missing)),
+            ]
         elif self._can_ask:
-            lines = [f"syncdp: rank {self.rank} stalled: {where} ran {waited:.1f} s although "
-                     f"every rank has arrived {limit}; an MPI transfer is stuck or very slow."]
+            lines = [
+                f"syncdp: rank {self.rank} stalled: {where} ran {waited:.1f} s although "
+                f"every rank has arrived {limit}; an MPI transfer is stuck or very slow."
+            ]
         else:
-            lines = [f"syncdp: rank {self.rank} stalled: {where} waited {waited:.1f} s for "
-                     f"other ranks {limit}; MPI without thread support cannot say which."]
+            lines = [
+                f"syncdp: rank {self.rank} stalled: {where} waited {waited:.1f} s for "
+                f"other ranks {limit}; MPI without thread support cannot say which."
+            ]
         lines += details
-        lines.append("syncdp: ending the job. Set SYNCDP_STALL_TIMEOUT (or --stall-timeout) "
-                     "to wait longer, or 0 to wait forever.")
+        lines.append(
+            "syncdp: ending the job. Set SYNCDP_STALL_TIMEOUT (or --stall-timeout) "
+            "to wait longer, or 0 to wait forever."
+        )
         print("\n".join(lines), file=sys.stderr, flush=True)
         MPI.COMM_WORLD.Abort(1)

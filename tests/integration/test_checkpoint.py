@@ -151,8 +151,7 @@ def test_crash_resume_and_interrupted_save_match_an_uninterrupted_run(tmp_path):
     # 3. The half-written step 30 is never restored: resume at 20 and finish.
     done = check(launch(2, "python", script, env=env, timeout=300))
     assert _rank0(done, "RESTORED") == "20"
-    iterations, maxdiff = re.fullmatch(r"(\d+) MAXDIFF (\S+)",
-                                       _rank0(done, "ITERATIONS")).groups()
+    iterations, maxdiff = re.fullmatch(r"(\d+) MAXDIFF (\S+)", _rank0(done, "ITERATIONS")).groups()
     assert iterations == "40"  # Adam's step count restored too
     assert float(maxdiff) <= 1e-6
     assert sorted(os.listdir(directory)) == ["ckpt-00000020", "ckpt-00000030", "ckpt-00000040"]
@@ -166,7 +165,6 @@ def test_keras_callback_resumes_fit_at_the_right_epoch(tmp_path):
     assert "rank 1 crashes at epoch 3" in crashed.stderr
     done = check(launch(2, "python", script, env=env, timeout=300))
     assert _rank0(done, "INITIAL_EPOCH") == "3"
-    iterations, maxdiff = re.fullmatch(r"(\d+) MAXDIFF (\S+)",
-                                       _rank0(done, "ITERATIONS")).groups()
+    iterations, maxdiff = re.fullmatch(r"(\d+) MAXDIFF (\S+)", _rank0(done, "ITERATIONS")).groups()
     assert iterations == "20"  # 5 epochs of 4 batches
     assert float(maxdiff) <= 1e-6

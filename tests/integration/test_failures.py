@@ -56,8 +56,15 @@ def _start(tmp_path, mode: str, at: int, extra_env: dict | None = None):
     env = rank_env({"FAIL_MODE": mode, "FAIL_STEP": str(at), **(extra_env or {})})
     cmd = [sys.executable, "-m", "launch", "-np", "2", "python", script]
     out = open(tmp_path / "out.txt", "w+")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     return proc, out, script
 
 
@@ -100,8 +107,7 @@ def _kill(proc) -> None:
 def _left_running(script: str) -> list[str]:
     """Processes of the job still alive (zombies excluded), by their command line."""
     ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines()[1:]
-            if script in line and line.split()[1][0] != "Z"]
+    return [line for line in ps.splitlines()[1:] if script in line and line.split()[1][0] != "Z"]
 
 
 def test_sigkill_of_a_rank_ends_the_job_naming_it(tmp_path):

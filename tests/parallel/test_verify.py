@@ -30,8 +30,11 @@ def test_a_perturbed_rank_is_named(hvd, in_function):
     last = hvd.size() - 1
     if hvd.size() > 1 and hvd.rank() == last:
         bias.assign([0.0, np.float32(1e-30)])  # one value, barely different
-    call = (tf.function(lambda: hvd.verify_synchronized([kernel, bias])) if in_function
-            else lambda: hvd.verify_synchronized([kernel, bias]))
+    call = (
+        tf.function(lambda: hvd.verify_synchronized([kernel, bias]))
+        if in_function
+        else lambda: hvd.verify_synchronized([kernel, bias])
+    )
     if hvd.size() == 1:
         assert int(call()) == 2
         return
