@@ -228,10 +228,9 @@ def tfrecord_dataset(
     plan, note = _plan(counts, size, batch_size, shard_by, seed=file_seed, epoch=epoch)
     if plan.steps == 0:
         raise DataError(
-            f"tfrecord_dataset: {sum(counts)} records in {len(paths)} file(s) give "
-            f"rank(s) {plan.records} records, fewer than batch_size={batch_size} "
-            "on some rank, so no rank could run a step. Use a smaller batch_size or "
-            "more data."
+            f"tfrecord_dataset needs at least batch_size={batch_size} records on every rank: "
+            f"{sum(counts)} records in {len(paths)} file(s) give the ranks {plan.records} "
+            "records, so no rank could run a step. Use a smaller batch_size or more data."
         )
     if rank == 0:
         for message in filter(None, [note, _describe_damage(damaged) if damaged else None]):

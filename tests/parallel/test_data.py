@@ -135,6 +135,8 @@ def test_fewer_files_than_ranks_split_by_record(hvd, data):
     records = tfrecord_dataset(data["single"], parse_id, 4, shard_by="records")
     _check_disjoint_equal(hvd, records, 4, expected, range(1000, 1050))
     assert share >= expected * 4
+    with pytest.raises(DataError, match="at least batch_size=64 records on every rank"):
+        tfrecord_dataset(data["single"], parse_id, 64, shard_by="records")
     if size == 1:
         return
     with pytest.raises(DataError, match=f"got 1 files for {size} ranks"):
