@@ -59,9 +59,10 @@ class BroadcastGlobalVariablesCallback(_SyncdpCallback):
     variables are created first if needed. Use it also after rank 0 alone restored a
     checkpoint. A synchronization point: every rank must pass it to ``fit``.
 
-    If the model has no weights yet when training begins (a subclassed model whose shapes
-    Keras could not infer), the broadcast happens after the first batch instead, with a
-    warning; build the model first (``model.build(shape)`` or call it on a batch) to avoid it.
+    If the model has no weights yet when training begins (a ``Sequential`` without
+    ``keras.Input``, or a subclassed model whose shapes Keras could not infer), the broadcast
+    happens after the first batch instead (Horovod's behaviour), with a warning; build the
+    model first (``keras.Input``, ``model.build(shape)`` or call it on a batch) to avoid it.
 
     Args:
         root_rank: The rank whose state everyone receives. Defaults to 0.
