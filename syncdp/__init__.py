@@ -9,6 +9,7 @@ Launch N ranks with ``syncdp-run -np N python train.py``.
 """
 
 from syncdp._exceptions import (
+    CheckpointError,
     CollectiveError,
     ConfigError,
     DataError,
@@ -87,5 +88,6 @@ __all__ = [
     "StallError",
     "StepMismatchError",
     "VerificationError",
+    "CheckpointError",
     "DataError",
 ]
