@@ -23,6 +23,10 @@ __all__ = ["tfrecord_dataset"]
 
 AUTOTUNE = tf.data.AUTOTUNE
 _SHARD_BY = ("auto", "files", "records")
+# Files read at once by default. More than the cores: a reader mostly waits on I/O, and
+# measured on 2 cores, 8 files at once read raw records about twice as fast as AUTOTUNE's 2.
+# Capped because every open file holds a read buffer.
+_DEFAULT_PARALLEL_READS = 16
 # shard_by="auto" splits by file unless that would use less than this share of the records
 # that splitting by record would use.
 _AUTO_FILES_MIN_USE = 0.9
@@ -140,7 +144,7 @@ def tfrecord_dataset(
     skip_corrupt: bool = False,
     verify: bool = True,
     shuffle_files: bool | None = None,
-    num_parallel_reads: int = AUTOTUNE,
+    num_parallel_reads: int | None = None,
     num_parallel_calls: int = AUTOTUNE,
     buffer_size: int | None = None,
     prefetch: int = AUTOTUNE,
@@ -187,8 +191,8 @@ def tfrecord_dataset(
             Defaults to True.
         shuffle_files: Reshuffle the file assignment with ``(seed, epoch)``. Defaults to
             ``shuffle_buffer > 0``.
-        num_parallel_reads: Files read at once (interleave's cycle length). Defaults to
-            ``tf.data.AUTOTUNE``.
+        num_parallel_reads: Files read at once (interleave's cycle length), or
+            ``tf.data.AUTOTUNE``. Defaults to this rank's file count, at most 16.
         num_parallel_calls: Parallel calls of ``parse_fn``. Defaults to ``tf.data.AUTOTUNE``.
         buffer_size: Read buffer per file, in bytes. Defaults to TensorFlow's default.
         prefetch: Batches to prefetch. Defaults to ``tf.data.AUTOTUNE``.
@@ -252,11 +256,12 @@ def tfrecord_dataset(
         if file_seed is not None:
             order = np.random.default_rng([file_seed, epoch]).permutation(len(paths))
         mine = [paths[i] for i in order]
-    cycle = (
-        num_parallel_reads
-        if num_parallel_reads == AUTOTUNE
-        else max(1, min(num_parallel_reads, len(mine)))
-    )
+    if num_parallel_reads is None:
+        cycle = min(len(mine), _DEFAULT_PARALLEL_READS)
+    elif num_parallel_reads == AUTOTUNE:
+        cycle = AUTOTUNE
+    else:
+        cycle = max(1, min(int(num_parallel_reads), len(mine)))
     dataset = tf.data.Dataset.from_tensor_slices(mine).interleave(
         read, cycle_length=cycle, num_parallel_calls=AUTOTUNE, deterministic=deterministic
     )
