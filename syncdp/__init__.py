@@ -8,6 +8,9 @@ Example:
 Launch N ranks with ``syncdp-run -np N python train.py``.
 """
 
+# The data and checkpoint layers, so `syncdp.data.tfrecord_dataset` works after `import syncdp`.
+from syncdp import checkpoint as checkpoint
+from syncdp import data as data
 from syncdp._exceptions import (
     CheckpointError,
     CollectiveError,
