@@ -4,18 +4,18 @@ A frozen :class:`Config` is read once from ``SYNCDP_*`` environment variables (t
 them from its flags, one variable per flag) and keyword arguments override it. A ``SYNCDP_*``
 name that syncdp does not know raises, so a typo is never silently ignored.
 
-| variable                 | launcher flag           | meaning                                      |
-|--------------------------|-------------------------|----------------------------------------------|
-| SYNCDP_FUSION_THRESHOLD  | --fusion-threshold-mb   | bytes per fused buffer (default 64 MiB)      |
-| SYNCDP_CHUNK_BYTES       | --chunk-mb              | largest single MPI message (default 8 MiB)   |
-| SYNCDP_STALL_TIMEOUT     | --stall-timeout         | seconds before a stalled collective ends the |
-|                          |                         | job (default 60; 0 disables)                 |
-| SYNCDP_STALL_WARNING     | --stall-warning         | seconds before a stall is reported (def. 10) |
-| SYNCDP_START_TIMEOUT     | --start-timeout         | seconds for all ranks to reach init()        |
-| SYNCDP_TIMELINE          | --timeline-filename     | Chrome-trace JSON of every collective        |
-| SYNCDP_VERIFY_EVERY      | --verify-every          | check replicas are identical every K steps   |
-| SYNCDP_VERBOSE           | --verbose               | log what syncdp does on every rank           |
-| SYNCDP_LOG_ALL_RANKS     | --log-all-ranks         | Keras progress bars on every rank            |
+| variable                | launcher flag           | meaning                                      |
+|-------------------------|-------------------------|----------------------------------------------|
+| SYNCDP_FUSION_THRESHOLD | --fusion-threshold-mb   | bytes per fused buffer (default 64 MiB)      |
+| SYNCDP_CHUNK_BYTES      | --chunk-mb              | largest single MPI message (default 1 MiB)   |
+| SYNCDP_STALL_TIMEOUT    | --stall-timeout         | seconds before a stalled collective ends the |
+|                         |                         | job (default 60; 0 disables)                 |
+| SYNCDP_STALL_WARNING    | --stall-warning         | seconds before a stall is reported (def. 10) |
+| SYNCDP_START_TIMEOUT    | --start-timeout         | seconds for all ranks to reach init()        |
+| SYNCDP_TIMELINE         | --timeline-filename     | Chrome-trace JSON of every collective        |
+| SYNCDP_VERIFY_EVERY     | --verify-every          | check replicas are identical every K steps   |
+| SYNCDP_VERBOSE          | --verbose               | log what syncdp does on every rank           |
+| SYNCDP_LOG_ALL_RANKS    | --log-all-ranks         | Keras progress bars on every rank            |
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ class Config:
         fusion_threshold: Bytes of gradients packed into one fused buffer. 0 turns fusion off
             (one collective per tensor).
         chunk_bytes: Largest message handed to one MPI call; bigger buffers are reduced in
-            chunks of this size, where MPI's bandwidth is best.
+            chunks of this size, each filled and reduced while it is in cache. 1 MiB (the
+            L2 size here) measured best on shared memory: 100 MB reduce in ~25 ms in 1 MiB
+            chunks against ~75 ms as one message.
         stall_timeout: Seconds a collective may wait for other ranks before the job ends with a
             StallError naming them. 0 waits forever.
         stall_warning: Seconds before a waiting collective prints a warning.
@@ -51,7 +53,7 @@ class Config:
     """
 
     fusion_threshold: int = 64 * MiB
-    chunk_bytes: int = 8 * MiB
+    chunk_bytes: int = 1 * MiB
     stall_timeout: float = 60.0
     stall_warning: float = 10.0
     start_timeout: float = 120.0
@@ -61,8 +63,13 @@ class Config:
     log_all_ranks: bool = False
 
     def __post_init__(self):
-        for name in ("fusion_threshold", "verify_every", "stall_timeout", "stall_warning",
-                     "start_timeout"):
+        for name in (
+            "fusion_threshold",
+            "verify_every",
+            "stall_timeout",
+            "stall_warning",
+            "start_timeout",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0; got {getattr(self, name)}.")
         if self.chunk_bytes < 1024:

@@ -24,7 +24,7 @@ import tensorflow as tf
 from syncdp import comm as _comm
 from syncdp import runtime
 from syncdp.compression import Compression
-from syncdp.fusion import pack, plan_buckets, unpack
+from syncdp.fusion import BufferPool, Layout, pack, plan_buckets, unpack
 
 __all__ = [
     "ReduceOp",
@@ -61,11 +61,24 @@ Max = ReduceOp.MAX
 _MPI_OPS = {Average: _comm.SUM, Sum: _comm.SUM, Min: _comm.MIN, Max: _comm.MAX}
 # dtypes MPI cannot add: reduced in float32 and cast back.
 _WIDENED = {tf.bfloat16: tf.float32}
-_REDUCIBLE = {tf.float16, tf.float32, tf.float64, tf.int32, tf.int64, tf.uint8, tf.int8,
-              tf.int16, tf.uint16, tf.uint32, tf.uint64}
+_REDUCIBLE = {
+    tf.float16,
+    tf.float32,
+    tf.float64,
+    tf.int32,
+    tf.int64,
+    tf.uint8,
+    tf.int8,
+    tf.int16,
+    tf.uint16,
+    tf.uint32,
+    tf.uint64,
+}
 
 # graph -> the last collective op created in it; the next one depends on it.
 _last_collective: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Fused allreduce buffers, kept between steps (see syncdp.fusion.BufferPool).
+_POOL = BufferPool()
 
 
 def _resolve_op(op, average) -> ReduceOp:
@@ -82,7 +95,7 @@ def _resolve_op(op, average) -> ReduceOp:
 def _run(fn, inputs: Sequence[tf.Tensor], out_dtypes, out_shapes, name: str):
     """Runs ``fn`` (NumPy arrays -> tuple of NumPy arrays) eagerly or as an ordered graph node."""
     if tf.executing_eagerly():
-        results = fn(*[t.numpy() for t in inputs])
+        results = fn(*[_numpy_view(t) for t in inputs])
         outs = []
         for r, dtype, like in zip(results, out_dtypes, inputs):
             with tf.device(like.device or "/cpu:0"):
@@ -91,37 +104,126 @@ def _run(fn, inputs: Sequence[tf.Tensor], out_dtypes, out_shapes, name: str):
     graph = tf.compat.v1.get_default_graph()
     previous = _last_collective.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
-        outs = tf.numpy_function(fn, list(inputs), list(out_dtypes), stateful=True,
-                                 name=name.replace(".", "_"))
+        outs = tf.numpy_function(
+            fn, list(inputs), list(out_dtypes), stateful=True, name=name.replace(".", "_")
+        )
     for out, shape in zip(outs, out_shapes):
         out.set_shape(shape)
     _last_collective[graph] = outs[0].op
     return outs
 
 
-def _reduce_flat(flat: tf.Tensor, op: ReduceOp, prescale: float, postscale: float, name: str):
-    """Allreduces one 1-D buffer."""
+def _bucket_reducer(
+    comm,
+    dtype: np.dtype,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    name: str,
+    info: dict,
+):
+    """The NumPy function that reduces one bucket: its members in, their reductions out.
+
+    Members are copied (and scaled) into an aligned pooled buffer chunk by chunk, each chunk
+    reduced in place right after it is filled, and the results returned as aligned views of
+    the buffer, which TensorFlow adopts without copying. The whole bucket thus costs one pass
+    over memory on top of MPI's own, whatever the number of members.
+    """
+    floating = np.issubdtype(dtype, np.floating)
+    n = comm.size
+    pre, post, divide = float(prescale), float(postscale), None
+    if op is Average:
+        if floating and n & (n - 1) == 0:
+            pre /= n  # dividing by a power of two commutes exactly with the sum: fold it in
+        else:
+            divide = n  # sum first, then divide (floor-divide for integers), chunk by chunk
+    layouts: dict[tuple, Layout] = {}
+
+    def reduce(*arrays):
+        flats = [a.reshape(-1) for a in arrays]
+        sizes = tuple(f.size for f in flats)
+        layout = layouts.get(sizes)
+        if layout is None:
+            layout = layouts[sizes] = Layout(sizes, dtype.itemsize)
+        buf = _POOL.get(name, layout.total, dtype)
+        members = list(zip(layout.offsets, sizes, flats))
+        cursor = [0]  # first member not yet completely copied in
+
+        def fill(lo, hi):
+            m = cursor[0]
+            while m < len(members):
+                off, size, src = members[m]
+                if off >= hi:
+                    break
+                s, e = max(lo, off), min(hi, off + size)
+                if s < e:
+                    dst = buf[s:e]
+                    piece = src[s - off : e - off]
+                    if pre == 1.0:
+                        np.copyto(dst, piece)
+                    elif floating:
+                        np.multiply(piece, pre, out=dst)
+                    else:
+                        dst[...] = (piece * pre).astype(dtype)
+                if off + size > hi:
+                    break
+                m += 1
+            cursor[0] = m
+
+        def finish(lo, hi):
+            chunk = buf[lo:hi]
+            if divide is not None:
+                if floating:
+                    np.divide(chunk, divide, out=chunk)
+                else:
+                    np.floor_divide(chunk, divide, out=chunk)
+            if post != 1.0:
+                if floating:
+                    np.multiply(chunk, post, out=chunk)
+                else:
+                    chunk[...] = (chunk * post).astype(dtype)
+
+        needs_finish = divide is not None or post != 1.0
+        comm.allreduce_inplace(
+            buf,
+            _MPI_OPS[op],
+            name=name,
+            before=fill,
+            after=finish if needs_finish else None,
+            info=info,
+            nbytes=sum(sizes) * dtype.itemsize,
+        )
+        return tuple(
+            buf[off : off + size].reshape(a.shape) for (off, size, _), a in zip(members, arrays)
+        )
+
+    return reduce
+
+
+def _numpy_view(tensor: tf.Tensor) -> np.ndarray:
+    """The tensor's values as NumPy, sharing its memory where TensorFlow allows (read only)."""
+    view = getattr(tensor, "_numpy", None)  # .numpy() would copy
+    return view() if view is not None else tensor.numpy()
+
+
+def _reduce_bucket(
+    members: list, op: ReduceOp, prescale: float, postscale: float, name: str, bucket: int
+):
+    """Allreduces tensors of one dtype as one fused buffer; returns the reduced tensors."""
     comm = runtime.communicator()
-    integer = flat.dtype.is_integer
-
-    def reduce(array):
-        if prescale != 1.0:
-            array = (array * prescale).astype(array.dtype)
-        out = comm.allreduce(array, _MPI_OPS[op], name=name)
-        if op is Average:
-            if integer:
-                np.floor_divide(out, comm.size, out=out)
-            else:
-                np.divide(out, comm.size, out=out)
-        if postscale != 1.0:
-            out = (out * postscale).astype(out.dtype)
-        return (out,)
-
-    return _run(reduce, [flat], [flat.dtype], [flat.shape], name)[0]
+    dtype = np.dtype(members[0].dtype.as_numpy_dtype)
+    info = {"bucket": bucket, "tensors": len(members), "op": op.value}
+    fn = _bucket_reducer(comm, dtype, op, prescale, postscale, name, info)
+    return _run(fn, members, [m.dtype for m in members], [m.shape for m in members], name)
 
 
 def _fused_allreduce(tensors, op, compression, prescale, postscale, threshold, name):
     comm = runtime.communicator()
+    for t in tensors:  # the same error at any size, so a 1-rank test catches it
+        if _WIDENED.get(t.dtype, t.dtype) not in _REDUCIBLE:
+            raise TypeError(
+                f"allreduce cannot reduce {t.dtype.name} tensors; use a float or integer dtype."
+            )
     if comm.size == 1 and prescale == 1.0 and postscale == 1.0:
         return list(tensors)
     if threshold is None:
@@ -132,18 +234,18 @@ def _fused_allreduce(tensors, op, compression, prescale, postscale, threshold, n
         if sent.dtype in _WIDENED:
             sent = tf.cast(sent, _WIDENED[sent.dtype])
         if sent.dtype not in _REDUCIBLE:
-            raise TypeError(f"allreduce cannot reduce {sent.dtype.name} tensors; use a "
-                            "float or integer dtype.")
+            raise TypeError(
+                f"allreduce cannot reduce {sent.dtype.name} tensors; use a float or integer dtype."
+            )
         wire.append(sent)
         ctxs.append(ctx)
     results = [None] * len(wire)
     for b, bucket in enumerate(plan_buckets(wire, threshold)):
         members = [wire[i] for i in bucket.indices]
         with tf.name_scope(f"syncdp_bucket{b}"):
-            reduced = _reduce_flat(pack(members), op, prescale, postscale,
-                                   f"{name}.bucket{b}")
-            for i, piece in zip(bucket.indices, unpack(reduced, members)):
-                results[i] = piece
+            reduced = _reduce_bucket(members, op, prescale, postscale, f"{name}.bucket{b}", b)
+        for i, piece in zip(bucket.indices, reduced):
+            results[i] = piece
     out = []
     for t, r, ctx in zip(tensors, results, ctxs):
         r = compression.decompress(r, ctx)
@@ -162,10 +264,19 @@ def _allreduce_sparse(slices: tf.IndexedSlices, op: ReduceOp, name: str) -> tf.I
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
-def grouped_allreduce(tensors: Sequence, average=None, device_dense: str = "",
-                      device_sparse: str = "", compression=Compression.none, op=None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      name: str | None = None, *, fusion_threshold: int | None = None) -> list:
+def grouped_allreduce(
+    tensors: Sequence,
+    average=None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression=Compression.none,
+    op=None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    *,
+    fusion_threshold: int | None = None,
+) -> list:
     """Allreduces a list of tensors in as few fused collectives as the threshold allows.
 
     A synchronization point: every rank must call it with the same list of shapes and dtypes, in
@@ -192,24 +303,34 @@ def grouped_allreduce(tensors: Sequence, average=None, device_dense: str = "",
     """
     op = _resolve_op(op, average)
     name = name or "grouped_allreduce"
-    dense_at = [i for i, t in enumerate(tensors)
-                if t is not None and not isinstance(t, tf.IndexedSlices)]
+    dense_at = [
+        i for i, t in enumerate(tensors) if t is not None and not isinstance(t, tf.IndexedSlices)
+    ]
     results = list(tensors)
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
             results[i] = _allreduce_sparse(t, op, f"{name}.sparse{i}")
     if dense_at:
         dense = [tf.convert_to_tensor(tensors[i]) for i in dense_at]
-        reduced = _fused_allreduce(dense, op, compression, prescale_factor, postscale_factor,
-                                   fusion_threshold, name)
+        reduced = _fused_allreduce(
+            dense, op, compression, prescale_factor, postscale_factor, fusion_threshold, name
+        )
         for i, r in zip(dense_at, reduced):
             results[i] = r
     return results
 
 
-def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str = "",
-              compression=Compression.none, op=None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, name: str | None = None):
+def allreduce(
+    tensor,
+    average=None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression=Compression.none,
+    op=None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+):
     """Reduces ``tensor`` over all ranks; every rank gets the result.
 
     A synchronization point: all ranks must call it, in the same order, with the same shape and
@@ -247,15 +368,17 @@ def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str =
         y = _fused_allreduce([x], op, compression, prescale_factor, postscale_factor, 0, name)[0]
 
         def grad(dy):
-            return _fused_allreduce([dy], op, compression, postscale_factor, prescale_factor, 0,
-                                    f"{name}.grad")[0]
+            return _fused_allreduce(
+                [dy], op, compression, postscale_factor, prescale_factor, 0, f"{name}.grad"
+            )[0]
 
         return y, grad
 
     tensor = tf.convert_to_tensor(tensor)
     if not tensor.dtype.is_floating:  # custom_gradient wants differentiable inputs
-        return _fused_allreduce([tensor], op, compression, prescale_factor, postscale_factor, 0,
-                                name)[0]
+        return _fused_allreduce(
+            [tensor], op, compression, prescale_factor, postscale_factor, 0, name
+        )[0]
     return reduce(tensor)
 
 
@@ -277,8 +400,9 @@ def allgather(tensor, name: str | None = None) -> tf.Tensor:
         tensor = tf.reshape(tensor, [1])
     name = name or "allgather"
     shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
-    return _run(lambda a: (comm.allgather(a, name=name),), [tensor], [tensor.dtype], [shape],
-                name)[0]
+    return _run(lambda a: (comm.allgather(a, name=name),), [tensor], [tensor.dtype], [shape], name)[
+        0
+    ]
 
 
 def broadcast(tensor, root_rank: int = 0, name: str | None = None) -> tf.Tensor:
@@ -295,8 +419,13 @@ def broadcast(tensor, root_rank: int = 0, name: str | None = None) -> tf.Tensor:
     _check_root(root_rank, comm.size)
     tensor = tf.convert_to_tensor(tensor)
     name = name or "broadcast"
-    return _run(lambda a: (comm.broadcast(a, root_rank, name=name),), [tensor], [tensor.dtype],
-                [tensor.shape], name)[0]
+    return _run(
+        lambda a: (comm.broadcast(a, root_rank, name=name),),
+        [tensor],
+        [tensor.dtype],
+        [tensor.shape],
+        name,
+    )[0]
 
 
 def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0):

@@ -1,7 +1,14 @@
 """A Chrome-trace timeline of every collective, viewable in Perfetto or chrome://tracing.
 
-Each rank keeps its events in memory; at ``shutdown()`` (a collective while a timeline is on)
-rank 0 gathers them and writes one JSON file with one process row per rank.
+Turn it on with ``syncdp-run --timeline-filename trace.json`` (or ``SYNCDP_TIMELINE``). Each rank
+keeps one complete ("X") event per collective in memory: its name (``gradients.bucket0``), the
+bytes and dtype it moved, and for fused allreduces the bucket index, tensor count and op. At
+``shutdown()`` rank 0 gathers every rank's events and writes one JSON file with one process row
+per rank, so the ranks' collectives line up under each other on a common clock.
+
+Open the file at https://ui.perfetto.dev or chrome://tracing. A long bar on one rank under
+short ones on the others is a rank that arrived late (it was still computing) rather than a
+slow collective.
 """
 
 from __future__ import annotations
@@ -10,11 +17,11 @@ import json
 import os
 import time
 
-__all__ = ["Timeline"]
+__all__ = ["Timeline", "load"]
 
 
 class Timeline:
-    """Collects one complete ("X") event per collective.
+    """Collects one complete ("X") event per collective on this rank.
 
     Args:
         path: Where rank 0 writes the trace.
@@ -24,38 +31,74 @@ class Timeline:
         self.path = path
         self.rank = 0
         self.events: list[dict] = []
+        # perf_counter for precise durations, wall time to line up ranks on other hosts.
         self._origin = time.perf_counter()
+        self._wall_origin = time.time()
 
-    def record(self, name: str, nbytes: int, dtype: str, start: float, end: float) -> None:
-        """Adds one collective that ran from ``start`` to ``end`` (``time.perf_counter``)."""
-        self.events.append({
-            "name": name.split("#")[0],
-            "ph": "X",
-            "pid": self.rank,
-            "tid": 0,
-            "ts": (start - self._origin) * 1e6,
-            "dur": (end - start) * 1e6,
-            "args": {"collective": name, "bytes": nbytes, "dtype": dtype},
-        })
+    def record(self, name: str, nbytes: int, dtype: str, start: float, end: float, **info) -> None:
+        """Adds one collective that ran from ``start`` to ``end`` (``time.perf_counter``).
+
+        Args:
+            name: The collective's name, e.g. ``gradients.bucket0``.
+            nbytes: Bytes this rank contributed.
+            dtype: The dtype on the wire.
+            start: When it started, by ``time.perf_counter()``.
+            end: When it ended.
+            **info: More fields for the event's ``args`` (bucket index, tensor count, op).
+        """
+        self.events.append(
+            {
+                "name": name,
+                "cat": "collective",
+                "ph": "X",
+                "pid": self.rank,
+                "tid": 0,
+                "ts": (start - self._origin) * 1e6,
+                "dur": (end - start) * 1e6,
+                "args": {"seq": len(self.events), "bytes": nbytes, "dtype": dtype, **info},
+            }
+        )
 
     def gather_and_write(self, comm) -> str | None:
-        """Gathers every rank's events on rank 0 and writes the trace (a collective).
+        """Gathers every rank's events on rank 0 and writes the trace.
+
+        A synchronization point: every rank must call it (``syncdp.shutdown()`` does). The
+        gather goes straight to MPI, outside the watchdog's numbering, so it neither appears
+        in the trace nor counts as a collective the other ranks must match.
+
+        Args:
+            comm: The :class:`~syncdp.comm.Communicator` whose ranks recorded events.
 
         Returns:
             The path written, on rank 0; None elsewhere.
         """
         mine, self.events = self.events, []
-        # Align the ranks' clocks on the same host: perf_counter is CLOCK_MONOTONIC on Linux.
-        every = comm.allgather_object((self._origin, mine), name="timeline")
+        every = comm.mpi.gather((self._wall_origin, mine), root=0)
         if comm.rank != 0:
             return None
         base = min(origin for origin, _ in every)
         trace = []
         for r, (origin, events) in enumerate(every):
-            trace.append({"name": "process_name", "ph": "M", "pid": r,
-                          "args": {"name": f"rank {r}"}})
+            trace.append(
+                {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
+            )
+            trace.append(
+                {"name": "process_sort_index", "ph": "M", "pid": r, "args": {"sort_index": r}}
+            )
+            trace.append(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": r,
+                    "tid": 0,
+                    "args": {"name": "collectives"},
+                }
+            )
+            shift = (origin - base) * 1e6
             for event in events:
-                event["ts"] += (origin - base) * 1e6
+                event["pid"] = r
+                event["ts"] = round(event["ts"] + shift, 3)
+                event["dur"] = round(event["dur"], 3)
                 trace.append(event)
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
@@ -64,3 +107,25 @@ class Timeline:
             json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
         os.replace(tmp, self.path)
         return self.path
+
+
+def load(path: str) -> dict[int, list[dict]]:
+    """Reads a trace written by :class:`Timeline`: rank -> its collective events, in order.
+
+    Args:
+        path: The JSON file.
+
+    Returns:
+        Every rank's complete events, sorted by start time.
+    """
+    with open(path) as f:
+        trace = json.load(f)
+    ranks: dict[int, list[dict]] = {}
+    for event in trace["traceEvents"]:
+        if event.get("ph") == "M" and event.get("name") == "process_name":
+            ranks.setdefault(event["pid"], [])
+        elif event.get("ph") == "X":
+            ranks.setdefault(event["pid"], []).append(event)
+    for events in ranks.values():
+        events.sort(key=lambda e: e["ts"])
+    return ranks

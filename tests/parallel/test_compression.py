@@ -1,0 +1,38 @@
+"""fp16 compression: results within float16's precision of the exact average, dtypes kept."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_fp16_average_within_tolerance(hvd, graph):
+    n, r = hvd.size(), hvd.rank()
+    base = np.linspace(-3.0, 3.0, 10_000)
+    tensors = [
+        tf.constant(base * (r + 1), tf.float32),
+        tf.constant(base[:77] + r, tf.float64),
+        tf.constant([r, 2 * r], tf.int32),
+    ]
+
+    def run(ts):
+        return hvd.grouped_allreduce(ts, compression=hvd.Compression.fp16)
+
+    out = tf.function(run)(tensors) if graph else run(tensors)
+    assert [o.dtype for o in out] == [tf.float32, tf.float64, tf.int32]
+    mean_scale = (n + 1) / 2
+    # float16 keeps 11 significant bits: relative error below 2**-10 per rounding.
+    np.testing.assert_allclose(out[0].numpy(), base * mean_scale, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(out[1].numpy(), base[:77] + (n - 1) / 2, rtol=2e-3, atol=2e-3)
+    np.testing.assert_array_equal(out[2].numpy(), [(n - 1) // 2, (n - 1)])
+
+
+def test_fp16_through_the_tape(hvd):
+    n, r = hvd.size(), hvd.rank()
+    w = tf.Variable(tf.ones([50]))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * float(r + 1))
+    tape = hvd.DistributedGradientTape(tape, compression=hvd.Compression.fp16)
+    (g,) = tape.gradient(loss, [w])
+    assert g.dtype == tf.float32
+    np.testing.assert_allclose(g.numpy(), (n + 1) / 2, rtol=1e-3)

@@ -1,0 +1,107 @@
+"""Fused allreduce at any number of ranks: expected values from the ranks' own numbers.
+
+Every rank contributes integer-valued floats built from its rank, so sums are exact and the
+expected result is a closed formula in the number of ranks.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from syncdp.tape import reduce_gradients
+
+
+def _rank_sum(n):
+    return n * (n - 1) / 2  # 0 + 1 + ... + (n-1)
+
+
+def _tensors(rank, shapes, dtype=tf.float32):
+    return [tf.cast(tf.fill(s, float(rank + i % 7)), dtype) for i, s in enumerate(shapes)]
+
+
+def _expected(n, shapes, op_sum=True):
+    out = []
+    for i, s in enumerate(shapes):
+        total = _rank_sum(n) + n * (i % 7)
+        out.append(np.full(s, total if op_sum else total / n, np.float64))
+    return out
+
+
+SHAPES = [(3, 4), (0,), (1,), (200_000,), (0, 5), (7,), ()]
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_larger_than_threshold_and_zero_size(hvd, graph):
+    n, r = hvd.size(), hvd.rank()
+    tensors = _tensors(r, SHAPES)
+
+    def run(ts):
+        return hvd.grouped_allreduce(ts, op=hvd.Sum, fusion_threshold=4096)
+
+    out = tf.function(run)(tensors) if graph else run(tensors)
+    for o, e, s in zip(out, _expected(n, SHAPES), SHAPES):
+        assert tuple(o.shape) == s
+        np.testing.assert_array_equal(o.numpy(), e)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_hundreds_of_tiny_tensors_exact(hvd, graph):
+    n, r = hvd.size(), hvd.rank()
+    shapes = [(i % 3 + 1,) for i in range(300)]
+    tensors = _tensors(r, shapes)
+
+    def run(ts):
+        return hvd.grouped_allreduce(ts, op=hvd.Sum)
+
+    out = tf.function(run)(tensors) if graph else run(tensors)
+    for o, e in zip(out, _expected(n, shapes)):
+        np.testing.assert_array_equal(o.numpy(), e)
+
+
+def test_average_of_gradients_every_step(hvd):
+    n, r = hvd.size(), hvd.rank()
+    shapes = [(64, 32), (32,), (1000, 10), (10,)]
+
+    @tf.function
+    def step(ts):
+        return reduce_gradients(ts)
+
+    kept = []
+    for k in range(3):  # results of earlier steps must survive buffer reuse
+        tensors = [t + k for t in _tensors(r, shapes)]
+        kept.append(step(tensors))
+    for k, out in enumerate(kept):
+        for o, e in zip(out, _expected(n, shapes, op_sum=False)):
+            np.testing.assert_allclose(o.numpy(), e + k, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.float64, tf.bfloat16, tf.int32, tf.int64])
+def test_dtypes(hvd, dtype):
+    n, r = hvd.size(), hvd.rank()
+    out = hvd.grouped_allreduce(_tensors(r, [(5,), (2, 2)], dtype), op=hvd.Sum)
+    for o, e in zip(out, _expected(n, [(5,), (2, 2)])):
+        assert o.dtype == dtype
+        np.testing.assert_array_equal(tf.cast(o, tf.float64).numpy(), e)
+
+
+def test_integer_average_floors(hvd):
+    n, r = hvd.size(), hvd.rank()
+    out = hvd.allreduce(tf.constant([r, 2 * r + 1], tf.int32), op=hvd.Average)
+    expect = [int(_rank_sum(n)) // n, int(2 * _rank_sum(n) + n) // n]
+    np.testing.assert_array_equal(out.numpy(), expect)
+
+
+def test_prescale_and_postscale(hvd):
+    n, r = hvd.size(), hvd.rank()
+    x = tf.constant([float(r + 1)] * 4)
+    out = hvd.allreduce(x, op=hvd.Average, prescale_factor=0.5, postscale_factor=4.0)
+    np.testing.assert_allclose(out.numpy(), 2.0 * (n + 1) / 2, rtol=1e-6)
+
+
+def test_eager_and_graph_agree_on_mixed_dtypes(hvd):
+    r = hvd.rank()
+    tensors = [tf.fill([4], float(r)), tf.fill([3], r), tf.fill([2], float(r))]
+    eager = hvd.grouped_allreduce(tensors, op=hvd.Sum)
+    graph = tf.function(lambda ts: hvd.grouped_allreduce(ts, op=hvd.Sum))(tensors)
+    for a, b in zip(eager, graph):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
