@@ -20,7 +20,7 @@ class _FakeComm:
         self.chunk = chunk_elems
         self.calls = 0
 
-    def allreduce_inplace(self, buf, op, *, name, before=None, after=None, info=None):
+    def allreduce_inplace(self, buf, op, *, name, before=None, after=None, info=None, nbytes=None):
         self.calls += 1
         for lo in range(0, buf.size, self.chunk):
             hi = min(buf.size, lo + self.chunk)
