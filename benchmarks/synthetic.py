@@ -136,6 +136,8 @@ def _measure(args) -> dict:
     variants = {"syncdp": make_step(True)}
     if args.compare_no_comm:
         variants["no allreduce"] = make_step(False)
+    elif args.overhead:
+        variants["plain TF"] = make_step(False)
     barrier = MPI.COMM_WORLD.Barrier
     times = alternate(variants, args.repeats, sync=barrier)
     # A step is as slow as the slowest rank: take every repetition's maximum over ranks.
@@ -163,16 +165,21 @@ def _report_one(r: dict, write: bool) -> None:
         f"batch {r['batch']} per rank, fp16 {'on' if r['fp16'] else 'off'}, np={r['np']}"
     )
     rows = [[k, f"{r['per_rank'][k]:.1f}", f"{r['total'][k]:.1f}"] for k in r["per_rank"]]
-    if "no allreduce" in r["per_rank"]:
-        ratio = r["per_rank"]["syncdp"] / r["per_rank"]["no allreduce"]
-        rows.append(["ratio syncdp / no allreduce", f"{ratio:.3f}", ""])
+    for other in ("no allreduce", "plain TF"):
+        if other in r["per_rank"]:
+            ratio = r["per_rank"]["syncdp"] / r["per_rank"][other]
+            rows.append([f"ratio syncdp / {other}", f"{ratio:.3f}", ""])
     say(f"synthetic: {cfg}\nmachine: {r['machine']}")
     say(f"{'variant':<30}{'img/s per rank':>16}{'img/s total':>14}")
     for row in rows:
         say(f"{row[0]:<30}{row[1]:>16}{row[2]:>14}")
     if not write:
         return
-    name = "synthetic_no_comm" if len(rows) > 1 else f"synthetic_np{r['np']}"
+    name = f"synthetic_np{r['np']}"
+    if "no allreduce" in r["per_rank"]:
+        name = "synthetic_no_comm"
+    elif "plain TF" in r["per_rank"]:
+        name = f"synthetic_overhead_np{r['np']}"
     write_markdown(
         name,
         "Synthetic training throughput",
