@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time the same training with no allreduce; needs 2+ ranks",
     )
     p.add_argument(
+        "--overhead",
+        action="store_true",
+        help="also time plain TensorFlow (no syncdp tape); the np=1 overhead",
+    )
+    p.add_argument(
         "--scaling", default="", help="comma-separated rank counts; launches syncdp-run for each"
     )
     p.add_argument("--json-out", default="", help=argparse.SUPPRESS)
