@@ -6,4 +6,5 @@
 
 import os
 
-collect_ignore_glob = [] if os.environ.get("SYNCDP_LAUNCHER") else ["parallel/*"]
+# The directory itself, not only its files: its conftest.py initializes MPI on import.
+collect_ignore = [] if os.environ.get("SYNCDP_LAUNCHER") else ["parallel"]

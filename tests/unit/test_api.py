@@ -37,6 +37,7 @@ def test_all_matches_public_names():
     lambda: syncdp.broadcast_object(1), lambda: syncdp.allgather_object(1),
 ])
 def test_collectives_before_init_raise_clearly(call):
+    syncdp.shutdown()  # whatever ran before in this process, start uninitialized
     assert not syncdp.is_initialized()
     with pytest.raises(syncdp.NotInitializedError, match=r"call syncdp.init\(\) first"):
         call()
