@@ -84,8 +84,9 @@ def init(comm: MPI.Comm | None = None, **options) -> None:
     if timeline is not None:
         timeline.rank = world.rank
     # The first collective is the rendezvous: every rank must reach it within the start timeout.
-    hosts = world.allgather_object(MPI.Get_processor_name(), name="init",
-                                   timeout=config.start_timeout)
+    hosts = world.allgather_object(
+        MPI.Get_processor_name(), name="init", timeout=config.start_timeout
+    )
     host_order = list(dict.fromkeys(hosts))
     same_host = [r for r, h in enumerate(hosts) if h == hosts[world.rank]]
     _state.local_rank = same_host.index(world.rank)
@@ -99,8 +100,11 @@ def init(comm: MPI.Comm | None = None, **options) -> None:
     _state.exit_comm = world.mpi.Dup()
     atexit.register(_at_exit)
     if config.verbose:
-        print(f"syncdp: rank {world.rank}/{world.size} on {hosts[world.rank]} "
-              f"(local {_state.local_rank}/{_state.local_size}), {config}", file=sys.stderr)
+        print(
+            f"syncdp: rank {world.rank}/{world.size} on {hosts[world.rank]} "
+            f"(local {_state.local_rank}/{_state.local_size}), {config}",
+            file=sys.stderr,
+        )
 
 
 def _pin_gpu(local: int) -> None:
@@ -115,8 +119,11 @@ def _pin_gpu(local: int) -> None:
         tf.config.set_visible_devices(gpu, "GPU")
         tf.config.experimental.set_memory_growth(gpu, True)
     except RuntimeError as e:  # TensorFlow already created its GPU devices
-        print(f"syncdp: warning: could not pin GPU {local} ({e}); call syncdp.init() before "
-              "building any model or tensor.", file=sys.stderr)
+        print(
+            f"syncdp: warning: could not pin GPU {local} ({e}); call syncdp.init() before "
+            "building any model or tensor.",
+            file=sys.stderr,
+        )
 
 
 def _install_failure_hook() -> None:
@@ -130,8 +137,11 @@ def _install_failure_hook() -> None:
         if _state.comm is None or _state.comm.size == 1 or issubclass(kind, KeyboardInterrupt):
             return
         text = "".join(traceback.format_exception_only(kind, value)).strip()
-        print(f"syncdp: rank {_state.comm.rank} failed with {text}; ending the job.",
-              file=sys.stderr, flush=True)
+        print(
+            f"syncdp: rank {_state.comm.rank} failed with {text}; ending the job.",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.stdout.flush()
         MPI.COMM_WORLD.Abort(1)
 
@@ -156,9 +166,13 @@ def _at_exit() -> None:
         while not everyone_here.Test():
             for other, (seq, name, _) in watchdog.ask_others(grace=0.5).items():
                 if seq is not None and seq > comm.seq:
-                    print(f"syncdp: rank {comm.rank} finished its program after collective "
-                          f"#{comm.seq}, but rank {other} is waiting for it in collective "
-                          f"#{seq} {name}; ending the job.", file=sys.stderr, flush=True)
+                    print(
+                        f"syncdp: rank {comm.rank} finished its program after collective "
+                        f"#{comm.seq}, but rank {other} is waiting for it in collective "
+                        f"#{seq} {name}; ending the job.",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     MPI.COMM_WORLD.Abort(1)
             time.sleep(0.2)
     if exit_comm is not None:

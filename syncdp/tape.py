@@ -82,9 +82,7 @@ def _agree_on_step(variables, step=None):
         return check(steps.numpy(), int(count), *[v.numpy() for v in values])
     # The verification collective inside runs between the step agreement (its input) and the
     # first gradient bucket (which waits for it), so every rank runs it in the same place.
-    agreed = tf.numpy_function(
-        check, [steps, count, *values], tf.int64, stateful=True, name="step_agreement_check"
-    )
+    agreed = ops.host_call(check, [steps, count, *values], tf.int64, name="step_agreement_check")
     agreed.set_shape([])
     return agreed
 
@@ -105,6 +103,7 @@ def _after(check, grads):
     return out
 
 
+@tf.autograph.experimental.do_not_convert  # see syncdp.ops.host_call
 def reduce_gradients(
     grads,
     *,
@@ -230,6 +229,7 @@ class DistributedGradientTape:
         # watch(), stop_recording(), reset(), jacobian() ... belong to the wrapped tape.
         return getattr(self._tape, name)
 
+    @tf.autograph.experimental.do_not_convert
     def gradient(
         self,
         target,

@@ -99,6 +99,7 @@ def verify_arrays(names: Sequence[str], arrays: Sequence[np.ndarray]) -> int:
     return len(arrays)
 
 
+@tf.autograph.experimental.do_not_convert  # see syncdp.ops.host_call
 def verify_synchronized(variables: Sequence, *, name: str = "verify_synchronized"):
     """Checks that every rank holds bit-identical values of ``variables``.
 
@@ -139,7 +140,7 @@ def verify_synchronized(variables: Sequence, *, name: str = "verify_synchronized
         rows = [np.frombuffer(_digest(a), np.uint8) for a in arrays]
         return np.stack(rows)
 
-    local = tf.numpy_function(digests, values, tf.uint8, stateful=False, name=f"{name}_digests")
+    local = ops.host_call(digests, values, tf.uint8, stateful=False, name=f"{name}_digests")
     local.set_shape([len(values), _DIGEST_BYTES])
     gathered = ops.allgather(local, name=name)
 
@@ -148,8 +149,6 @@ def verify_synchronized(variables: Sequence, *, name: str = "verify_synchronized
         _raise_if_different(names, [[bytes(d) for d in row] for row in rows])
         return np.int64(len(names))
 
-    checked = tf.numpy_function(
-        compare, [gathered], tf.int64, stateful=True, name=f"{name}_compare"
-    )
+    checked = ops.host_call(compare, [gathered], tf.int64, name=f"{name}_compare")
     checked.set_shape([])
     return checked
