@@ -77,3 +77,29 @@ def test_fp16_compression_and_unconnected_gradients(hvd):
     n = hvd.size()
     expected = (n + 1) / 2 / 3.0
     np.testing.assert_allclose(grad_a.numpy(), np.full([4], expected), rtol=1e-3)
+
+
+def test_resnet50_gradient_list_is_averaged_exactly(hvd):
+    """ResNet-50's 214 trainable variables (~100 MB): the tape returns the exact average.
+
+    The loss is sum(v * c) over variables, so each gradient is the constant c this rank chose:
+    (rank + 1) * (index % 5 + 1), small integers, whose average over ranks is exact in float32.
+    """
+    r, n = hvd.rank(), hvd.size()
+    shapes = [tuple(v.shape) for v in keras.applications.ResNet50(weights=None).trainable_variables]
+    variables = [tf.Variable(tf.zeros(s)) for s in shapes]
+    coefficients = [tf.fill(s, float((r + 1) * (i % 5 + 1))) for i, s in enumerate(shapes)]
+
+    @tf.function
+    def gradients():
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * c) for v, c in zip(variables, coefficients)])
+        return hvd.DistributedGradientTape(tape).gradient(loss, variables)
+
+    mean_rank_plus_one = (n + 1) / 2  # average of 1, 2, ..., n
+    for _ in range(2):  # the second step reuses the first step's fused buffers
+        grads = gradients()
+        assert len(grads) == len(shapes) == 214
+        for i, (g, s) in enumerate(zip(grads, shapes)):
+            assert tuple(g.shape) == s
+            np.testing.assert_array_equal(g.numpy(), np.full(s, mean_rank_plus_one * (i % 5 + 1)))
