@@ -205,6 +205,46 @@ class Communicator:
         )
         return out
 
+    def alltoall(self, array: np.ndarray, *, name: str = "alltoall", out=None, info=None):
+        """Row ``j`` of ``array`` goes to rank ``j``; row ``j`` of the result came from rank ``j``.
+
+        Moves bytes only (no arithmetic), so any dtype works. ``array`` has shape
+        ``[size, ...]`` on every rank, the same everywhere. ``out``, if given, receives the
+        result (same shape and dtype).
+        """
+        array = np.ascontiguousarray(array)
+        out = np.empty_like(array) if out is None else out.reshape(array.shape)
+        if self.size == 1:
+            out[...] = array
+            return out
+        self._run(
+            name,
+            lambda: self.mpi.Alltoall(_as_bytes(array), _as_bytes(out)),
+            nbytes=array.nbytes,
+            dtype=str(array.dtype),
+            info=info,
+        )
+        return out
+
+    def allgather_equal(self, array: np.ndarray, *, name: str = "allgather", out=None, info=None):
+        """Like :meth:`allgather` when every rank's ``array`` has the same shape: one collective
+        instead of two (no sizes to exchange). Returns shape ``[size, *array.shape]``, in
+        ``out`` if given."""
+        array = np.ascontiguousarray(array)
+        shape = (self.size,) + array.shape
+        out = np.empty(shape, dtype=array.dtype) if out is None else out.reshape(shape)
+        if self.size == 1:
+            out[0] = array
+            return out
+        self._run(
+            name,
+            lambda: self.mpi.Allgather(_as_bytes(array), _as_bytes(out)),
+            nbytes=array.nbytes,
+            dtype=str(array.dtype),
+            info=info,
+        )
+        return out
+
     def barrier(self, *, name: str = "barrier", timeout=None) -> None:
         """Returns once every rank has called it."""
         if self.size > 1:

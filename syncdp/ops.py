@@ -1,11 +1,11 @@
 """TensorFlow collectives: allreduce, allgather, broadcast on tensors, eagerly and in tf.function.
 
-Each op hands NumPy buffers to the :class:`~syncdp.comm.Communicator`. Eagerly it calls it
-directly; inside ``tf.function`` it becomes a stateful ``tf.numpy_function`` node, and every such
-node gets a control dependency on the previous one in the same graph, so the collectives of a
-traced step run in the order they were written, identically on every rank, with no run-time
-negotiation. A node waits only for its own inputs and the previous collective, so a bucket of
-gradients can start reducing while the backward pass is still computing the next.
+Each op hands NumPy buffers to the :class:`~syncdp.comm.Communicator`, eagerly or as an ordered
+graph node (:mod:`syncdp.graph`), so the collectives of a traced step run in the same order on
+every rank. Float32/64 and integer buckets are summed by MPI in one pass
+(:func:`_bucket_reducer`); float16 and bfloat16 buckets travel as bytes and are summed by
+TensorFlow (:mod:`syncdp.halfreduce`), because MPI's and NumPy's half-precision arithmetic is
+scalar code, several times slower than moving the bytes.
 
 Every function here is a synchronization point: all ranks must call it, in the same order, with
 tensors of the same dtype and (except allgather's first dimension) the same shape.
@@ -15,20 +15,19 @@ from __future__ import annotations
 
 import enum
 import time
-import weakref
 from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from syncdp import comm as _comm
-from syncdp import runtime
+from syncdp import halfreduce, runtime
 from syncdp.compression import Compression
 from syncdp.fusion import BufferPool, Layout, pack, plan_buckets, unpack
+from syncdp.graph import ordered_call
 
 __all__ = [
     "ReduceOp",
-    "host_call",
     "Average",
     "Sum",
     "Min",
@@ -60,10 +59,9 @@ Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 
 _MPI_OPS = {Average: _comm.SUM, Sum: _comm.SUM, Min: _comm.MIN, Max: _comm.MAX}
-# dtypes MPI cannot add: reduced in float32 and cast back.
-_WIDENED = {tf.bfloat16: tf.float32}
 _REDUCIBLE = {
     tf.float16,
+    tf.bfloat16,
     tf.float32,
     tf.float64,
     tf.int32,
@@ -76,8 +74,6 @@ _REDUCIBLE = {
     tf.uint64,
 }
 
-# graph -> the last collective op created in it; the next one depends on it.
-_last_collective: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Fused allreduce buffers, kept between steps (see syncdp.fusion.BufferPool).
 _POOL = BufferPool()
 
@@ -91,43 +87,6 @@ def _resolve_op(op, average) -> ReduceOp:
     if not isinstance(op, ReduceOp):
         raise ValueError(f"op must be one of syncdp.Average, Sum, Min, Max; got {op!r}.")
     return op
-
-
-def host_call(fn, inputs: Sequence[tf.Tensor], out_dtypes, *, stateful: bool = True, name: str):
-    """``tf.numpy_function(fn, ...)``, with ``fn`` kept out of AutoGraph.
-
-    Inside ``tf.function`` AutoGraph would otherwise convert ``fn`` and run every NumPy call in
-    it through its ``converted_call`` machinery, once per call at run time: on ResNet-50's
-    gradients that made packing a fused buffer four times slower than the copy itself. For
-    the same reason the public collectives are marked ``do_not_convert``: AutoGraph would
-    otherwise rewrite the closures they build (the bucket reducers) as it traces them.
-    """
-    return tf.numpy_function(
-        tf.autograph.experimental.do_not_convert(fn),
-        list(inputs),
-        out_dtypes,
-        stateful=stateful,
-        name=name,
-    )
-
-
-def _run(fn, inputs: Sequence[tf.Tensor], out_dtypes, out_shapes, name: str):
-    """Runs ``fn`` (NumPy arrays -> tuple of NumPy arrays) eagerly or as an ordered graph node."""
-    if tf.executing_eagerly():
-        results = fn(*[_numpy_view(t) for t in inputs])
-        outs = []
-        for r, dtype, like in zip(results, out_dtypes, inputs):
-            with tf.device(like.device or "/cpu:0"):
-                outs.append(tf.convert_to_tensor(r, dtype=dtype))
-        return outs
-    graph = tf.compat.v1.get_default_graph()
-    previous = _last_collective.get(graph)
-    with tf.control_dependencies([previous] if previous is not None else []):
-        outs = host_call(fn, inputs, list(out_dtypes), name=name.replace(".", "_"))
-    for out, shape in zip(outs, out_shapes):
-        out.set_shape(shape)
-    _last_collective[graph] = outs[0].op
-    return outs
 
 
 def _bucket_reducer(
@@ -217,27 +176,23 @@ def _bucket_reducer(
     return reduce
 
 
-def _numpy_view(tensor: tf.Tensor) -> np.ndarray:
-    """The tensor's values as NumPy, sharing its memory where TensorFlow allows (read only)."""
-    view = getattr(tensor, "_numpy", None)  # .numpy() would copy
-    return view() if view is not None else tensor.numpy()
-
-
 def _reduce_bucket(
     members: list, op: ReduceOp, prescale: float, postscale: float, name: str, bucket: int
 ):
     """Allreduces tensors of one dtype as one fused buffer; returns the reduced tensors."""
+    info = {"bucket": bucket, "tensors": len(members), "op": op.value}
+    if members[0].dtype in halfreduce.HALF_DTYPES:
+        return halfreduce.reduce_bucket(members, op.value, prescale, postscale, name, info)
     comm = runtime.communicator()
     dtype = np.dtype(members[0].dtype.as_numpy_dtype)
-    info = {"bucket": bucket, "tensors": len(members), "op": op.value}
     fn = _bucket_reducer(comm, dtype, op, prescale, postscale, name, info)
-    return _run(fn, members, [m.dtype for m in members], [m.shape for m in members], name)
+    return ordered_call(fn, members, [m.dtype for m in members], [m.shape for m in members], name)
 
 
 def _fused_allreduce(tensors, op, compression, prescale, postscale, threshold, name):
     comm = runtime.communicator()
     for t in tensors:  # the same error at any size, so a 1-rank test catches it
-        if _WIDENED.get(t.dtype, t.dtype) not in _REDUCIBLE:
+        if t.dtype not in _REDUCIBLE:
             raise TypeError(
                 f"allreduce cannot reduce {t.dtype.name} tensors; use a float or integer dtype."
             )
@@ -248,8 +203,6 @@ def _fused_allreduce(tensors, op, compression, prescale, postscale, threshold, n
     wire, ctxs = [], []
     for t in tensors:
         sent, ctx = compression.compress(t)
-        if sent.dtype in _WIDENED:
-            sent = tf.cast(sent, _WIDENED[sent.dtype])
         if sent.dtype not in _REDUCIBLE:
             raise TypeError(
                 f"allreduce cannot reduce {sent.dtype.name} tensors; use a float or integer dtype."
@@ -420,9 +373,8 @@ def allgather(tensor, name: str | None = None) -> tf.Tensor:
         tensor = tf.reshape(tensor, [1])
     name = name or "allgather"
     shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
-    return _run(lambda a: (comm.allgather(a, name=name),), [tensor], [tensor.dtype], [shape], name)[
-        0
-    ]
+    gather = lambda a: (comm.allgather(a, name=name),)  # noqa: E731
+    return ordered_call(gather, [tensor], [tensor.dtype], [shape], name)[0]
 
 
 @tf.autograph.experimental.do_not_convert
@@ -440,7 +392,7 @@ def broadcast(tensor, root_rank: int = 0, name: str | None = None) -> tf.Tensor:
     _check_root(root_rank, comm.size)
     tensor = tf.convert_to_tensor(tensor)
     name = name or "broadcast"
-    return _run(
+    return ordered_call(
         lambda a: (comm.broadcast(a, root_rank, name=name),),
         [tensor],
         [tensor.dtype],

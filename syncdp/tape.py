@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from syncdp import ops, runtime, verify
+from syncdp import graph, ops, runtime, verify
 from syncdp._exceptions import StepMismatchError
 from syncdp.compression import Compression
 
@@ -82,7 +82,7 @@ def _agree_on_step(variables, step=None):
         return check(steps.numpy(), int(count), *[v.numpy() for v in values])
     # The verification collective inside runs between the step agreement (its input) and the
     # first gradient bucket (which waits for it), so every rank runs it in the same place.
-    agreed = ops.host_call(check, [steps, count, *values], tf.int64, name="step_agreement_check")
+    agreed = graph.host_call(check, [steps, count, *values], tf.int64, name="step_agreement_check")
     agreed.set_shape([])
     return agreed
 
@@ -103,7 +103,7 @@ def _after(check, grads):
     return out
 
 
-@tf.autograph.experimental.do_not_convert  # see syncdp.ops.host_call
+@tf.autograph.experimental.do_not_convert  # see syncdp.graph.host_call
 def reduce_gradients(
     grads,
     *,

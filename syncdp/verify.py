@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from syncdp import ops, runtime
+from syncdp import graph, ops, runtime
 from syncdp._exceptions import VerificationError
 
 __all__ = ["verify_synchronized"]
@@ -99,7 +99,7 @@ def verify_arrays(names: Sequence[str], arrays: Sequence[np.ndarray]) -> int:
     return len(arrays)
 
 
-@tf.autograph.experimental.do_not_convert  # see syncdp.ops.host_call
+@tf.autograph.experimental.do_not_convert  # see syncdp.graph.host_call
 def verify_synchronized(variables: Sequence, *, name: str = "verify_synchronized"):
     """Checks that every rank holds bit-identical values of ``variables``.
 
@@ -140,7 +140,7 @@ def verify_synchronized(variables: Sequence, *, name: str = "verify_synchronized
         rows = [np.frombuffer(_digest(a), np.uint8) for a in arrays]
         return np.stack(rows)
 
-    local = ops.host_call(digests, values, tf.uint8, stateful=False, name=f"{name}_digests")
+    local = graph.host_call(digests, values, tf.uint8, stateful=False, name=f"{name}_digests")
     local.set_shape([len(values), _DIGEST_BYTES])
     gathered = ops.allgather(local, name=name)
 
@@ -149,6 +149,6 @@ def verify_synchronized(variables: Sequence, *, name: str = "verify_synchronized
         _raise_if_different(names, [[bytes(d) for d in row] for row in rows])
         return np.int64(len(names))
 
-    checked = ops.host_call(compare, [gathered], tf.int64, name=f"{name}_compare")
+    checked = graph.host_call(compare, [gathered], tf.int64, name=f"{name}_compare")
     checked.set_shape([])
     return checked

@@ -105,3 +105,44 @@ def test_eager_and_graph_agree_on_mixed_dtypes(hvd):
     graph = tf.function(lambda ts: hvd.grouped_allreduce(ts, op=hvd.Sum))(tensors)
     for a, b in zip(eager, graph):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16], ids=lambda d: d.name)
+def test_half_precision_buckets_every_op(hvd, graph, dtype):
+    """Half-precision buckets (bytes through MPI, sums in TensorFlow): sizes that do not divide
+    by the number of ranks, distinct values per element, every op, both scale factors."""
+    n, r = hvd.size(), hvd.rank()
+    shapes = [(5, 3), (0,), (1,), (7,), ()]
+
+    def values(k):  # small integers and halves: exact in bfloat16's 8 significant bits
+        return [np.arange(np.prod(s)).reshape(s) % 13 * 0.5 + k - 3 for s in shapes]
+
+    mine = [tf.constant(v, dtype) for v in values(r)]
+    every = [np.stack(vs) for vs in zip(*[values(k) for k in range(n)])]
+    cases = [
+        (hvd.Sum, 1.0, 1.0, lambda a: a.sum(0)),
+        (hvd.Average, 1.0, 1.0, lambda a: a.mean(0)),
+        (hvd.Min, -1.0, 1.0, lambda a: (-a).min(0)),
+        (hvd.Max, 1.0, 2.0, lambda a: a.max(0) * 2),
+        (hvd.Sum, 0.5, 4.0, lambda a: a.sum(0) * 2),
+    ]
+    for op, pre, post, math in cases:
+
+        def run(ts, op=op, pre=pre, post=post):
+            return hvd.grouped_allreduce(ts, op=op, prescale_factor=pre, postscale_factor=post)
+
+        out = tf.function(run)(mine) if graph else run(mine)
+        for o, a, s in zip(out, every, shapes):
+            assert o.dtype == dtype and tuple(o.shape) == s
+            expected = tf.cast(math(a), dtype)  # the exact result, rounded once
+            np.testing.assert_array_equal(tf.cast(o, tf.float64), tf.cast(expected, tf.float64))
+
+
+def test_half_precision_bucket_with_unknown_shapes(hvd):
+    n, r = hvd.size(), hvd.rank()
+    spec = tf.TensorSpec([None], tf.float16)
+    run = tf.function(lambda a, b: hvd.grouped_allreduce([a, b], op=hvd.Sum), [spec, spec])
+    a, b = run(tf.fill([3], tf.constant(r, tf.float16)), tf.ones([6], tf.float16))
+    np.testing.assert_array_equal(a.numpy(), np.full([3], _rank_sum(n)))
+    np.testing.assert_array_equal(b.numpy(), np.full([6], n))
