@@ -3,6 +3,8 @@
 Compares, at each size, in one run with alternating repetitions:
 
 - ``raw mpi4py``: one ``comm.Allreduce(send, recv, MPI.SUM)`` of a contiguous float32 buffer;
+- ``tf.function, no MPI``: a ``tf.function`` that only computes ``t + 0`` (TensorFlow's own
+  per-call cost, a floor for the syncdp variants);
 - ``syncdp eager``: ``syncdp.allreduce`` (Average) called eagerly;
 - ``syncdp tf.function``: the same inside ``tf.function``;
 - ``syncdp fp16``: inside ``tf.function`` with ``Compression.fp16``.
@@ -149,8 +151,10 @@ def _sweep(args) -> None:
         fp16 = tf.function(
             lambda t: syncdp.allreduce(t, name="bench16", compression=syncdp.Compression.fp16)
         )
+        floor = tf.function(lambda t: t + 0.0)
         variants = {
             "raw mpi4py": lambda s=send, r=recv: world.Allreduce(s, r, MPI.SUM),
+            "tf.function, no MPI": lambda f=floor, x=x: f(x).numpy(),
             "syncdp eager": lambda x=x: syncdp.allreduce(x, name="bench_eager").numpy(),
             "syncdp tf.function": lambda g=graph, x=x: g(x).numpy(),
             "syncdp fp16": lambda g=fp16, x=x: g(x).numpy(),
@@ -187,7 +191,9 @@ def _sweep(args) -> None:
         header,
         rows,
         f"float32 messages, median of alternating repetitions, rank 0's time. "
-        f"fp16 sends half the bytes; its bandwidth counts the float32 size.\n\n"
+        f"fp16 sends half the bytes; its bandwidth counts the float32 size. "
+        f"'tf.function, no MPI' is a tf.function computing t + 0 and nothing else: the cost "
+        f"of calling TensorFlow at all, a floor under both syncdp columns.\n\n"
         f"Machine: {mach}.",
     )
     xs = [b / 1024 for b in table]
