@@ -23,12 +23,15 @@ from __future__ import annotations
 import tensorflow as tf
 
 from syncdp import runtime
-from syncdp.fusion import aligned_empty
+from syncdp.fusion import BufferPool
 from syncdp.graph import ordered_call
 
 __all__ = ["HALF_DTYPES", "reduce_bucket"]
 
 HALF_DTYPES = frozenset({tf.float16, tf.bfloat16})
+
+# Receive buffers, kept between steps: a fresh 50 MB array would be page-faulted in every step.
+_POOL = BufferPool()
 
 
 def _combine(rows: tf.Tensor, op: str, size: int, prescale: float, postscale: float):
@@ -89,13 +92,13 @@ def reduce_bucket(members: list, op: str, prescale: float, postscale: float, nam
     if size == 1:
         combined = _combine(flat[tf.newaxis], op, 1, prescale, postscale)
     else:
-        # Results land in aligned buffers, which TensorFlow adopts without copying.
+        # Results land in aligned pooled buffers, which TensorFlow adopts without copying.
         def scatter(a):
-            out = aligned_empty(a.size, a.dtype)
+            out = _POOL.get(f"{name}.scatter", a.size, a.dtype)
             return (comm.alltoall(a, name=f"{name}.scatter", out=out, info=info),)
 
         def gather(a):
-            out = aligned_empty(a.size * size, a.dtype)
+            out = _POOL.get(f"{name}.gather", a.size * size, a.dtype)
             return (comm.allgather_equal(a, name=f"{name}.gather", out=out, info=info),)
 
         rows = tf.reshape(flat, [size, -1])

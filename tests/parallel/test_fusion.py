@@ -58,7 +58,8 @@ def test_hundreds_of_tiny_tensors_exact(hvd, graph):
         np.testing.assert_array_equal(o.numpy(), e)
 
 
-def test_average_of_gradients_every_step(hvd):
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16], ids=lambda d: d.name)
+def test_average_of_gradients_every_step(hvd, dtype):
     n, r = hvd.size(), hvd.rank()
     shapes = [(64, 32), (32,), (1000, 10), (10,)]
 
@@ -68,7 +69,7 @@ def test_average_of_gradients_every_step(hvd):
 
     kept = []
     for k in range(3):  # results of earlier steps must survive buffer reuse
-        tensors = [t + k for t in _tensors(r, shapes)]
+        tensors = [t + k for t in _tensors(r, shapes, dtype)]
         kept.append(step(tensors))
     for k, out in enumerate(kept):
         for o, e in zip(out, _expected(n, shapes, op_sum=False)):
