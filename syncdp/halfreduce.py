@@ -8,9 +8,9 @@ by an allgather, the arithmetic in between done by TensorFlow ops:
 
 1. pack the members into one flat buffer, padded to ``size * shard`` elements;
 2. ``Alltoall``: rank ``j`` receives every rank's ``j``-th shard (bytes only);
-3. widen to float32, scale, reduce over the ranks, divide for Average, scale, narrow back —
-   each rank now holds the reduction of its own shard, summed in float32 (more accurate than
-   adding in float16);
+3. scale, reduce over the ranks, divide for Average, scale: each rank now holds the reduction
+   of its own shard (in float32 with more than two ranks, so partial sums are not rounded to
+   half precision at every addition; see :func:`_combine`);
 4. ``Allgather`` of the reduced shards: every rank holds the whole result; unpack.
 
 Each rank sends and receives ``(size - 1) / size`` of the buffer twice, the same traffic as a
@@ -39,23 +39,23 @@ def _combine(rows: tf.Tensor, op: str, size: int, prescale: float, postscale: fl
 
     With two ranks the sum is computed in the bucket's own dtype: one addition, rounded once,
     which is exactly the float32 sum narrowed back (and five times faster). With more ranks the
-    partial sums are accumulated in float32, so they are not rounded at every step. Scale
-    factors are folded into one multiplication after the sum (for Min and Max the prescale
-    comes first, since a negative factor swaps them).
+    partial sums are accumulated in float32, so they are not rounded at every step. The
+    prescale acts before the sum, as it must when it is there to keep a float16 sum from
+    overflowing; the division for Average and the postscale act after it.
     """
     dtype = rows.dtype
-    parts = tf.unstack(rows if size <= 2 else tf.cast(rows, tf.float32))
+    values = rows if size <= 2 else tf.cast(rows, tf.float32)
+    if prescale != 1.0:
+        values = values * prescale
+    parts = tf.unstack(values)
     if op in ("sum", "average"):
         out = tf.add_n(parts)
-        factor = prescale * postscale / (size if op == "average" else 1)
     else:
-        if prescale != 1.0:
-            parts = [p * prescale for p in parts]
         combine = tf.minimum if op == "min" else tf.maximum
         out = parts[0]
         for p in parts[1:]:
             out = combine(out, p)
-        factor = postscale
+    factor = postscale / size if op == "average" else postscale
     if factor != 1.0:
         out = out * factor
     return tf.cast(out, dtype)
@@ -67,8 +67,8 @@ def reduce_bucket(members: list, op: str, prescale: float, postscale: float, nam
     Args:
         members: Tensors of one dtype in :data:`HALF_DTYPES`, the same shapes on every rank.
         op: "sum", "average", "min" or "max".
-        prescale: Multiplies each input before the reduction (applied in float32).
-        postscale: Multiplies each result after it (applied in float32).
+        prescale: Multiplies each input before the reduction.
+        postscale: Multiplies each result after it.
         name: Name of the collectives in the timeline (".scatter" and ".gather" are appended).
         info: Extra fields for the timeline events.
     """

@@ -147,3 +147,12 @@ def test_half_precision_bucket_with_unknown_shapes(hvd):
     a, b = run(tf.fill([3], tf.constant(r, tf.float16)), tf.ones([6], tf.float16))
     np.testing.assert_array_equal(a.numpy(), np.full([3], _rank_sum(n)))
     np.testing.assert_array_equal(b.numpy(), np.full([6], n))
+
+
+def test_float16_prescale_acts_before_the_sum(hvd):
+    """A prescale is how a float16 sum is kept from overflowing: 2 x 40000 is past float16's
+    largest value (65504), 2 x (40000 / 2) is not."""
+    n = hvd.size()
+    x = tf.fill([5], tf.constant(40000, tf.float16))
+    out = hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5)
+    np.testing.assert_array_equal(out.numpy(), np.full([5], 20000.0 * n, np.float16))
