@@ -217,14 +217,7 @@ class Communicator:
         if self.size == 1:
             out[...] = array
             return out
-        self._run(
-            name,
-            lambda: self.mpi.Alltoall(_as_bytes(array), _as_bytes(out)),
-            nbytes=array.nbytes,
-            dtype=str(array.dtype),
-            info=info,
-        )
-        return out
+        return self._move_bytes(name, self.mpi.Alltoall, array, out, info)
 
     def allgather_equal(self, array: np.ndarray, *, name: str = "allgather", out=None, info=None):
         """Like :meth:`allgather` when every rank's ``array`` has the same shape: one collective
@@ -236,9 +229,13 @@ class Communicator:
         if self.size == 1:
             out[0] = array
             return out
+        return self._move_bytes(name, self.mpi.Allgather, array, out, info)
+
+    def _move_bytes(self, name: str, collective, array: np.ndarray, out: np.ndarray, info):
+        """Runs ``collective(send, recv)`` (e.g. ``Alltoall``) on both arrays' raw bytes."""
         self._run(
             name,
-            lambda: self.mpi.Allgather(_as_bytes(array), _as_bytes(out)),
+            lambda: collective(_as_bytes(array), _as_bytes(out)),
             nbytes=array.nbytes,
             dtype=str(array.dtype),
             info=info,

@@ -373,7 +373,10 @@ def allgather(tensor, name: str | None = None) -> tf.Tensor:
         tensor = tf.reshape(tensor, [1])
     name = name or "allgather"
     shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
-    gather = lambda a: (comm.allgather(a, name=name),)  # noqa: E731
+
+    def gather(a):
+        return (comm.allgather(a, name=name),)
+
     return ordered_call(gather, [tensor], [tensor.dtype], [shape], name)[0]
 
 
