@@ -70,7 +70,7 @@ def _resnet50(args) -> None:
     import numpy as np
     import tensorflow as tf
 
-    from syncdp.tape import reduce_gradients
+    from syncdp.tensorflow.tape import reduce_gradients
 
     shapes = [tuple(v.shape) for v in keras.applications.ResNet50(weights=None).trainable_variables]
     rng = np.random.default_rng(syncdp.rank())
@@ -104,8 +104,8 @@ def _resnet50(args) -> None:
     cfg = (
         f"ResNet-50 trainable-variable gradients: {len(shapes)} tensors, {nbytes / 1e6:.1f} "
         f"MB float32, Average, np={syncdp.size()}, fusion threshold "
-        f"{syncdp.runtime.get_config().fusion_threshold >> 20} MiB, chunk "
-        f"{syncdp.runtime.get_config().chunk_bytes >> 10} KiB"
+        f"{syncdp.core.runtime.get_config().fusion_threshold >> 20} MiB, chunk "
+        f"{syncdp.core.runtime.get_config().chunk_bytes >> 10} KiB"
     )
     mach = machine(f"{args.intra_threads} intra-op thread per rank")
     say(f"allreduce --resnet50: {cfg}\nmachine: {mach}")

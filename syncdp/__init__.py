@@ -1,5 +1,16 @@
 """syncdp: synchronous data-parallel training for TensorFlow on MPI, with Horovod's API.
 
+Importing syncdp starts no MPI; ``syncdp.init()`` does.
+
+The layers, each importing only the ones above it in this list:
+
+    syncdp.core        rank environment: settings, MPI, communicator, watchdog, topology
+    syncdp.engine      the reduction engine: buckets, packing, reduce, unpack (NumPy + MPI)
+    syncdp.tensorflow  the TensorFlow face: collectives on tensors, DistributedGradientTape
+    syncdp.data        each rank's TFRecord shards, the same number of steps everywhere
+    syncdp.checkpoint  rank 0 writes, every rank restores
+    syncdp.keras       the Keras face: DistributedOptimizer, callbacks
+
 Example:
     >>> import syncdp
     >>> syncdp.init()
@@ -11,86 +22,9 @@ Launch N ranks with ``syncdp-run -np N python train.py``.
 # The data and checkpoint layers, so `syncdp.data.tfrecord_dataset` works after `import syncdp`.
 from syncdp import checkpoint as checkpoint
 from syncdp import data as data
-from syncdp._exceptions import (
-    CheckpointError,
-    CollectiveError,
-    ConfigError,
-    DataError,
-    NotInitializedError,
-    StallError,
-    StepMismatchError,
-    SyncdpError,
-    VerificationError,
-)
-from syncdp.compression import Compression
-from syncdp.ops import (
-    Average,
-    Max,
-    Min,
-    ReduceOp,
-    Sum,
-    allgather,
-    allgather_object,
-    allreduce,
-    barrier,
-    broadcast,
-    broadcast_object,
-    broadcast_variables,
-    grouped_allreduce,
-    join,
-)
-from syncdp.runtime import (
-    cross_rank,
-    cross_size,
-    init,
-    is_chief,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    shutdown,
-    size,
-)
-from syncdp.tape import DistributedGradientTape
-from syncdp.verify import verify_synchronized
+from syncdp.tensorflow import *  # noqa: F403
+from syncdp.tensorflow import __all__ as _tensorflow_all
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "init",
-    "shutdown",
-    "is_initialized",
-    "rank",
-    "size",
-    "local_rank",
-    "local_size",
-    "cross_rank",
-    "cross_size",
-    "is_chief",
-    "barrier",
-    "allreduce",
-    "grouped_allreduce",
-    "allgather",
-    "broadcast",
-    "broadcast_variables",
-    "broadcast_object",
-    "allgather_object",
-    "join",
-    "ReduceOp",
-    "Average",
-    "Sum",
-    "Min",
-    "Max",
-    "Compression",
-    "DistributedGradientTape",
-    "verify_synchronized",
-    "SyncdpError",
-    "NotInitializedError",
-    "ConfigError",
-    "CollectiveError",
-    "StallError",
-    "StepMismatchError",
-    "VerificationError",
-    "CheckpointError",
-    "DataError",
-]
+__all__ = list(_tensorflow_all)

@@ -14,6 +14,21 @@ restored.
 rank resumes identical without access to the directory; with no checkpoint it broadcasts rank
 0's current state, which makes it the one call a training script needs at its start.
 
+What ``restore()`` does with a newest checkpoint it cannot use depends on why:
+
+- Its content is wrong (a file missing, of the wrong size or not matching its SHA-256, a
+  manifest that is not JSON): the checkpoint is damaged for good, so it is skipped, with a
+  warning, for the one before.
+- The operating system refuses to read it (``EIO``, ``EACCES``, a directory where a file should
+  be, ...): that says nothing about the checkpoint, and may pass, so ``restore()`` raises
+  :class:`~syncdp.core.errors.CheckpointError` on every rank, naming the file and the cause.
+  Falling back would resume from older state without anyone noticing, and the saves that
+  follow would overwrite the newer checkpoint.
+
+The manager holds any trackables that ``tf.train.Checkpoint`` takes and imports no Keras:
+models, layers and optimizers are recognized by what they expose (``built``, ``build``,
+``apply_gradients``, ``trainable_variables``), so this layer stays below :mod:`syncdp.keras`.
+
 Layout of a checkpoint directory::
 
     DIRECTORY/ckpt-00000020/ckpt.index
@@ -41,13 +56,14 @@ import shutil
 import sys
 import time
 
-import keras
 import tensorflow as tf
 
-from syncdp import ops, runtime, verify
-from syncdp._exceptions import CheckpointError
+from syncdp.core import runtime
+from syncdp.core.errors import CheckpointError
+from syncdp.tensorflow import collectives as ops
+from syncdp.tensorflow import verify
 
-__all__ = ["CheckpointManager", "CheckpointCallback", "list_checkpoints"]
+__all__ = ["CheckpointManager", "list_checkpoints"]
 
 MANIFEST = "syncdp-checkpoint.json"
 _PREFIX = "ckpt"
@@ -58,11 +74,14 @@ _NAME = re.compile(r"^ckpt-(\d+)$")
 _IO_TIMEOUT_SECONDS = 600.0
 
 
-def _sha256(path: str) -> str:
+def _sha256(file) -> str:
+    """The SHA-256 of a path's content, or of an open binary file's from where it stands."""
+    if isinstance(file, str | os.PathLike):
+        with open(file, "rb") as f:
+            return _sha256(f)
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    for block in iter(lambda: file.read(1 << 20), b""):
+        h.update(block)
     return h.hexdigest()
 
 
@@ -75,19 +94,48 @@ def _fsync(path: str) -> None:
 
 
 def _check(path: str) -> dict:
-    """Returns the manifest of the checkpoint at ``path``; raises CheckpointError if unusable."""
+    """Returns the manifest of the checkpoint at ``path``.
+
+    Raises:
+        CheckpointError: The checkpoint's content is wrong (missing file, wrong size, SHA-256
+            mismatch, unparsable manifest): skip it.
+        OSError: The operating system refused to read a file (``filename`` names it): the
+            checkpoint may be fine, so the caller must not skip it.
+    """
+    manifest_path = os.path.join(path, MANIFEST)
     try:
-        with open(os.path.join(path, MANIFEST)) as f:
+        with open(manifest_path) as f:
             manifest = json.load(f)
-    except (OSError, ValueError) as e:
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path} has no {MANIFEST} ({e}).") from None
+    except ValueError as e:
         raise CheckpointError(f"{path} has no readable {MANIFEST} ({e}).") from None
+    except OSError as e:
+        raise _with_filename(e, manifest_path) from None
     for name, meta in manifest.get("files", {}).items():
         file = os.path.join(path, name)
-        if not os.path.isfile(file) or os.path.getsize(file) != meta["bytes"]:
-            raise CheckpointError(f"{file} is missing or has the wrong size.")
-        if _sha256(file) != meta["sha256"]:
+        # open() before any size check, so a directory in a file's place is a refused read
+        # (EISDIR), not a "wrong size" that would be skipped as damage.
+        try:
+            with open(file, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                digest = _sha256(f) if size == meta["bytes"] else None
+        except FileNotFoundError:
+            raise CheckpointError(f"{file} is missing.") from None
+        except OSError as e:
+            raise _with_filename(e, file) from None
+        if size != meta["bytes"]:
+            raise CheckpointError(f"{file} has {size} bytes, not the {meta['bytes']} expected.")
+        if digest != meta["sha256"]:
             raise CheckpointError(f"{file} does not match its SHA-256 in {MANIFEST}.")
     return manifest
+
+
+def _with_filename(error: OSError, file: str) -> OSError:
+    # read() errors carry no file name; the message to the user must name the file.
+    if error.filename is None:
+        error.filename = file
+    return error
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, str]]:
@@ -113,8 +161,35 @@ def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def _is_optimizer(obj) -> bool:
+    # A Keras optimizer (DistributedOptimizer included) applies gradients and creates its slot
+    # variables in build(var_list); duck-typed so this layer does not import Keras.
+    return callable(getattr(obj, "apply_gradients", None)) and callable(
+        getattr(obj, "build", None)
+    )
+
+
+def _is_model(obj) -> bool:
+    # A Keras model or layer: it has weights once ``built``. A tf.Module has no ``built``.
+    return (
+        not _is_optimizer(obj)
+        and hasattr(obj, "built")
+        and hasattr(obj, "trainable_variables")
+    )
+
+
+def _is_variable(obj) -> bool:
+    # tf.Variable, or a Keras 3 variable (a tf Tensor with assign(), not a tf.Variable).
+    return isinstance(obj, tf.Variable) or (
+        not hasattr(obj, "variables")
+        and callable(getattr(obj, "assign", None))
+        and hasattr(obj, "shape")
+        and hasattr(obj, "dtype")
+    )
+
+
 def _variables_of(name: str, obj) -> list:
-    if isinstance(obj, tf.Variable | keras.Variable):
+    if _is_variable(obj):
         return [obj]
     variables = getattr(obj, "variables", None)
     if variables is None:
@@ -168,14 +243,14 @@ class CheckpointManager:
 
     def _variables(self) -> list:
         """Every variable to keep identical, in the same order on every rank."""
-        models = [t for t in self.trackables.values() if isinstance(t, keras.Model)]
+        models = [t for t in self.trackables.values() if _is_model(t)]
         for name, obj in self.trackables.items():
-            if isinstance(obj, keras.Model) and not obj.built:
+            if _is_model(obj) and not obj.built:
                 raise CheckpointError(
                     f"CheckpointManager needs built models; {name} has no variables yet. Build "
                     "it first (call it on a batch, or model.build(input_shape))."
                 )
-            if isinstance(obj, keras.optimizers.Optimizer) and not obj.built:
+            if _is_optimizer(obj) and not getattr(obj, "built", True):
                 if not models:
                     raise CheckpointError(
                         f"The optimizer {name} has no slot variables yet, and there is no Keras "
@@ -370,87 +445,3 @@ class CheckpointManager:
                     ".tmp-" in name or name.endswith(".deleted")
                 ):
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-
-
-class CheckpointCallback(keras.callbacks.Callback):
-    """Saves checkpoints during ``model.fit`` on rank 0 and resumes from the newest one.
-
-    At the start of training it restores the newest checkpoint in ``directory`` (or broadcasts
-    rank 0's initial state when there is none, like ``BroadcastGlobalVariablesCallback``) and
-    makes ``fit`` continue from the epoch after the one saved, like Keras's
-    ``BackupAndRestore``: a restarted job that calls the same ``fit`` resumes where it stopped.
-    Saves are synchronization points; every rank must use the callback.
-
-    Resume is exact for checkpoints written at the end of an epoch. A checkpoint written every
-    ``save_freq`` batches resumes at the start of the epoch it was written in, with the weights
-    it saved, because ``fit`` cannot skip the batches already seen.
-
-    Args:
-        directory: Where rank 0 keeps the checkpoints.
-        save_freq: "epoch" to save at the end of every ``every`` epochs, or an int N to save
-            every N batches. Defaults to "epoch".
-        every: With ``save_freq="epoch"``, save every this many epochs. Defaults to 1.
-        max_to_keep: How many checkpoints to keep. Defaults to 3.
-
-    Attributes:
-        initial_epoch: The epoch ``fit`` resumed at (0 without a checkpoint).
-        manager: The :class:`CheckpointManager` (model and its optimizer).
-
-    Example:
-        >>> model.fit(x, y, epochs=10, callbacks=[
-        ...     syncdp.checkpoint.CheckpointCallback("/ckpt", save_freq="epoch")])
-    """
-
-    def __init__(
-        self,
-        directory: str | os.PathLike,
-        *,
-        save_freq: str | int = "epoch",
-        every: int = 1,
-        max_to_keep: int | None = 3,
-    ):
-        super().__init__()
-        if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq > 0):
-            raise CheckpointError(
-                f"save_freq must be 'epoch' or a positive int; got {save_freq!r}."
-            )
-        if every < 1:
-            raise CheckpointError(f"every must be at least 1; got {every}.")
-        self.directory = directory
-        self.save_freq = save_freq
-        self.every = every
-        self.max_to_keep = max_to_keep
-        self.manager: CheckpointManager | None = None
-        self.initial_epoch = 0
-        self._epoch = 0
-        self._batches = 0
-
-    def on_train_begin(self, logs=None):
-        trackables = {"model": self.model}
-        if getattr(self.model, "optimizer", None) is not None:
-            trackables["optimizer"] = self.model.optimizer
-        self.manager = CheckpointManager(self.directory, max_to_keep=self.max_to_keep, **trackables)
-        self.manager.restore()
-        self.initial_epoch = int(self.manager.metadata.get("epoch", 0))
-        self._epoch = self.initial_epoch
-        if self.initial_epoch:
-            self.model._initial_epoch = self.initial_epoch  # read by fit after this hook
-
-    def on_train_end(self, logs=None):
-        self.model._initial_epoch = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-
-    def _step(self) -> int:
-        optimizer = getattr(self.model, "optimizer", None)
-        return int(optimizer.iterations.numpy()) if optimizer is not None else self._batches
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._batches += 1
-        if isinstance(self.save_freq, int) and self._batches % self.save_freq == 0:
-            self.manager.save(self._step(), metadata={"epoch": self._epoch})
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self.save_freq == "epoch" and (epoch + 1) % self.every == 0:
-            self.manager.save(self._step(), metadata={"epoch": epoch + 1})

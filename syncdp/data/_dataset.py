@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from syncdp import runtime
-from syncdp._exceptions import DataError
+from syncdp.core import runtime
+from syncdp.core.errors import DataError
 from syncdp.data._sharding import _assign, _gather_counts, _resolve_files
 
 __all__ = ["tfrecord_dataset"]

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from syncdp import runtime
-from syncdp._exceptions import DataError
+from syncdp.core import runtime
+from syncdp.core.errors import DataError
 from syncdp.data._tfrecord import _read_with_tensorflow, _scan_headers, count_records
 
 __all__ = ["shard_files"]

@@ -14,9 +14,10 @@ Example:
     ...                               hvd.callbacks.MetricAverageCallback()])
 """
 
-from syncdp import *  # noqa: F403
-from syncdp import __all__ as _core_all
 from syncdp.keras import callbacks
+from syncdp.keras.checkpoint import CheckpointCallback
 from syncdp.keras.optimizer import DistributedOptimizer, load_model
+from syncdp.tensorflow import *  # noqa: F403
+from syncdp.tensorflow import __all__ as _core_all
 
-__all__ = [*_core_all, "DistributedOptimizer", "load_model", "callbacks"]
+__all__ = [*_core_all, "DistributedOptimizer", "load_model", "callbacks", "CheckpointCallback"]

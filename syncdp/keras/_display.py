@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import keras
 
-from syncdp import runtime
+from syncdp.core import runtime
 
 __all__ = ["quiet_other_ranks"]
 

@@ -27,10 +27,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from syncdp import ops, runtime
-from syncdp._exceptions import CollectiveError
+from syncdp.core import runtime
+from syncdp.core.errors import CollectiveError
 from syncdp.keras import _display
 from syncdp.keras.optimizer import turn_off_jit
+from syncdp.tensorflow import collectives as ops
 
 __all__ = [
     "BroadcastGlobalVariablesCallback",

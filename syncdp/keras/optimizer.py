@@ -24,11 +24,11 @@ import warnings
 import keras
 import tensorflow as tf
 
-from syncdp import ops
-from syncdp._exceptions import ConfigError
-from syncdp.compression import Compression
+from syncdp.core.errors import UnsupportedError
 from syncdp.keras import _display
-from syncdp.tape import reduce_gradients
+from syncdp.tensorflow import collectives as ops
+from syncdp.tensorflow.compression import Compression
+from syncdp.tensorflow.tape import reduce_gradients
 
 try:  # Private, but the only way to know at trace time that XLA will compile the graph.
     from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
@@ -222,7 +222,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             trainable_variables: The variables. Defaults to those the optimizer was built with.
 
         Raises:
-            ConfigError: Traced inside an XLA-compiled function (``jit_compile=True``).
+            UnsupportedError: Traced inside an XLA-compiled function (``jit_compile=True``).
             StepMismatchError: Ranks are at different updates (``iterations``); see
                 :func:`syncdp.tape.reduce_gradients`, which also runs the
                 ``SYNCDP_VERIFY_EVERY`` replica check on the variables.
@@ -319,7 +319,7 @@ def _check_not_xla() -> None:
     if GraphOrParentsInXlaContext is None or tf.executing_eagerly():
         return
     if GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
-        raise ConfigError(
+        raise UnsupportedError(
             "DistributedOptimizer cannot run inside an XLA-compiled function: syncdp's "
             "collectives run on the host, which XLA cannot compile, and this step was traced "
             "with jit_compile=True. Compile the model with model.compile(..., "

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from syncdp.tape import reduce_gradients
+from syncdp.tensorflow.tape import reduce_gradients
 
 
 def _rank_sum(n):

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-GLOBAL_BATCH = 16
+GLOBAL_BATCH = 24  # splits evenly over 1, 2, 3 and 4 ranks
 STEPS = 10
 
 

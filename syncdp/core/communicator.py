@@ -1,9 +1,9 @@
 """The communicator: MPI collectives on NumPy buffers, each one watched for stalls.
 
-Everything syncdp sends between ranks goes through :class:`Communicator`. It wraps a private
-duplicate of an mpi4py communicator, so user code that also uses ``MPI.COMM_WORLD`` can never
-match one of syncdp's messages. Every method is a synchronization point: all ranks must call it,
-in the same order, with matching shapes and dtypes.
+Everything syncdp sends between ranks goes through :class:`Communicator`. It owns a private
+duplicate of an mpi4py communicator (``init()`` makes it), so user code that also uses
+``MPI.COMM_WORLD`` can never match one of syncdp's messages. Every method is a synchronization
+point: all ranks must call it, in the same order, with matching shapes and dtypes.
 
 Each collective is numbered and announced to the :class:`~syncdp.watchdog.Watchdog` before it
 starts, which is how a rank that never arrives is detected and named.
@@ -16,16 +16,17 @@ import time
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
-from syncdp.config import Config
-from syncdp.watchdog import Watchdog
+from syncdp.core import mpi as _mpi
+from syncdp.core.settings import Config
+from syncdp.core.watchdog import Watchdog
 
-__all__ = ["Communicator", "SUM", "MAX", "MIN"]
+__all__ = ["Communicator", "OPS"]
 
-SUM = MPI.SUM
-MAX = MPI.MAX
-MIN = MPI.MIN
+_JOIN_TAG = 7301  # the only point-to-point message on syncdp's private communicator
+
+# The reductions MPI does for syncdp; Average is a sum followed by a division (engine).
+OPS = ("sum", "min", "max")
 
 
 def _as_bytes(array: np.ndarray) -> np.ndarray:
@@ -37,14 +38,16 @@ class Communicator:
     """Collectives over a group of MPI processes.
 
     Args:
-        mpi_comm: The group to use. syncdp duplicates it, leaving the original to the caller.
+        mpi_comm: The group to use, a duplicate private to syncdp; the Communicator owns it and
+            frees it in :meth:`close`.
         config: Settings: chunk size, stall timeouts.
         timeline: Optional object with ``record(name, nbytes, dtype, start, end)``, told about
             every collective.
     """
 
-    def __init__(self, mpi_comm: MPI.Comm, config: Config, timeline=None):
-        self.mpi = mpi_comm.Dup()
+    def __init__(self, mpi_comm, config: Config, timeline=None):
+        self._MPI = _mpi.load()
+        self.mpi = mpi_comm
         self.rank = self.mpi.Get_rank()
         self.size = self.mpi.Get_size()
         self.config = config
@@ -57,9 +60,9 @@ class Communicator:
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
-        if self.mpi != MPI.COMM_NULL:
+        if self.mpi != self._MPI.COMM_NULL:
             self.mpi.Free()
-            self.mpi = MPI.COMM_NULL
+            self.mpi = self._MPI.COMM_NULL
 
     def _run(
         self,
@@ -85,12 +88,17 @@ class Communicator:
                     name, nbytes, dtype, start, time.perf_counter(), **(info or {})
                 )
 
-    def allreduce(self, array: np.ndarray, op=SUM, *, name: str = "allreduce") -> np.ndarray:
+    def _op(self, op: str):
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}; got {op!r}.")
+        return getattr(self._MPI, op.upper())
+
+    def allreduce(self, array: np.ndarray, op: str = "sum", *, name: str = "allreduce"):
         """Element-wise reduction of ``array`` over all ranks; every rank gets the result.
 
         Args:
             array: Contiguous data with an arithmetic dtype MPI knows (float16/32/64, ints).
-            op: ``SUM``, ``MAX`` or ``MIN``. Defaults to ``SUM``.
+            op: "sum", "min" or "max". Defaults to "sum".
             name: What the timeline and stall reports call this collective.
 
         Returns:
@@ -108,7 +116,7 @@ class Communicator:
     def allreduce_inplace(
         self,
         buffer: np.ndarray,
-        op=SUM,
+        op: str = "sum",
         *,
         name: str = "allreduce",
         before=None,
@@ -131,7 +139,7 @@ class Communicator:
 
         Args:
             buffer: A contiguous, writable 1-D array.
-            op: ``SUM``, ``MAX`` or ``MIN``. Defaults to ``SUM``.
+            op: "sum", "min" or "max". Defaults to "sum".
             name: What the timeline and stall reports call this collective.
             before: Optional ``fn(lo, hi)`` that writes ``buffer[lo:hi]``. Defaults to None.
             after: Optional ``fn(lo, hi)`` that post-processes ``buffer[lo:hi]``. Defaults to
@@ -153,14 +161,14 @@ class Communicator:
                 if after is not None:
                     after(lo, hi)
             return buffer
-        mpi, in_place = self.mpi, MPI.IN_PLACE
+        mpi, in_place, mpi_op = self.mpi, self._MPI.IN_PLACE, self._op(op)
 
         def reduce():
             for lo in range(0, size, step):
                 hi = min(size, lo + step)
                 if before is not None:
                     before(lo, hi)
-                mpi.Allreduce(in_place, buffer[lo:hi], op)
+                mpi.Allreduce(in_place, buffer[lo:hi], mpi_op)
                 if after is not None:
                     after(lo, hi)
 
@@ -168,9 +176,18 @@ class Communicator:
         self._run(name, reduce, nbytes=nbytes, dtype=str(buffer.dtype), info=info)
         return buffer
 
-    def broadcast(self, array: np.ndarray, root: int = 0, *, name: str = "broadcast"):
-        """Returns rank ``root``'s ``array`` on every rank (shapes and dtypes must match)."""
-        buf = np.array(array, copy=True, order="C")
+    def broadcast(
+        self, array: np.ndarray, root: int = 0, *, name: str = "broadcast", in_place: bool = False
+    ) -> np.ndarray:
+        """Returns rank ``root``'s ``array`` on every rank (shapes and dtypes must match).
+
+        With ``in_place`` a contiguous ``array`` itself receives the values; otherwise a copy
+        does and ``array`` is left alone.
+        """
+        if in_place and array.flags.c_contiguous:
+            buf = array
+        else:
+            buf = np.array(array, copy=True, order="C")
         if self.size > 1:
             raw = buf.reshape(-1).view(np.uint8)
             self._run(
@@ -199,7 +216,7 @@ class Communicator:
         recv = out.reshape(-1).view(np.uint8)
         self._run(
             name,
-            lambda: self.mpi.Allgatherv(_as_bytes(array), [recv, counts, displs, MPI.BYTE]),
+            lambda: self.mpi.Allgatherv(_as_bytes(array), [recv, counts, displs, self._MPI.BYTE]),
             nbytes=array.nbytes,
             dtype=str(array.dtype),
         )
@@ -246,6 +263,35 @@ class Communicator:
         """Returns once every rank has called it."""
         if self.size > 1:
             self._run(name, self.mpi.Barrier, timeout=timeout)
+
+    def join(self, *, name: str = "join") -> int:
+        """Waits for every rank; returns the rank that arrived last, the same on every rank.
+
+        Arrivals are ordered on one clock, rank 0's: every other rank sends rank 0 a note as it
+        arrives; the notes already waiting when rank 0 arrives came before it, and of the rest
+        the last received is the last to arrive (rank 0 itself, if none was missing). Clocks of
+        different hosts are never compared.
+        """
+        if self.size == 1:
+            return 0
+        MPI = self._MPI
+
+        def run():
+            if self.rank != 0:
+                self.mpi.send(None, dest=0, tag=_JOIN_TAG)
+                return self.mpi.bcast(None, root=0)
+            status = MPI.Status()
+            arrived = 0
+            while self.mpi.iprobe(source=MPI.ANY_SOURCE, tag=_JOIN_TAG):
+                self.mpi.recv(source=MPI.ANY_SOURCE, tag=_JOIN_TAG)
+                arrived += 1
+            last = 0
+            for _ in range(self.size - 1 - arrived):
+                self.mpi.recv(source=MPI.ANY_SOURCE, tag=_JOIN_TAG, status=status)
+                last = status.Get_source()
+            return self.mpi.bcast(last, root=0)
+
+        return self._run(name, run)
 
     def broadcast_object(self, obj: Any, root: int = 0, *, name: str = "broadcast_object"):
         """Returns rank ``root``'s picklable ``obj`` on every rank."""

@@ -1,11 +1,10 @@
 """TensorFlow collectives: allreduce, allgather, broadcast on tensors, eagerly and in tf.function.
 
-Each op hands NumPy buffers to the :class:`~syncdp.comm.Communicator`, eagerly or as an ordered
-graph node (:mod:`syncdp.graph`), so the collectives of a traced step run in the same order on
-every rank. Float32/64 and integer buckets are summed by MPI in one pass
-(:func:`_bucket_reducer`); float16 and bfloat16 buckets travel as bytes and are summed by
-TensorFlow (:mod:`syncdp.halfreduce`), because MPI's and NumPy's half-precision arithmetic is
-scalar code, several times slower than moving the bytes.
+The TensorFlow face of the engine: each function here turns tensors into NumPy arrays and hands
+them to :mod:`syncdp.engine` (allreduces) or the communicator (the rest), eagerly or from an
+ordered graph node (:mod:`syncdp.tensorflow.graph`), so the collectives of a traced step run in
+the same order on every rank. The communicator is looked up when the collective runs, not when
+it is traced.
 
 Every function here is a synchronization point: all ranks must call it, in the same order, with
 tensors of the same dtype and (except allgather's first dimension) the same shape.
@@ -14,17 +13,15 @@ tensors of the same dtype and (except allgather's first dimension) the same shap
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from syncdp import comm as _comm
-from syncdp import halfreduce, runtime
-from syncdp.compression import Compression
-from syncdp.fusion import BufferPool, Layout, pack, plan_buckets, unpack
-from syncdp.graph import ordered_call
+from syncdp import engine
+from syncdp.core import runtime
+from syncdp.tensorflow.compression import Compression
+from syncdp.tensorflow.graph import ordered_call
 
 __all__ = [
     "ReduceOp",
@@ -58,7 +55,6 @@ Sum = ReduceOp.SUM
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 
-_MPI_OPS = {Average: _comm.SUM, Sum: _comm.SUM, Min: _comm.MIN, Max: _comm.MAX}
 _REDUCIBLE = {
     tf.float16,
     tf.bfloat16,
@@ -74,9 +70,6 @@ _REDUCIBLE = {
     tf.uint64,
 }
 
-# Fused allreduce buffers, kept between steps (see syncdp.fusion.BufferPool).
-_POOL = BufferPool()
-
 
 def _resolve_op(op, average) -> ReduceOp:
     if op is not None and average is not None:
@@ -89,148 +82,126 @@ def _resolve_op(op, average) -> ReduceOp:
     return op
 
 
-def _bucket_reducer(
-    comm,
-    dtype: np.dtype,
-    op: ReduceOp,
-    prescale: float,
-    postscale: float,
-    name: str,
-    info: dict,
-):
-    """The NumPy function that reduces one bucket: its members in, their reductions out.
-
-    Members are copied (and scaled) into an aligned pooled buffer chunk by chunk, each chunk
-    reduced in place right after it is filled, and the results returned as aligned views of
-    the buffer, which TensorFlow adopts without copying. The whole bucket thus costs one pass
-    over memory on top of MPI's own, whatever the number of members.
-    """
-    floating = np.issubdtype(dtype, np.floating)
-    n = comm.size
-    pre, post, divide = float(prescale), float(postscale), None
-    if op is Average:
-        if floating and n & (n - 1) == 0:
-            pre /= n  # dividing by a power of two commutes exactly with the sum: fold it in
-        else:
-            divide = n  # sum first, then divide (floor-divide for integers), chunk by chunk
-    layouts: dict[tuple, Layout] = {}
-
-    def reduce(*arrays):
-        flats = [a.reshape(-1) for a in arrays]
-        sizes = tuple(f.size for f in flats)
-        layout = layouts.get(sizes)
-        if layout is None:
-            layout = layouts[sizes] = Layout(sizes, dtype.itemsize)
-        buf = _POOL.get(name, layout.total, dtype)
-        members = list(zip(layout.offsets, sizes, flats))
-        cursor = [0]  # first member not yet completely copied in
-
-        def fill(lo, hi):
-            m = cursor[0]
-            while m < len(members):
-                off, size, src = members[m]
-                if off >= hi:
-                    break
-                s, e = max(lo, off), min(hi, off + size)
-                if s < e:
-                    dst = buf[s:e]
-                    piece = src[s - off : e - off]
-                    if pre == 1.0:
-                        np.copyto(dst, piece)
-                    elif floating:
-                        np.multiply(piece, pre, out=dst)
-                    else:
-                        dst[...] = (piece * pre).astype(dtype)
-                if off + size > hi:
-                    break
-                m += 1
-            cursor[0] = m
-
-        def finish(lo, hi):
-            chunk = buf[lo:hi]
-            if divide is not None:
-                if floating:
-                    np.divide(chunk, divide, out=chunk)
-                else:
-                    np.floor_divide(chunk, divide, out=chunk)
-            if post != 1.0:
-                if floating:
-                    np.multiply(chunk, post, out=chunk)
-                else:
-                    chunk[...] = (chunk * post).astype(dtype)
-
-        needs_finish = divide is not None or post != 1.0
-        comm.allreduce_inplace(
-            buf,
-            _MPI_OPS[op],
-            name=name,
-            before=fill,
-            after=finish if needs_finish else None,
-            info=info,
-            nbytes=sum(sizes) * dtype.itemsize,
-        )
-        return tuple(
-            buf[off : off + size].reshape(a.shape) for (off, size, _), a in zip(members, arrays)
-        )
-
-    return reduce
+def _spec(tensor) -> engine.TensorSpec:
+    shape = tensor.shape
+    nbytes = shape.num_elements() * tensor.dtype.size if shape.is_fully_defined() else -1
+    return engine.TensorSpec(nbytes, tensor.dtype)
 
 
-def _reduce_bucket(
-    members: list, op: ReduceOp, prescale: float, postscale: float, name: str, bucket: int
-):
-    """Allreduces tensors of one dtype as one fused buffer; returns the reduced tensors."""
-    info = {"bucket": bucket, "tensors": len(members), "op": op.value}
-    if members[0].dtype in halfreduce.HALF_DTYPES:
-        return halfreduce.reduce_bucket(members, op.value, prescale, postscale, name, info)
-    comm = runtime.communicator()
-    dtype = np.dtype(members[0].dtype.as_numpy_dtype)
-    fn = _bucket_reducer(comm, dtype, op, prescale, postscale, name, info)
-    return ordered_call(fn, members, [m.dtype for m in members], [m.shape for m in members], name)
-
-
-def _fused_allreduce(tensors, op, compression, prescale, postscale, threshold, name):
-    comm = runtime.communicator()
+def _check_reducible(tensors) -> None:
     for t in tensors:  # the same error at any size, so a 1-rank test catches it
         if t.dtype not in _REDUCIBLE:
             raise TypeError(
                 f"allreduce cannot reduce {t.dtype.name} tensors; use a float or integer dtype."
             )
+
+
+def _reduce_bucket(members, reducer: engine.BucketReducer, step=None):
+    """One bucket as one ordered host call; returns the reduced members (and the agreed step)."""
+    k = len(members)
+
+    def run(*arrays):
+        results, agreed = reducer(
+            runtime.communicator(), arrays[:k], arrays[k] if k < len(arrays) else None
+        )
+        return results if agreed is None else (*results, np.int64(agreed))
+
+    inputs = list(members) + ([step] if step is not None else [])
+    dtypes = [m.dtype for m in members] + ([tf.int64] if step is not None else [])
+    shapes = [m.shape for m in members] + ([tf.TensorShape([])] if step is not None else [])
+    outs = ordered_call(run, inputs, dtypes, shapes, reducer.name)
+    return (outs[:k], outs[k]) if step is not None else (outs, None)
+
+
+def fused_allreduce(
+    tensors: Sequence[tf.Tensor],
+    op: ReduceOp,
+    *,
+    compression=Compression.none,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    name: str,
+    cap_bytes: int | None = None,
+    first_bytes: int | None = None,
+    reverse: bool = False,
+    step: tf.Tensor | None = None,
+):
+    """Allreduces dense tensors in buckets planned by the engine; the path of every allreduce.
+
+    Args:
+        tensors: Dense tensors of reducible dtypes.
+        op: The reduction.
+        compression: What travels between ranks. Defaults to none.
+        prescale: Multiplies every tensor before the reduction. Defaults to 1.
+        postscale: Multiplies every result after it. Defaults to 1.
+        name: Prefix of the buckets' names (``name.bucketN``).
+        cap_bytes: Most bytes per bucket. Defaults to the ``fusion_threshold`` setting.
+        first_bytes: Most bytes in the first bucket. Defaults to ``first_bucket_bytes``.
+        reverse: Plan from the last tensor to the first (gradients, in backprop order).
+        step: An int64 scalar every rank must agree on, carried in the first bucket (needs a
+            sum or average). Defaults to None.
+
+    Returns:
+        ``(results, agreed_step)``: the reduced tensors in the order given, and the step
+        tensor every rank agreed on (None without ``step``, or on one rank).
+    """
+    comm = runtime.communicator()
+    _check_reducible(tensors)
+    if comm.size == 1:
+        step = None
     if comm.size == 1 and prescale == 1.0 and postscale == 1.0:
-        return list(tensors)
-    if threshold is None:
-        threshold = runtime.get_config().fusion_threshold
+        return list(tensors), None
+    config = runtime.get_config()
+    cap = config.fusion_threshold if cap_bytes is None else cap_bytes
+    first = config.first_bucket_bytes if first_bytes is None else first_bytes
     wire, ctxs = [], []
     for t in tensors:
         sent, ctx = compression.compress(t)
-        if sent.dtype not in _REDUCIBLE:
-            raise TypeError(
-                f"allreduce cannot reduce {sent.dtype.name} tensors; use a float or integer dtype."
-            )
         wire.append(sent)
         ctxs.append(ctx)
+    _check_reducible(wire)
     results = [None] * len(wire)
-    for b, bucket in enumerate(plan_buckets(wire, threshold)):
+    agreed = None
+    buckets = engine.plan(
+        [_spec(w) for w in wire], first_bytes=first, cap_bytes=cap, reverse=reverse
+    )
+    for b, bucket in enumerate(buckets):
         members = [wire[i] for i in bucket.indices]
+        reducer = engine.BucketReducer(
+            members[0].dtype.as_numpy_dtype,
+            op.value,
+            prescale=prescale,
+            postscale=postscale,
+            name=f"{name}.bucket{b}",
+            info={"bucket": b, "tensors": len(members), "op": op.value},
+            carry_step=step is not None and b == 0,
+        )
         with tf.name_scope(f"syncdp_bucket{b}"):
-            reduced = _reduce_bucket(members, op, prescale, postscale, f"{name}.bucket{b}", b)
+            reduced, carried = _reduce_bucket(members, reducer, step if b == 0 else None)
+        agreed = carried if carried is not None else agreed
         for i, piece in zip(bucket.indices, reduced):
             results[i] = piece
     out = []
     for t, r, ctx in zip(tensors, results, ctxs):
         r = compression.decompress(r, ctx)
         out.append(r if r.dtype == t.dtype else tf.cast(r, t.dtype))
-    return out
+    return out, agreed
 
 
-def _allreduce_sparse(slices: tf.IndexedSlices, op: ReduceOp, name: str) -> tf.IndexedSlices:
-    """Allreduce of IndexedSlices as Horovod does it: gather every rank's rows and indices."""
+def _allreduce_sparse(
+    slices: tf.IndexedSlices, op: ReduceOp, name: str, prescale=1.0, postscale=1.0
+) -> tf.IndexedSlices:
+    """Allreduce of IndexedSlices as Horovod does it: gather every rank's rows and indices.
+
+    The sum of the gathered rows is linear, so both scale factors apply to the rows.
+    """
     if op not in (Average, Sum):
         raise ValueError(f"IndexedSlices can only be reduced with Average or Sum; got {op}.")
     values = allgather(slices.values, name=f"{name}.values")
     indices = allgather(slices.indices, name=f"{name}.indices")
-    if op is Average:
-        values = values / tf.cast(runtime.size(), values.dtype)
+    factor = prescale * postscale / (runtime.size() if op is Average else 1)
+    if factor != 1.0:
+        values = values * tf.cast(factor, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
@@ -280,11 +251,20 @@ def grouped_allreduce(
     results = list(tensors)
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
-            results[i] = _allreduce_sparse(t, op, f"{name}.sparse{i}")
+            results[i] = _allreduce_sparse(
+                t, op, f"{name}.sparse{i}", prescale_factor, postscale_factor
+            )
     if dense_at:
         dense = [tf.convert_to_tensor(tensors[i]) for i in dense_at]
-        reduced = _fused_allreduce(
-            dense, op, compression, prescale_factor, postscale_factor, fusion_threshold, name
+        reduced, _ = fused_allreduce(
+            dense,
+            op,
+            compression=compression,
+            prescale=prescale_factor,
+            postscale=postscale_factor,
+            name=name,
+            cap_bytes=fusion_threshold,
+            first_bytes=0,
         )
         for i, r in zip(dense_at, reduced):
             results[i] = r
@@ -332,26 +312,57 @@ def allreduce(
     op = _resolve_op(op, average)
     name = name or "allreduce"
     if isinstance(tensor, tf.IndexedSlices):
-        return _allreduce_sparse(tensor, op, name)
+        return _allreduce_sparse(tensor, op, name, prescale_factor, postscale_factor)
     runtime.communicator()
+    tensor = tf.convert_to_tensor(tensor)
+
+    def forward(x, pre, post):
+        options = dict(compression=compression, prescale=pre, postscale=post, cap_bytes=0)
+        return fused_allreduce([x], op, name=name, **options)[0][0]
+
+    if not tensor.dtype.is_floating:  # custom_gradient wants differentiable inputs
+        return forward(tensor, prescale_factor, postscale_factor)
 
     @tf.custom_gradient
     def reduce(x):
-        y = _fused_allreduce([x], op, compression, prescale_factor, postscale_factor, 0, name)[0]
+        if op in (Min, Max):
+            return _min_max_with_gradient(x, op, prescale_factor, postscale_factor, name)
+        y = forward(x, prescale_factor, postscale_factor)
 
         def grad(dy):
-            return _fused_allreduce(
-                [dy], op, compression, postscale_factor, prescale_factor, 0, f"{name}.grad"
-            )[0]
+            # y = post * op(pre * x): the chain rule swaps the factors.
+            return fused_allreduce(
+                [dy],
+                op,
+                prescale=postscale_factor,
+                postscale=prescale_factor,
+                name=f"{name}.grad",
+                cap_bytes=0,
+            )[0][0]
 
         return y, grad
 
-    tensor = tf.convert_to_tensor(tensor)
-    if not tensor.dtype.is_floating:  # custom_gradient wants differentiable inputs
-        return _fused_allreduce(
-            [tensor], op, compression, prescale_factor, postscale_factor, 0, name
-        )[0]
     return reduce(tensor)
+
+
+def _min_max_with_gradient(x, op, prescale: float, postscale: float, name: str):
+    """Min/Max allreduce and its gradient: it flows only to the ranks that hold the extreme.
+
+    With ``z = prescale * x`` on each rank, ``m = min(z)`` over ranks and ``y = postscale * m``,
+    and the job's loss the sum of every rank's loss, the gradient of ``x`` on rank r is
+    ``prescale * [z_r == m] * postscale * sum_s dy_s / count``, where ``count`` is how many ranks
+    hold the extreme (ties share it, as ``tf.reduce_min`` does).
+    """
+    z = x * prescale if prescale != 1.0 else x
+    m = fused_allreduce([z], op, name=name, cap_bytes=0)[0][0]
+    y = m * postscale if postscale != 1.0 else m
+
+    def grad(dy):
+        holds = tf.cast(tf.equal(z, m), dy.dtype)
+        count, total = fused_allreduce([holds, dy], Sum, name=f"{name}.grad", cap_bytes=0)[0]
+        return holds * total * (prescale * postscale) / count
+
+    return y, grad
 
 
 @tf.autograph.experimental.do_not_convert
@@ -367,7 +378,7 @@ def allgather(tensor, name: str | None = None) -> tf.Tensor:
     Returns:
         A tensor with the rows of rank 0, then rank 1, and so on.
     """
-    comm = runtime.communicator()
+    runtime.communicator()
     tensor = tf.convert_to_tensor(tensor)
     if tensor.shape.rank == 0:
         tensor = tf.reshape(tensor, [1])
@@ -375,7 +386,7 @@ def allgather(tensor, name: str | None = None) -> tf.Tensor:
     shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
 
     def gather(a):
-        return (comm.allgather(a, name=name),)
+        return (runtime.communicator().allgather(a, name=name),)
 
     return ordered_call(gather, [tensor], [tensor.dtype], [shape], name)[0]
 
@@ -396,7 +407,7 @@ def broadcast(tensor, root_rank: int = 0, name: str | None = None) -> tf.Tensor:
     tensor = tf.convert_to_tensor(tensor)
     name = name or "broadcast"
     return ordered_call(
-        lambda a: (comm.broadcast(a, root_rank, name=name),),
+        lambda a: (runtime.communicator().broadcast(a, root_rank, name=name),),
         [tensor],
         [tensor.dtype],
         [tensor.shape],
@@ -424,13 +435,21 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0):
     if comm.size == 1 or not variables:
         return None
     assigns = []
-    threshold = runtime.get_config().fusion_threshold
+    cap = runtime.get_config().fusion_threshold
     # Keras 3 variables report their dtype as a string: plan on the tensors' values.
     current = [tf.convert_to_tensor(v) for v in variables]
-    for b, bucket in enumerate(plan_buckets(current, threshold)):
+    buckets = engine.plan([_spec(c) for c in current], first_bytes=0, cap_bytes=cap)
+    for b, bucket in enumerate(buckets):
         values = [current[i] for i in bucket.indices]
-        received = broadcast(pack(values), root_rank, name=f"broadcast_variables.bucket{b}")
-        for i, value in zip(bucket.indices, unpack(received, values)):
+        name = f"broadcast_variables.bucket{b}"
+
+        def run(*arrays, name=name):
+            return engine.broadcast_bucket(runtime.communicator(), arrays, root_rank, name=name)
+
+        received = ordered_call(
+            run, values, [v.dtype for v in values], [v.shape for v in values], name
+        )
+        for i, value in zip(bucket.indices, received):
             assigns.append(variables[i].assign(value))
     return None if tf.executing_eagerly() else tf.group(*assigns)
 
@@ -457,11 +476,13 @@ def join() -> int:
 
     Horovod's join lets a rank that ran out of data stand in with zeros for the others'
     remaining allreduces. syncdp instead gives every rank the same number of steps
-    (``syncdp.data.tfrecord_dataset``), so here join is a barrier that reports the
-    straggler, measured by each rank's arrival time.
+    (``syncdp.data.tfrecord_dataset``), so here join is a barrier that reports the straggler:
+    arrivals are ordered on rank 0's clock alone, never by comparing hosts' clocks.
+
+    Returns:
+        The rank that arrived last, the same on every rank.
     """
-    arrivals = runtime.communicator().allgather_object(time.time(), name="join")
-    return int(np.argmax(arrivals))
+    return runtime.communicator().join()
 
 
 def _check_root(root_rank: int, size: int) -> None:

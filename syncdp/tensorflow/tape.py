@@ -1,26 +1,36 @@
 """DistributedGradientTape: a tf.GradientTape whose gradients are averaged over all ranks.
 
-Step agreement: every call of :func:`reduce_gradients` belongs to a training step. Before any
-gradient travels, the ranks exchange their step numbers in one tiny collective (an int64 per
-rank); if they differ, every rank raises :class:`~syncdp.StepMismatchError` naming the ranks
-and their steps, instead of averaging gradients of different steps. The step is the one the
-caller passes (``step=``: ``optimizer.iterations``, which catches a rank that skipped an update,
-or the loop's step, which catches a rank whose data skipped a batch); without one it is this
-rank's count of gradient reductions, which only catches ranks whose counts were set apart.
+:func:`reduce_gradients` is the path of every gradient (the tape and the Keras optimizer both
+call it). It hands the gradients to the engine in reverse order, so the first bucket (small,
+``first_bucket_bytes``) holds the last layers' gradients, which backprop produces first, and
+its collective starts while the earlier layers are still being differentiated; each bucket's
+collective waits only for its own gradients and for the bucket before it.
 
-The count also drives ``SYNCDP_VERIFY_EVERY=K``: every K-th reduction, the variables the
-gradients are for are checked to be bit-identical on every rank
-(:func:`syncdp.verify_synchronized`) before this step's update.
+Step agreement: every call belongs to a training step, and the first bucket carries every
+rank's step (:mod:`syncdp.engine.steps`): no collective of its own. If the steps differ, every
+rank raises :class:`~syncdp.StepMismatchError` naming the ranks and their steps, and no update
+is applied. The step is the one the caller passes (``step=``: ``optimizer.iterations``, which
+catches a rank that skipped an update, or the loop's step); without one it is this rank's count
+of gradient reductions.
+
+``SYNCDP_VERIFY_EVERY=K``: on every K-th agreed step, the variables the gradients are for are
+checked to be bit-identical on every rank (:func:`syncdp.verify_synchronized`), in the same
+ordered chain as the buckets, before the step's update.
+
+With a timeline on, each gradient passes a marker that records when it was computed, so the
+trace shows the buckets' collectives against the backward pass.
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import tensorflow as tf
 
-from syncdp import graph, ops, runtime, verify
-from syncdp._exceptions import StepMismatchError
-from syncdp.compression import Compression
+from syncdp.core import runtime
+from syncdp.tensorflow import collectives, graph, verify
+from syncdp.tensorflow.compression import Compression
 
 __all__ = ["DistributedGradientTape", "reduce_gradients"]
 
@@ -36,55 +46,43 @@ def _step_counter() -> tf.Variable:
     return _counter
 
 
-def _check_steps(steps: np.ndarray, rank: int) -> int:
-    """Raises StepMismatchError unless every rank reported the same step; returns it."""
-    mine = int(steps[rank])
-    if (steps == mine).all():
-        return mine
-    by_step: dict[int, list[int]] = {}
-    for r, s in enumerate(steps.tolist()):
-        by_step.setdefault(s, []).append(r)
-    majority = max(by_step, key=lambda s: (len(by_step[s]), 0 in by_step[s]))
-    odd = ", ".join(
-        f"rank {r} is at step {s}" for r, s in enumerate(steps.tolist()) if s != majority
-    )
-    raise StepMismatchError(
-        "Ranks must reduce gradients of the same step, but they disagree: "
-        f"{odd}; {verify._ranks(by_step[majority])} at step {majority}. A rank skipped or "
-        "repeated a step (uneven data, a rank-dependent `continue` or early exit); give every "
-        "rank the same number of steps (syncdp.data.tfrecord_dataset does)."
-    )
+def _mark_computed(grads, variables):
+    """With a timeline, routes each dense gradient through a marker recording when it exists."""
+    timeline = runtime.communicator().timeline
+    if timeline is None or tf.executing_eagerly():
+        return grads
+    names = [verify.variable_name(v, i) for i, v in enumerate(variables or [])]
+    out = []
+    for i, g in enumerate(grads):
+        if g is None or isinstance(g, tf.IndexedSlices):
+            out.append(g)
+            continue
+        label = f"gradient {names[i] if i < len(names) else i}"
+
+        def mark(array, label=label):
+            timeline.mark(label, time.perf_counter())
+            return array
+
+        marked = graph.host_call(mark, [g], g.dtype, stateful=False, name="syncdp_mark")
+        marked.set_shape(g.shape)
+        out.append(marked)
+    return out
 
 
-def _agree_on_step(variables, step=None):
-    """The step-agreement collective (and the periodic verification); returns a step tensor.
-
-    Eagerly it raises at once; inside tf.function the returned tensor carries the check, and
-    the gradients must depend on it so that no bucket starts when the ranks disagree.
-    """
-    comm = runtime.communicator()
-    every = runtime.get_config().verify_every
-    variables = list(variables or []) if every else []
+def _verify_every(agreed_step, variables, every: int):
+    """The periodic replica check, as an ordered collective after the buckets."""
+    variables = list(variables)
     names = [verify.variable_name(v, i) for i, v in enumerate(variables)]
-    count = _step_counter().assign_add(1)
-    step = count if step is None else tf.cast(tf.convert_to_tensor(step), tf.int64)
-    mine = tf.one_hot(comm.rank, comm.size, dtype=tf.int64) * tf.reshape(step, [])
-    steps = ops.allreduce(mine, op=ops.Sum, name="step_agreement")
-
-    def check(steps, count, *values):
-        agreed = _check_steps(steps, comm.rank)
-        if values and count % every == 0:
-            verify.verify_arrays(names, values)
-        return np.int64(agreed)
-
     values = [tf.convert_to_tensor(v) for v in variables]
-    if tf.executing_eagerly():
-        return check(steps.numpy(), int(count), *[v.numpy() for v in values])
-    # The verification collective inside runs between the step agreement (its input) and the
-    # first gradient bucket (which waits for it), so every rank runs it in the same place.
-    agreed = graph.host_call(check, [steps, count, *values], tf.int64, name="step_agreement_check")
-    agreed.set_shape([])
-    return agreed
+
+    def check(step, *arrays):
+        if int(step) % every == 0:
+            verify.verify_arrays(names, arrays)
+        return (np.int64(step),)
+
+    return graph.ordered_call(
+        check, [agreed_step, *values], [tf.int64], [tf.TensorShape([])], "verify_every"
+    )[0]
 
 
 def _after(check, grads):
@@ -103,11 +101,11 @@ def _after(check, grads):
     return out
 
 
-@tf.autograph.experimental.do_not_convert  # see syncdp.graph.host_call
+@tf.autograph.experimental.do_not_convert  # see syncdp.tensorflow.graph.host_call
 def reduce_gradients(
     grads,
     *,
-    op=ops.Average,
+    op=collectives.Average,
     compression=Compression.none,
     sparse_as_dense: bool = False,
     gradient_predivide_factor: float = 1.0,
@@ -117,11 +115,10 @@ def reduce_gradients(
 ):
     """Averages (or sums) a list of gradients over all ranks in fused collectives.
 
-    A synchronization point, and one training step: every call is counted, and the ranks first
-    check (one int64 per rank in one collective) that they are all at the same step. Gradients
-    are bucketed from the last one to the first, because the backward pass produces the last
-    layers' gradients first: the first bucket can then start reducing while earlier layers are
-    still being differentiated.
+    A synchronization point, and one training step: the first bucket carries every rank's
+    step, and the ranks must agree on it. Gradients are bucketed from the last one to the
+    first, so the first bucket can start reducing while earlier layers are still being
+    differentiated.
 
     Args:
         grads: Tensors, ``tf.IndexedSlices`` or None (kept None).
@@ -144,29 +141,63 @@ def reduce_gradients(
     Raises:
         StepMismatchError: Ranks are at different steps (eagerly; inside ``tf.function`` the
             step's run fails with a ``tf.errors.OpError`` carrying the same message). Raised
-            on every rank, before any gradient is exchanged.
+            on every rank, and no update is applied.
         VerificationError: ``SYNCDP_VERIFY_EVERY`` is set and ``variables`` differ.
     """
+    if op not in (collectives.Average, collectives.Sum):
+        raise ValueError(f"Gradients are reduced with Average or Sum; got {op}.")
     grads = list(grads)
-    if runtime.communicator().size > 1:
-        grads = _after(_agree_on_step(variables, step), grads)
+    comm = runtime.communicator()
     if sparse_as_dense:
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
     prescale = postscale = 1.0
     if gradient_predivide_factor != 1.0:
-        if op is not ops.Average:
+        if op is not collectives.Average:
             raise ValueError("gradient_predivide_factor needs op=Average.")
         prescale = 1.0 / gradient_predivide_factor
         postscale = gradient_predivide_factor
-    reduced = ops.grouped_allreduce(
-        grads[::-1],
-        op=op,
-        compression=compression,
-        prescale_factor=prescale,
-        postscale_factor=postscale,
-        name=name,
-    )
-    return reduced[::-1]
+    step_tensor = None
+    if comm.size > 1:
+        count = _step_counter().assign_add(1)
+        step_tensor = count if step is None else tf.cast(tf.convert_to_tensor(step), tf.int64)
+        step_tensor = tf.reshape(step_tensor, [])
+    grads = _mark_computed(grads, variables)
+    results = list(grads)
+    dense_at = [
+        i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)
+    ]
+    agreed = None
+    if dense_at:
+        reduced, agreed = collectives.fused_allreduce(
+            [grads[i] for i in dense_at],
+            op,
+            compression=compression,
+            prescale=prescale,
+            postscale=postscale,
+            name=name,
+            reverse=True,
+            step=step_tensor,
+        )
+        for i, r in zip(dense_at, reduced):
+            results[i] = r
+    elif step_tensor is not None:  # no dense gradient to carry it: a bucket of its own
+        _, agreed = collectives.fused_allreduce(
+            [tf.zeros([1], tf.float32)], op, name=f"{name}.step", step=step_tensor
+        )
+    for i, g in enumerate(grads):
+        if isinstance(g, tf.IndexedSlices):
+            results[i] = collectives.allreduce(
+                g,
+                op=op,
+                prescale_factor=prescale,
+                postscale_factor=postscale,
+                name=f"{name}.sparse{i}",
+            )
+    every = runtime.get_config().verify_every
+    if every and variables is not None and agreed is not None:
+        checked = _verify_every(agreed, variables, every)
+        results = _after(checked, results)
+    return results
 
 
 class DistributedGradientTape:
@@ -202,7 +233,7 @@ class DistributedGradientTape:
         device_sparse: str = "",
         compression=Compression.none,
         sparse_as_dense: bool = False,
-        op=ops.Average,
+        op=collectives.Average,
         gradient_predivide_factor: float = 1.0,
         num_groups: int = 0,
         groups=None,

@@ -6,10 +6,10 @@ checks it: every rank hashes each variable's bytes (with its dtype and shape), t
 gathered, and any variable that is not the same everywhere is named together with the ranks
 that hold a different value. Only 16 bytes per variable travel, whatever the model's size.
 
-``SYNCDP_VERIFY_EVERY=K`` (``syncdp-run --verify-every K``) runs the check automatically every
-K gradient reductions: :func:`syncdp.tape.reduce_gradients` counts them (it is what
-``DistributedGradientTape.gradient`` calls) and verifies the variables the gradients are for,
-before the step's update is applied.
+``SYNCDP_VERIFY_EVERY=K`` (``syncdp-run --verify-every K``) runs the check automatically:
+:func:`syncdp.tensorflow.tape.reduce_gradients` (what ``DistributedGradientTape.gradient`` and
+the Keras optimizer call) verifies the variables the gradients are for on every K-th agreed
+step, as an ordered collective after the gradient buckets, before the update.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from syncdp import graph, ops, runtime
-from syncdp._exceptions import VerificationError
+from syncdp.core import runtime
+from syncdp.core.errors import VerificationError
+from syncdp.tensorflow import collectives, graph
 
 __all__ = ["verify_synchronized"]
 
@@ -99,7 +100,7 @@ def verify_arrays(names: Sequence[str], arrays: Sequence[np.ndarray]) -> int:
     return len(arrays)
 
 
-@tf.autograph.experimental.do_not_convert  # see syncdp.graph.host_call
+@tf.autograph.experimental.do_not_convert  # see syncdp.tensorflow.graph.host_call
 def verify_synchronized(variables: Sequence, *, name: str = "verify_synchronized"):
     """Checks that every rank holds bit-identical values of ``variables``.
 
@@ -142,7 +143,7 @@ def verify_synchronized(variables: Sequence, *, name: str = "verify_synchronized
 
     local = graph.host_call(digests, values, tf.uint8, stateful=False, name=f"{name}_digests")
     local.set_shape([len(values), _DIGEST_BYTES])
-    gathered = ops.allgather(local, name=name)
+    gathered = collectives.allgather(local, name=name)
 
     def compare(table):
         rows = table.reshape(comm.size, len(names), _DIGEST_BYTES)

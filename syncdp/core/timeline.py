@@ -4,7 +4,13 @@ Turn it on with ``syncdp-run --timeline-filename trace.json`` (or ``SYNCDP_TIMEL
 keeps one complete ("X") event per collective in memory: its name (``gradients.bucket0``), the
 bytes and dtype it moved, and for fused allreduces the bucket index, tensor count and op. At
 ``shutdown()`` rank 0 gathers every rank's events and writes one JSON file with one process row
-per rank, so the ranks' collectives line up under each other on a common clock.
+per rank, so the ranks' collectives line up under each other on a common clock: every rank
+starts its clock as it leaves one barrier in ``init()``, so no two hosts' wall clocks are ever
+compared.
+
+With the timeline on, the TensorFlow face also marks the moment each gradient is computed
+(row "gradients"), so the trace shows a bucket's collective starting while later gradients are
+still being computed.
 
 Open the file at https://ui.perfetto.dev or chrome://tracing. A long bar on one rank under
 short ones on the others is a rank that arrived late (it was still computing) rather than a
@@ -27,13 +33,33 @@ class Timeline:
         path: Where rank 0 writes the trace.
     """
 
+    # Rows (thread ids) of each rank's process in the trace.
+    COLLECTIVES, GRADIENTS = 0, 1
+
     def __init__(self, path: str):
         self.path = path
         self.rank = 0
         self.events: list[dict] = []
-        # perf_counter for precise durations, wall time to line up ranks on other hosts.
         self._origin = time.perf_counter()
-        self._wall_origin = time.time()
+
+    def start(self, rank: int) -> None:
+        """Sets this rank's number and starts its clock (``init()`` calls it after a barrier)."""
+        self.rank = rank
+        self._origin = time.perf_counter()
+
+    def mark(self, name: str, when: float) -> None:
+        """Records an instant on the gradients row, e.g. when a gradient was computed."""
+        self.events.append(
+            {
+                "name": name,
+                "cat": "gradient",
+                "ph": "i",
+                "s": "t",
+                "pid": self.rank,
+                "tid": self.GRADIENTS,
+                "ts": (when - self._origin) * 1e6,
+            }
+        )
 
     def record(self, name: str, nbytes: int, dtype: str, start: float, end: float, **info) -> None:
         """Adds one collective that ran from ``start`` to ``end`` (``time.perf_counter``).
@@ -52,14 +78,14 @@ class Timeline:
                 "cat": "collective",
                 "ph": "X",
                 "pid": self.rank,
-                "tid": 0,
+                "tid": self.COLLECTIVES,
                 "ts": (start - self._origin) * 1e6,
                 "dur": (end - start) * 1e6,
                 "args": {"seq": len(self.events), "bytes": nbytes, "dtype": dtype, **info},
             }
         )
 
-    def gather_and_write(self, comm) -> str | None:
+    def gather_and_write(self, mpi_comm) -> str | None:
         """Gathers every rank's events on rank 0 and writes the trace.
 
         A synchronization point: every rank must call it (``syncdp.shutdown()`` does). The
@@ -67,38 +93,32 @@ class Timeline:
         in the trace nor counts as a collective the other ranks must match.
 
         Args:
-            comm: The :class:`~syncdp.comm.Communicator` whose ranks recorded events.
+            mpi_comm: The mpi4py communicator of the ranks that recorded events.
 
         Returns:
             The path written, on rank 0; None elsewhere.
         """
         mine, self.events = self.events, []
-        every = comm.mpi.gather((self._wall_origin, mine), root=0)
-        if comm.rank != 0:
+        every = mpi_comm.gather(mine, root=0)
+        if mpi_comm.Get_rank() != 0:
             return None
-        base = min(origin for origin, _ in every)
         trace = []
-        for r, (origin, events) in enumerate(every):
+        for r, events in enumerate(every):
             trace.append(
                 {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
             )
             trace.append(
                 {"name": "process_sort_index", "ph": "M", "pid": r, "args": {"sort_index": r}}
             )
-            trace.append(
-                {
-                    "name": "thread_name",
-                    "ph": "M",
-                    "pid": r,
-                    "tid": 0,
-                    "args": {"name": "collectives"},
-                }
-            )
-            shift = (origin - base) * 1e6
+            for tid, row in ((self.COLLECTIVES, "collectives"), (self.GRADIENTS, "gradients")):
+                trace.append(
+                    {"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": row}}
+                )
             for event in events:
                 event["pid"] = r
-                event["ts"] = round(event["ts"] + shift, 3)
-                event["dur"] = round(event["dur"], 3)
+                event["ts"] = round(event["ts"], 3)
+                if "dur" in event:
+                    event["dur"] = round(event["dur"], 3)
                 trace.append(event)
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
@@ -116,7 +136,8 @@ def load(path: str) -> dict[int, list[dict]]:
         path: The JSON file.
 
     Returns:
-        Every rank's complete events, sorted by start time.
+        Every rank's events (collectives, and gradient marks with ``"ph": "i"``), sorted by
+        start time.
     """
     with open(path) as f:
         trace = json.load(f)
@@ -124,7 +145,7 @@ def load(path: str) -> dict[int, list[dict]]:
     for event in trace["traceEvents"]:
         if event.get("ph") == "M" and event.get("name") == "process_name":
             ranks.setdefault(event["pid"], [])
-        elif event.get("ph") == "X":
+        elif event.get("ph") in ("X", "i"):
             ranks.setdefault(event["pid"], []).append(event)
     for events in ranks.values():
         events.sort(key=lambda e: e["ts"])

@@ -25,9 +25,8 @@ import sys
 import threading
 import time
 
-from mpi4py import MPI
-
-from syncdp.config import Config
+from syncdp.core import mpi, report
+from syncdp.core.settings import Config
 
 __all__ = ["Watchdog"]
 
@@ -44,7 +43,8 @@ class Watchdog:
         config: ``stall_timeout`` (0 disables the abort) and ``stall_warning``.
     """
 
-    def __init__(self, comm: MPI.Comm, config: Config):
+    def __init__(self, comm, config: Config):
+        self._MPI = mpi.load()
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.timeout = config.stall_timeout
@@ -56,7 +56,7 @@ class Watchdog:
         self.exiting = False
         # Questions need MPI from two threads at once; without it the watchdog can still warn and
         # abort, but cannot say where the other ranks are.
-        self._can_ask = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._can_ask = self._MPI.Query_thread() == self._MPI.THREAD_MULTIPLE
         self._side = comm.Dup() if self._can_ask else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="syncdp-watchdog", daemon=True)
@@ -72,8 +72,11 @@ class Watchdog:
         self.last_done = seq
 
     def stop(self) -> None:
+        """Ends the thread, then frees its communicator (never while the thread may use it)."""
         self._stop.set()
-        self._thread.join(timeout=2)
+        # The loop checks the flag every poll, but may be in the middle of asking the others
+        # (a few seconds at most); wait for it rather than free a communicator it is using.
+        self._thread.join()
         if self._side is not None:
             self._side.Free()
             self._side = None
@@ -92,6 +95,7 @@ class Watchdog:
     def _answer_questions(self) -> None:
         # Matched probes: the main thread may answer questions too (ask_others), and a plain
         # Iprobe + recv from two threads could race for the same message.
+        MPI = self._MPI
         status = MPI.Status()
         while (
             message := self._side.improbe(source=MPI.ANY_SOURCE, tag=_QUERY, status=status)
@@ -134,6 +138,7 @@ class Watchdog:
             self._side.isend(None, dest=r, tag=_QUERY)
         replies = {}
         deadline = time.monotonic() + grace
+        MPI = self._MPI
         status = MPI.Status()
         while len(replies) < len(others) and time.monotonic() < deadline:
             self._answer_questions()
@@ -198,4 +203,5 @@ class Watchdog:
             "to wait longer, or 0 to wait forever."
         )
         print("\n".join(lines), file=sys.stderr, flush=True)
-        MPI.COMM_WORLD.Abort(1)
+        report.send("stall", self.rank, "\n".join(lines), ranks=missing, collective=name, seq=seq)
+        self._MPI.COMM_WORLD.Abort(1)

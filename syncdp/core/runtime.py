@@ -1,0 +1,297 @@
+"""The rank environment: ``init()``, ``shutdown()``, who this process is, and what ends the job.
+
+``import syncdp`` starts nothing. ``init()``:
+
+1. reads the settings (:mod:`syncdp.core.settings`) and starts MPI (:mod:`syncdp.core.mpi`);
+2. tells the launcher this rank has arrived, then waits at most ``start_timeout`` seconds for
+   every other rank to arrive (a non-blocking duplicate of the communicator, polled against the
+   deadline); if one never comes, the job ends and the launcher names it;
+3. builds the :class:`~syncdp.core.communicator.Communicator` on that private duplicate, the
+   topology from shared-memory splits (:mod:`syncdp.core.topology`), and the timeline;
+4. pins this rank's GPU by local rank and installs a hook that ends the whole job when an
+   exception escapes on any rank, so no other rank is left waiting in a collective.
+
+``shutdown()`` releases all of it (communicators, watchdog thread, timeline), and a later
+``init()`` builds it again. The communicator is a value held here, not a global fixed at
+import: every layer above asks :func:`communicator` for the current one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import time
+import traceback
+
+from syncdp.core import mpi, report, settings
+from syncdp.core.communicator import Communicator
+from syncdp.core.errors import NotInitializedError
+from syncdp.core.timeline import Timeline
+from syncdp.core.topology import Topology, discover
+
+__all__ = [
+    "init",
+    "shutdown",
+    "is_initialized",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "cross_rank",
+    "cross_size",
+    "is_chief",
+    "communicator",
+    "get_config",
+    "topology",
+]
+
+_POLL_SECONDS = 0.01
+
+
+class _State:
+    comm: Communicator | None = None
+    config: settings.Config | None = None
+    topology: Topology | None = None
+    # A second duplicate, for the exit handshake (see _at_exit).
+    exit_comm = None
+    hook_installed = False
+    atexit_registered = False
+
+
+_state = _State()
+
+
+def init(comm=None, **options) -> None:
+    """Initializes syncdp on this rank; starts MPI if nothing has yet.
+
+    A synchronization point: every rank must call it. Calling it again after a successful
+    ``init()`` does nothing; after ``shutdown()`` it initializes again.
+
+    Args:
+        comm: The mpi4py communicator whose processes train together. syncdp works on a
+            private duplicate and leaves it to the caller. Defaults to ``MPI.COMM_WORLD``.
+        **options: Settings that override the ``SYNCDP_*`` environment variables, by name
+            (see :data:`syncdp.core.settings.SETTINGS`), e.g. ``fusion_threshold=16 << 20``.
+
+    Raises:
+        ConfigError: A ``SYNCDP_*`` variable or an option is unknown or malformed.
+
+    Example:
+        >>> import syncdp
+        >>> syncdp.init()
+        >>> print(syncdp.rank(), syncdp.size())
+    """
+    if _state.comm is not None:
+        return
+    config = settings.from_env(**options)
+    MPI = mpi.load()
+    base = MPI.COMM_WORLD if comm is None else comm
+    private = _arrive(base, config.start_timeout)
+    timeline = Timeline(config.timeline) if config.timeline else None
+    world = Communicator(private, config, timeline)
+    _state.topology = discover(world.mpi)
+    if timeline is not None:
+        world.mpi.Barrier()  # leave together, so every rank's clock starts at the same moment
+        timeline.start(world.rank)
+    _state.exit_comm = world.mpi.Dup()
+    _state.comm = world
+    _state.config = config
+    _pin_gpu(_state.topology.local_rank)
+    _install_failure_hook()
+    if not _state.atexit_registered:
+        atexit.register(_at_exit)
+        _state.atexit_registered = True
+    if config.verbose:
+        t = _state.topology
+        print(
+            f"syncdp: rank {world.rank}/{world.size} on {MPI.Get_processor_name()} "
+            f"(local {t.local_rank}/{t.local_size}, cross {t.cross_rank}/{t.cross_size}), "
+            f"{config}",
+            file=sys.stderr,
+        )
+
+
+def _arrive(base, timeout: float):
+    """Announces this rank and waits for all of them; returns a private duplicate of ``base``.
+
+    ``Idup`` completes only once every rank has called it, and unlike a blocking ``Dup`` it can
+    be abandoned at a deadline: then this rank reports a start timeout and ends the job. The
+    launcher, which counts the ``started`` reports, names the ranks that never came.
+    """
+    rank, size = base.Get_rank(), base.Get_size()
+    report.send("started", rank)
+    if size == 1:
+        return base.Dup()
+    private, request = base.Idup()
+    deadline = time.monotonic() + timeout if timeout else None
+    while not request.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            message = (
+                f"rank {rank}: not every rank reached syncdp.init() within the start timeout "
+                f"of {timeout:g} s; ending the job. Raise SYNCDP_START_TIMEOUT "
+                "(syncdp-run --start-timeout) if ranks need longer to start."
+            )
+            print(f"syncdp: {message}", file=sys.stderr, flush=True)
+            report.send("start_timeout", rank, message, ranks=[])
+            mpi.load().COMM_WORLD.Abort(1)
+        time.sleep(_POLL_SECONDS)
+    return private
+
+
+def _pin_gpu(local: int) -> None:
+    """Makes only the GPU numbered ``local`` (modulo the count) visible to this rank."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return
+    gpu = gpus[local % len(gpus)]
+    try:
+        tf.config.set_visible_devices(gpu, "GPU")
+        tf.config.experimental.set_memory_growth(gpu, True)
+    except RuntimeError as e:  # TensorFlow already created its GPU devices
+        print(
+            f"syncdp: warning: could not pin GPU {local} ({e}); call syncdp.init() before "
+            "building any model or tensor.",
+            file=sys.stderr,
+        )
+
+
+def _install_failure_hook() -> None:
+    """Ends every rank when an exception escapes on one, naming the rank and the exception."""
+    if _state.hook_installed:
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        comm = _state.comm
+        if comm is None or comm.size == 1 or issubclass(kind, KeyboardInterrupt):
+            return
+        text = "".join(traceback.format_exception_only(kind, value)).strip()
+        print(
+            f"syncdp: rank {comm.rank} failed with {text}; ending the job.",
+            file=sys.stderr,
+            flush=True,
+        )
+        report.send("exception", comm.rank, text, type=kind.__name__)
+        sys.stdout.flush()
+        mpi.load().COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
+    _state.hook_installed = True
+
+
+def _at_exit() -> None:
+    """Leaves together, or ends the job if another rank is waiting for this one.
+
+    MPI_Finalize waits for every rank. A rank whose program ends early (``sys.exit(3)`` in the
+    middle of training) would sit there while the others wait for it in a collective, and
+    neither would ever finish. So each rank waits at a barrier of its own here, asking the
+    others where they are, and ends the job with a message naming both sides when one of them
+    is inside a collective this rank never reached.
+    """
+    comm, exit_comm = _state.comm, _state.exit_comm
+    watchdog = comm.watchdog if comm is not None else None
+    if watchdog is not None and watchdog.can_ask and exit_comm is not None:
+        watchdog.exiting = True
+        everyone_here = exit_comm.Ibarrier()
+        while not everyone_here.Test():
+            for other, (seq, name, _) in watchdog.ask_others(grace=0.5).items():
+                if seq is not None and seq > comm.seq:
+                    message = (
+                        f"rank {comm.rank} finished its program after collective #{comm.seq}, "
+                        f"but rank {other} is waiting for it in collective #{seq} {name}"
+                    )
+                    print(f"syncdp: {message}; ending the job.", file=sys.stderr, flush=True)
+                    report.send("exit_early", comm.rank, message, ranks=[other])
+                    mpi.load().COMM_WORLD.Abort(1)
+            time.sleep(0.2)
+    shutdown()
+
+
+def shutdown() -> None:
+    """Releases syncdp's communicators, watchdog and timeline; ``init()`` may be called again.
+
+    Called at exit automatically. Not a collective, except with a timeline on: then rank 0
+    gathers every rank's events here, so every rank must call it. MPI itself stays up (MPI
+    cannot be started twice in one process); mpi4py finalizes it at exit.
+    """
+    comm = _state.comm
+    if comm is None:
+        return
+    if comm.timeline is not None:
+        timeline, comm.timeline = comm.timeline, None  # the gather itself is not recorded
+        timeline.gather_and_write(comm.mpi)
+    _state.comm = None
+    _state.config = None
+    if _state.exit_comm is not None:
+        _state.exit_comm.Free()
+        _state.exit_comm = None
+    if _state.topology is not None:
+        _state.topology.free()
+        _state.topology = None
+    comm.close()
+
+
+def is_initialized() -> bool:
+    """Whether ``init()`` has been called (and ``shutdown()`` has not)."""
+    return _state.comm is not None
+
+
+def communicator() -> Communicator:
+    """The Communicator of this job, as it is now.
+
+    Raises:
+        NotInitializedError: ``init()`` has not been called.
+    """
+    if _state.comm is None:
+        raise NotInitializedError("syncdp is not initialized; call syncdp.init() first.")
+    return _state.comm
+
+
+def get_config() -> settings.Config:
+    """The settings ``init()`` read."""
+    communicator()
+    return _state.config
+
+
+def topology() -> Topology:
+    """This rank's place among the hosts (see :mod:`syncdp.core.topology`)."""
+    communicator()
+    return _state.topology
+
+
+def rank() -> int:
+    """This process's rank, 0 to ``size() - 1``."""
+    return communicator().rank
+
+
+def size() -> int:
+    """The number of ranks training together."""
+    return communicator().size
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks on its host (used to pick its GPU)."""
+    return topology().local_rank
+
+
+def local_size() -> int:
+    """The number of ranks on this host."""
+    return topology().local_size
+
+
+def cross_rank() -> int:
+    """This rank's index among the ranks that share its local rank (its host's index)."""
+    return topology().cross_rank
+
+
+def cross_size() -> int:
+    """The number of ranks that share this rank's local rank (the hosts, when even)."""
+    return topology().cross_size
+
+
+def is_chief() -> bool:
+    """Whether this is rank 0, the rank that writes checkpoints and logs."""
+    return rank() == 0

@@ -1,0 +1,313 @@
+"""The one table of syncdp's settings, and the one place they are read.
+
+Every setting is a row of :data:`SETTINGS`: its name (the ``init()`` keyword and the
+:class:`Config` field), its ``SYNCDP_*`` environment variable, its ``syncdp-run`` flag, its type,
+default and meaning. Everything else is derived from the table: :func:`from_env` parses the
+environment, the launcher builds its flags and ``--help`` from it (:func:`launcher_env` turns
+parsed flags back into variables), and the README's settings table is :func:`markdown_table`'s
+output (a test checks they agree).
+
+A frozen :class:`Config` is read once by ``syncdp.init()``: environment first, keyword arguments
+win. A ``SYNCDP_*`` name that is not in the table raises, so a typo is never silently ignored.
+
+Example:
+    >>> from syncdp.core import settings
+    >>> settings.from_env({"SYNCDP_STALL_TIMEOUT": "30"}, verbose=True).stall_timeout
+    30.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from syncdp.core.errors import ConfigError
+
+__all__ = [
+    "Config",
+    "SETTINGS",
+    "Setting",
+    "from_env",
+    "launcher_env",
+    "markdown_table",
+    "INTERNAL_VARS",
+]
+
+MiB = 1024 * 1024
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One row of the settings table.
+
+    Attributes:
+        name: The ``init()`` keyword and :class:`Config` field.
+        env: The environment variable the launcher sets and ``init()`` reads.
+        flag: The ``syncdp-run`` flag.
+        type: ``int``, ``float``, ``str`` or ``bool``.
+        default: The value when neither the environment nor ``init()`` sets it.
+        doc: What it does, one line (``--help`` and the README show it).
+        flag_unit: Bytes per unit of the flag's value (flags take MiB where the variable
+            holds bytes); 1 for flags given in the variable's own unit.
+        minimum: The smallest valid value, for numbers.
+    """
+
+    name: str
+    env: str
+    flag: str
+    type: type
+    default: Any
+    doc: str
+    flag_unit: int = 1
+    minimum: float | None = 0
+
+    def parse(self, text: str) -> Any:
+        """Parses the environment variable's text into a value of the setting's type."""
+        parser: Callable[[str], Any] = _bool if self.type is bool else self.type
+        return parser(text)
+
+    def env_text(self, flag_value: Any) -> str:
+        """The environment variable's text for a value given on the launcher's flag."""
+        if self.type is bool:
+            return "1" if flag_value else "0"
+        if self.type is str:
+            return str(flag_value)
+        value = flag_value * self.flag_unit
+        if self.type is int:
+            value = int(value)
+        return str(int(value)) if float(value).is_integer() else str(value)
+
+    def default_text(self) -> str:
+        """The default as a reader would write it on the flag."""
+        if self.type is bool:
+            return "off"
+        if self.type is str:
+            return self.default or "none"
+        value = self.default / self.flag_unit
+        return f"{value:g}"
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "fusion_threshold",
+        "SYNCDP_FUSION_THRESHOLD",
+        "--fusion-threshold-mb",
+        int,
+        25 * MiB,
+        "largest gradient bucket (0: one collective per tensor)",
+        flag_unit=MiB,
+    ),
+    Setting(
+        "first_bucket_bytes",
+        "SYNCDP_FIRST_BUCKET_BYTES",
+        "--first-bucket-mb",
+        int,
+        1 * MiB,
+        "size of the first gradient bucket, so communication starts early in backprop",
+        flag_unit=MiB,
+    ),
+    Setting(
+        "chunk_bytes",
+        "SYNCDP_CHUNK_BYTES",
+        "--chunk-mb",
+        int,
+        8 * MiB,
+        "largest single MPI message; larger buckets go in pieces",
+        flag_unit=MiB,
+        minimum=1024,
+    ),
+    Setting(
+        "start_timeout",
+        "SYNCDP_START_TIMEOUT",
+        "--start-timeout",
+        float,
+        120.0,
+        "seconds for every rank to reach init(); the job ends naming the ranks that did not",
+    ),
+    Setting(
+        "stall_timeout",
+        "SYNCDP_STALL_TIMEOUT",
+        "--stall-timeout",
+        float,
+        60.0,
+        "a collective waiting longer ends the job, naming the missing ranks (0: never)",
+    ),
+    Setting(
+        "stall_warning",
+        "SYNCDP_STALL_WARNING",
+        "--stall-warning",
+        float,
+        10.0,
+        "seconds before a waiting collective prints a warning",
+    ),
+    Setting(
+        "timeline",
+        "SYNCDP_TIMELINE",
+        "--timeline-filename",
+        str,
+        "",
+        "write a Chrome-trace timeline of every collective to this file",
+    ),
+    Setting(
+        "verify_every",
+        "SYNCDP_VERIFY_EVERY",
+        "--verify-every",
+        int,
+        0,
+        "check every K gradient steps that replicas are bit-identical (0: never)",
+    ),
+    Setting(
+        "log_all_ranks",
+        "SYNCDP_LOG_ALL_RANKS",
+        "--log-all-ranks",
+        bool,
+        False,
+        "Keras progress output on every rank, not only rank 0",
+    ),
+    Setting(
+        "verbose",
+        "SYNCDP_VERBOSE",
+        "--verbose",
+        bool,
+        False,
+        "log syncdp's decisions on every rank (and the launcher's mpirun command)",
+    ),
+)
+
+_BY_ENV = {s.env: s for s in SETTINGS}
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+# Variables the launcher sets for its own machinery; not settings of the library.
+#   SYNCDP_LAUNCHER     set under syncdp-run
+#   SYNCDP_REPORT_ADDR  host:port where ranks send structured reports (syncdp.core.report)
+INTERNAL_VARS = frozenset({"SYNCDP_LAUNCHER", "SYNCDP_REPORT_ADDR"})
+
+
+def _default(name: str):
+    return _BY_NAME[name].default
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """syncdp's settings for one process: one field per row of :data:`SETTINGS`.
+
+    The fields' defaults come from the table, and an import-time check keeps the two the same
+    list, so the table stays the one place a setting is defined.
+    """
+
+    fusion_threshold: int = _default("fusion_threshold")
+    first_bucket_bytes: int = _default("first_bucket_bytes")
+    chunk_bytes: int = _default("chunk_bytes")
+    start_timeout: float = _default("start_timeout")
+    stall_timeout: float = _default("stall_timeout")
+    stall_warning: float = _default("stall_warning")
+    timeline: str = _default("timeline")
+    verify_every: int = _default("verify_every")
+    log_all_ranks: bool = _default("log_all_ranks")
+    verbose: bool = _default("verbose")
+
+    def __post_init__(self):
+        for s in SETTINGS:
+            value = getattr(self, s.name)
+            if s.type is bool:
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{s.name} must be True or False; got {value!r}.")
+            elif s.type is str:
+                if not isinstance(value, str):
+                    raise ConfigError(f"{s.name} must be a string; got {value!r}.")
+            else:
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ConfigError(f"{s.name} must be a number; got {value!r}.")
+                if s.minimum is not None and value < s.minimum:
+                    raise ConfigError(
+                        f"{s.name} must be at least {s.minimum:g}; got {value} "
+                        f"({s.env}, syncdp-run {s.flag})."
+                    )
+
+
+assert [f.name for f in dataclasses.fields(Config)] == [s.name for s in SETTINGS], (
+    "Config's fields must be SETTINGS' names, in order"
+)
+
+
+def from_env(environ: Mapping[str, str] | None = None, **overrides) -> Config:
+    """Reads a Config from ``SYNCDP_*`` variables; keyword arguments win.
+
+    Args:
+        environ: The environment to read. Defaults to ``os.environ``.
+        **overrides: Settings by name (``fusion_threshold=16 << 20``); None means "not set".
+
+    Returns:
+        The frozen Config.
+
+    Raises:
+        ConfigError: A ``SYNCDP_*`` variable is unknown or cannot be parsed, a keyword names
+            no setting, or a value is out of range.
+    """
+    environ = os.environ if environ is None else environ
+    values = {}
+    for key, text in environ.items():
+        if not key.startswith("SYNCDP_") or key in INTERNAL_VARS:
+            continue
+        setting = _BY_ENV.get(key)
+        if setting is None:
+            known = ", ".join(sorted(_BY_ENV))
+            raise ConfigError(f"Unknown environment variable {key}; syncdp knows {known}.")
+        try:
+            values[setting.name] = setting.parse(text)
+        except ValueError as e:
+            raise ConfigError(
+                f"{key}={text!r} is not a valid {setting.type.__name__}: {e}"
+            ) from None
+    for key, value in overrides.items():
+        if key not in _BY_NAME:
+            raise ConfigError(f"Unknown syncdp option {key!r}; options are {sorted(_BY_NAME)}.")
+        if value is not None:
+            values[key] = value
+    return Config(**values)
+
+
+def launcher_env(flag_values: Mapping[str, Any]) -> dict[str, str]:
+    """The ``SYNCDP_*`` variables for the flags given on the launcher's command line.
+
+    Args:
+        flag_values: Setting name -> the flag's parsed value, None (or False) when not given.
+
+    Returns:
+        One variable per given flag.
+    """
+    env = {}
+    for s in SETTINGS:
+        value = flag_values.get(s.name)
+        if value is None or (s.type is bool and not value):
+            continue
+        if s.name == "timeline":
+            value = os.path.abspath(value)
+        env[s.env] = s.env_text(value)
+    return env
+
+
+def markdown_table() -> str:
+    """The README's table of settings, one row per setting."""
+    lines = [
+        "| `syncdp-run` flag | variable on every rank | `init()` keyword | default | effect |",
+        "|---|---|---|---|---|",
+    ]
+    for s in SETTINGS:
+        unit = " (MiB; the variable holds bytes)" if s.flag_unit == MiB else ""
+        arg = "" if s.type is bool else " " + s.type.__name__.upper()
+        lines.append(
+            f"| `{s.flag}{arg}` | `{s.env}` | `{s.name}` | {s.default_text()} | {s.doc}{unit} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,271 @@
+"""The reduction engine: one bucket's members in, their reductions over all ranks out.
+
+Every allreduce in syncdp (gradients, ``allreduce``, ``grouped_allreduce``) is a list of
+buckets (:mod:`syncdp.engine.buckets`), and every bucket is reduced here, by a
+:class:`BucketReducer` called with NumPy arrays on every rank:
+
+1. **Pack.** Members are copied into one pooled, aligned buffer (:mod:`syncdp.engine.buffers`),
+   each at an aligned offset, with the prescale folded into the copy. The first gradient
+   bucket also carries every rank's step at its end (:mod:`syncdp.engine.steps`).
+2. **Reduce.** Float32/64 and integer buffers are summed (or min/maxed) by MPI in place, in
+   chunks of ``chunk_bytes``; each chunk is packed just before it is sent and finished
+   (divided for Average, postscaled) just after, while it is still in cache. float16 and
+   bfloat16 buffers cross MPI as bytes instead, because Open MPI adds float16 in scalar code
+   and has no bfloat16: an ``Alltoall`` gives rank ``j`` every rank's ``j``-th shard, the
+   rank reduces its shard in NumPy (in float32 beyond two ranks, so partial sums are not
+   rounded at every addition), and an ``Allgather`` shares the reduced shards, the same traffic
+   as a ring allreduce.
+3. **Unpack.** The results are returned as aligned views of the buffer, which TensorFlow
+   adopts without a copy; the pool hands the buffer out again only once every view is gone.
+
+The engine knows nothing of TensorFlow: the TensorFlow face (:mod:`syncdp.tensorflow`) turns
+tensors into arrays and calls it, eagerly or from an ordered graph node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from syncdp.engine import steps as _steps
+from syncdp.engine.buffers import BufferPool, Layout
+
+__all__ = ["OPS", "HALF_DTYPES", "BucketReducer", "broadcast_bucket", "is_half"]
+
+# What a bucket can do with its members over the ranks.
+OPS = ("sum", "average", "min", "max")
+
+HALF_DTYPES = frozenset({"float16", "bfloat16"})
+
+# Buffers kept between steps, one set per bucket name.
+_POOL = BufferPool()
+
+
+def is_half(dtype) -> bool:
+    """Whether ``dtype`` is reduced as bytes (float16, bfloat16) rather than by MPI."""
+    return np.dtype(dtype).name in HALF_DTYPES
+
+
+class BucketReducer:
+    """Reduces the members of one bucket; built once per bucket, called once per step.
+
+    Args:
+        dtype: The NumPy dtype of every member.
+        op: "sum", "average", "min" or "max". Integer averages are floor-divided.
+        prescale: Multiplies each member before the reduction. Defaults to 1.
+        postscale: Multiplies each result after it. Defaults to 1.
+        name: The bucket's name in the timeline and stall reports (``gradients.bucket0``).
+        info: Extra fields for the timeline event. Defaults to none.
+        carry_step: Carry every rank's step in this bucket and check they agree (sum and
+            average only). Defaults to False.
+    """
+
+    def __init__(
+        self,
+        dtype,
+        op: str,
+        *,
+        prescale: float = 1.0,
+        postscale: float = 1.0,
+        name: str,
+        info: dict | None = None,
+        carry_step: bool = False,
+    ):
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}; got {op!r}.")
+        if carry_step and op not in ("sum", "average"):
+            raise ValueError("Only a sum or average bucket can carry the step.")
+        self.dtype = np.dtype(dtype)
+        self.op = op
+        self.prescale = float(prescale)
+        self.postscale = float(postscale)
+        self.name = name
+        self.info = dict(info or {})
+        self.carry_step = carry_step
+        self.floating = self.dtype.kind == "f" or is_half(self.dtype)
+        self._layouts: dict[tuple, Layout] = {}
+
+    def __call__(self, comm, arrays: Sequence[np.ndarray], step: int | None = None):
+        """Reduces ``arrays`` over every rank of ``comm``.
+
+        A synchronization point: every rank calls it with arrays of the same shapes.
+
+        Args:
+            comm: The :class:`~syncdp.core.communicator.Communicator` to reduce over.
+            arrays: The members, in the bucket's order.
+            step: This rank's step, when the bucket carries it.
+
+        Returns:
+            ``(results, agreed_step)``: the reduced members (aligned views of a pooled
+            buffer, shaped like the inputs) and the step every rank agreed on (None when the
+            bucket carries none).
+
+        Raises:
+            StepMismatchError: The bucket carries the step and the ranks' steps differ.
+        """
+        flats = [np.asarray(a).reshape(-1) for a in arrays]
+        sizes = tuple(f.size for f in flats)
+        step_elems = comm.size * _steps.limbs_for(self.dtype) if self.carry_step else 0
+        layout = self._layout(sizes + ((step_elems,) if step_elems else ()))
+        n = comm.size
+        if is_half(self.dtype) and n > 1:
+            buf = self._reduce_half(comm, flats, layout, step_elems, step)
+        else:
+            buf = self._reduce_in_place(comm, flats, layout, step_elems, step)
+        agreed = None
+        if step_elems:
+            start = layout.offsets[-1]
+            agreed = _steps.check(_steps.decode(buf[start : start + step_elems], n))
+        results = tuple(
+            buf[off : off + size].reshape(np.shape(a))
+            for off, size, a in zip(layout.offsets, sizes, arrays)
+        )
+        return results, agreed
+
+    def _layout(self, sizes: tuple) -> Layout:
+        layout = self._layouts.get(sizes)
+        if layout is None:
+            layout = self._layouts[sizes] = Layout(sizes, self.dtype.itemsize)
+        return layout
+
+    def _scales(self, n: int) -> tuple[float, float, int | None]:
+        """(factor before the sum, factor after it, divisor after it or None)."""
+        pre, post, divide = self.prescale, self.postscale, None
+        if self.op == "average":
+            if self.floating and n & (n - 1) == 0:
+                pre /= n  # dividing by a power of two commutes exactly with the sum: fold it in
+            else:
+                divide = n  # sum first, then divide (floor-divide for integers)
+        return pre, post, divide
+
+    def _write_step(self, buf, layout, step_elems, step, comm) -> int:
+        """Writes the step region; returns where the members end (scaling stops there)."""
+        if not step_elems:
+            return layout.total
+        start = layout.offsets[-1]
+        _steps.encode(buf[start : start + step_elems], step, comm.rank, comm.size)
+        return start
+
+    def _reduce_in_place(self, comm, flats, layout, step_elems, step) -> np.ndarray:
+        """MPI sums (or min/maxes) the packed buffer in place, chunk by chunk."""
+        dtype, floating = self.dtype, self.floating
+        pre, post, divide = self._scales(comm.size)
+        buf = _POOL.get(self.name, layout.total, dtype)
+        members_end = self._write_step(buf, layout, step_elems, step, comm)
+        members = list(zip(layout.offsets, (f.size for f in flats), flats))
+        cursor = [0]  # first member not yet completely copied in
+
+        def fill(lo, hi):
+            m = cursor[0]
+            while m < len(members):
+                off, size, src = members[m]
+                if off >= hi:
+                    break
+                s, e = max(lo, off), min(hi, off + size)
+                if s < e:
+                    dst, piece = buf[s:e], src[s - off : e - off]
+                    if pre == 1.0:
+                        np.copyto(dst, piece)
+                    elif floating:
+                        np.multiply(piece, pre, out=dst)
+                    else:
+                        dst[...] = (piece * pre).astype(dtype)
+                if off + size > hi:
+                    break
+                m += 1
+            cursor[0] = m
+
+        def finish(lo, hi):
+            chunk = buf[lo : min(hi, members_end)]
+            if divide is not None:
+                if floating:
+                    np.divide(chunk, divide, out=chunk)
+                else:
+                    np.floor_divide(chunk, divide, out=chunk)
+            if post != 1.0:
+                if floating:
+                    np.multiply(chunk, post, out=chunk)
+                else:
+                    chunk[...] = (chunk * post).astype(dtype)
+
+        mpi_op = "sum" if self.op == "average" else self.op
+        comm.allreduce_inplace(
+            buf,
+            mpi_op,
+            name=self.name,
+            before=fill,
+            after=finish if divide is not None or post != 1.0 else None,
+            info=self.info,
+            nbytes=sum(f.size for f in flats) * dtype.itemsize,
+        )
+        return buf
+
+    def _reduce_half(self, comm, flats, layout, step_elems, step) -> np.ndarray:
+        """Alltoall of shards, the rank's own shard reduced in NumPy, Allgather of results."""
+        n, dtype = comm.size, self.dtype
+        shard = -(-layout.total // n)
+        send = _POOL.get(f"{self.name}.send", n * shard, dtype)
+        members_end = self._write_step(send, layout, step_elems, step, comm)
+        _pack(send, layout, flats)
+        received = _POOL.get(f"{self.name}.scatter", n * shard, dtype).reshape(n, shard)
+        comm.alltoall(
+            send.reshape(n, shard), name=f"{self.name}.scatter", out=received, info=self.info
+        )
+        # Which of this rank's shard elements are members (scaled) rather than step or padding.
+        lo = comm.rank * shard
+        scaled = max(0, min(shard, members_end - lo))
+        mine = self._combine(received, scaled, n)
+        gathered = _POOL.get(f"{self.name}.gather", n * shard, dtype)
+        comm.allgather_equal(mine, name=f"{self.name}.gather", out=gathered, info=self.info)
+        return gathered
+
+    def _combine(self, rows: np.ndarray, scaled: int, n: int) -> np.ndarray:
+        """Reduces ``rows`` (``[n, shard]``) over axis 0; scales only the first ``scaled``.
+
+        A plain two-rank sum is one addition in the bucket's dtype, rounded once, which is
+        exactly the float32 sum narrowed back. Everything else is computed in float32, so a
+        prescale acts before the sum (keeping a float16 sum from overflowing) and partial sums
+        are not rounded at every addition; the result is narrowed once at the end.
+        """
+        pre, post, divide = self._scales(n)
+        factor = post / divide if divide is not None else post
+        if self.op in ("sum", "average") and n == 2 and pre == 1.0 and factor == 1.0:
+            return np.add(rows[0], rows[1])
+        wide = rows.astype(np.float32)
+        if pre != 1.0:
+            wide[:, :scaled] *= pre
+        if self.op in ("sum", "average"):
+            out = wide.sum(axis=0)
+        else:
+            out = (np.min if self.op == "min" else np.max)(wide, axis=0)
+        if factor != 1.0:
+            out[:scaled] *= factor
+        return out.astype(self.dtype)
+
+
+def _pack(buf: np.ndarray, layout: Layout, flats: Sequence[np.ndarray]) -> None:
+    """Copies each flat member to its offset in ``buf``."""
+    for off, src in zip(layout.offsets, flats):
+        buf[off : off + src.size] = src
+
+
+def broadcast_bucket(comm, arrays: Sequence[np.ndarray], root: int, *, name: str) -> tuple:
+    """Rank ``root``'s ``arrays`` on every rank, packed into one buffer and one broadcast.
+
+    A synchronization point: every rank passes arrays of the same shapes and one dtype.
+
+    Returns:
+        The root's values, shaped like ``arrays`` (views of one new buffer).
+    """
+    flats = [np.asarray(a).reshape(-1) for a in arrays]
+    dtype = flats[0].dtype
+    layout = Layout([f.size for f in flats], dtype.itemsize)
+    buf = np.zeros(layout.total, dtype)
+    if comm.rank == root:
+        _pack(buf, layout, flats)
+    buf = comm.broadcast(buf, root, name=name, in_place=True)
+    return tuple(
+        buf[off : off + f.size].reshape(np.shape(a))
+        for off, f, a in zip(layout.offsets, flats, arrays)
+    )

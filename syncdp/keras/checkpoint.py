@@ -1,0 +1,96 @@
+"""CheckpointCallback: resumable ``model.fit`` on :class:`syncdp.checkpoint.CheckpointManager`."""
+
+from __future__ import annotations
+
+import os
+
+import keras
+
+from syncdp.checkpoint import CheckpointManager
+from syncdp.core.errors import CheckpointError
+
+__all__ = ["CheckpointCallback"]
+
+
+class CheckpointCallback(keras.callbacks.Callback):
+    """Saves checkpoints during ``model.fit`` on rank 0 and resumes from the newest one.
+
+    At the start of training it restores the newest checkpoint in ``directory`` (or broadcasts
+    rank 0's initial state when there is none, like ``BroadcastGlobalVariablesCallback``) and
+    makes ``fit`` continue from the epoch after the one saved, like Keras's
+    ``BackupAndRestore``: a restarted job that calls the same ``fit`` resumes where it stopped.
+    Saves are synchronization points; every rank must use the callback.
+
+    Resume is exact for checkpoints written at the end of an epoch. A checkpoint written every
+    ``save_freq`` batches resumes at the start of the epoch it was written in, with the weights
+    it saved, because ``fit`` cannot skip the batches already seen.
+
+    Args:
+        directory: Where rank 0 keeps the checkpoints.
+        save_freq: "epoch" to save at the end of every ``every`` epochs, or an int N to save
+            every N batches. Defaults to "epoch".
+        every: With ``save_freq="epoch"``, save every this many epochs. Defaults to 1.
+        max_to_keep: How many checkpoints to keep. Defaults to 3.
+
+    Attributes:
+        initial_epoch: The epoch ``fit`` resumed at (0 without a checkpoint).
+        manager: The :class:`CheckpointManager` (model and its optimizer).
+
+    Example:
+        >>> model.fit(x, y, epochs=10, callbacks=[
+        ...     syncdp.checkpoint.CheckpointCallback("/ckpt", save_freq="epoch")])
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        save_freq: str | int = "epoch",
+        every: int = 1,
+        max_to_keep: int | None = 3,
+    ):
+        super().__init__()
+        if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq > 0):
+            raise CheckpointError(
+                f"save_freq must be 'epoch' or a positive int; got {save_freq!r}."
+            )
+        if every < 1:
+            raise CheckpointError(f"every must be at least 1; got {every}.")
+        self.directory = directory
+        self.save_freq = save_freq
+        self.every = every
+        self.max_to_keep = max_to_keep
+        self.manager: CheckpointManager | None = None
+        self.initial_epoch = 0
+        self._epoch = 0
+        self._batches = 0
+
+    def on_train_begin(self, logs=None):
+        trackables = {"model": self.model}
+        if getattr(self.model, "optimizer", None) is not None:
+            trackables["optimizer"] = self.model.optimizer
+        self.manager = CheckpointManager(self.directory, max_to_keep=self.max_to_keep, **trackables)
+        self.manager.restore()
+        self.initial_epoch = int(self.manager.metadata.get("epoch", 0))
+        self._epoch = self.initial_epoch
+        if self.initial_epoch:
+            self.model._initial_epoch = self.initial_epoch  # read by fit after this hook
+
+    def on_train_end(self, logs=None):
+        self.model._initial_epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def _step(self) -> int:
+        optimizer = getattr(self.model, "optimizer", None)
+        return int(optimizer.iterations.numpy()) if optimizer is not None else self._batches
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batches += 1
+        if isinstance(self.save_freq, int) and self._batches % self.save_freq == 0:
+            self.manager.save(self._step(), metadata={"epoch": self._epoch})
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.save_freq == "epoch" and (epoch + 1) % self.every == 0:
+            self.manager.save(self._step(), metadata={"epoch": epoch + 1})
