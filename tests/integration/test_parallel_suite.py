@@ -1,4 +1,4 @@
-"""Runs tests/parallel through the real launcher at np=1 and np=2.
+"""Runs tests/parallel through the real launcher at np=1, 2 and 3.
 
 Every rank runs the same pytest session; ``-x`` makes a failing rank exit at once, and the
 launcher then ends the others, so a failure can never leave a rank waiting.
@@ -9,7 +9,7 @@ import pytest
 from tests.launcher import check, launch
 
 
-@pytest.mark.parametrize("np", [1, 2])
+@pytest.mark.parametrize("np", [1, 2, 3])
 def test_parallel_suite(np):
     result = check(launch(np, "python", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                           "tests/parallel", timeout=900))

@@ -52,3 +52,58 @@ def test_timeline_one_event_per_collective_per_rank(tmp_path, np_):
     bucket = next(e for e in ranks[1] if e["name"] == "tl.bucket1")
     assert bucket["args"]["bytes"] == 4000 and bucket["args"]["dtype"] == "float32"
     assert bucket["args"]["tensors"] == 1
+
+
+OVERLAP_JOB = """
+import tensorflow as tf
+tf.config.threading.set_intra_op_parallelism_threads(1)
+import keras
+import syncdp
+
+syncdp.init()
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input([256])]
+                         + [keras.layers.Dense(512, activation="relu") for _ in range(8)]
+                         + [keras.layers.Dense(10)])
+opt = keras.optimizers.SGD(0.01)
+loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+x, y = tf.random.normal([64, 256]), tf.zeros([64], tf.int32)
+
+
+@tf.function
+def step(x, y):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    grads = syncdp.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+
+
+for _ in range(4):
+    step(x, y)
+"""
+
+
+def test_first_bucket_starts_before_the_last_gradient_exists(tmp_path):
+    """Overlap, as the timeline shows it: 9 layers of 1 MiB kernels give a small first bucket
+    (the last layers, which backprop reaches first) and a large one; the first bucket's
+    collective must start while the first layers' gradients are still being computed."""
+    trace = tmp_path / "trace.json"
+    check(launch(2, "python", python_script(tmp_path, OVERLAP_JOB),
+                 launcher_args=("--timeline-filename", str(trace)), timeout=240))
+    for rank, events in load(str(trace)).items():
+        buckets = [e for e in events if e["name"].startswith("gradients.bucket")]
+        marks = [e for e in events if e["ph"] == "i" and e["name"].startswith("gradient ")]
+        per_step = len({e["name"] for e in buckets})
+        assert per_step >= 2 and len(buckets) == 4 * per_step
+        assert len(marks) == 4 * 18  # one mark per gradient (9 kernels, 9 biases) per step
+        for s in range(1, 4):  # the first step also traces and warms up: not timed
+            first = buckets[s * per_step]
+            assert first["name"] == "gradients.bucket0"
+            before = buckets[s * per_step - 1]
+            this_step = [m["ts"] for m in marks if m["ts"] > before["ts"] + before["dur"]]
+            this_step = this_step[:18]
+            assert len(this_step) == 18
+            assert first["ts"] < max(this_step), (
+                f"rank {rank} step {s}: bucket0 started at {first['ts']:.0f} us, after the "
+                f"last gradient at {max(this_step):.0f} us: no overlap"
+            )

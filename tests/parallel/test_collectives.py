@@ -1,5 +1,7 @@
 """Every collective equals the mathematics at any number of ranks, eagerly and in tf.function."""
 
+import time
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -109,13 +111,47 @@ def test_python_object_collectives(hvd):
     assert hvd.allgather_object(("rank", r)) == [("rank", k) for k in range(n)]
 
 
-def test_topology_and_join(hvd):
+def test_topology_on_one_host(hvd):
     n = hvd.size()
     assert 0 <= hvd.rank() < n and hvd.is_chief() == (hvd.rank() == 0)
     assert hvd.local_size() == n and hvd.local_rank() == hvd.rank()  # one host
+    # Horovod's cross ranks: those sharing this local rank, i.e. one per host here.
     assert hvd.cross_size() == 1 and hvd.cross_rank() == 0
-    assert 0 <= hvd.join() < n
+
+
+@pytest.mark.parametrize("late", ["last", "first"])
+def test_join_returns_the_rank_that_arrived_last(hvd, late):
+    n = hvd.size()
+    straggler = n - 1 if late == "last" else 0
     hvd.barrier()
+    if hvd.rank() == straggler:
+        time.sleep(0.5)  # far longer than any skew between the others' arrivals
+    assert hvd.join() == straggler
+
+
+@pytest.mark.parametrize("op", ["min", "max"])
+def test_min_max_gradient_flows_to_the_rank_holding_the_extreme(hvd, op):
+    """y = op over ranks of (pre * x); the job's loss is the sum of every rank's sum(y * w).
+
+    Element 0: rank 0 holds the extreme alone, so it gets the whole gradient
+    (pre * post * sum of every rank's w) and the others none. Element 1: every rank holds the
+    same value, so they share it equally (as tf.reduce_min shares ties).
+    """
+    r, n = hvd.rank(), hvd.size()
+    sign = 1.0 if op == "min" else -1.0
+    x = tf.Variable([sign * r, 5.0])  # rank 0 holds the min (or, negated, the max)
+    w = tf.constant([float(r + 1), 2.0 * (r + 1)])
+    pre, post = 2.0, 3.0
+    reduce_op = hvd.Min if op == "min" else hvd.Max
+    with tf.GradientTape() as tape:
+        y = hvd.allreduce(x, op=reduce_op, prescale_factor=pre, postscale_factor=post)
+        loss = tf.reduce_sum(y * w)
+    np.testing.assert_allclose(y.numpy(), [0.0, 30.0])
+    grad = tape.gradient(loss, x).numpy()
+    total_w = n * (n + 1) / 2  # sum over ranks of (rank + 1)
+    expected0 = pre * post * total_w if r == 0 else 0.0
+    expected1 = pre * post * 2.0 * total_w / n
+    np.testing.assert_allclose(grad, [expected0, expected1], rtol=1e-6)
 
 
 def test_bad_arguments_raise(hvd):

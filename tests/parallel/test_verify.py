@@ -106,3 +106,29 @@ def test_verify_every_k_steps_catches_a_perturbed_rank(hvd, monkeypatch):
     with pytest.raises(tf.errors.OpError, match=rf"w\S*: rank {hvd.size() - 1} differ"):
         gradient()  # the third reduction checks
     assert int(tape._step_counter().numpy()) == 3
+
+
+def test_verify_every_runs_in_the_ordered_chain_of_collectives(hvd, monkeypatch):
+    """The periodic check is a collective: it must run at a fixed place among the buckets on
+    every rank, i.e. chained after the last gradient bucket, not beside the chain."""
+    if hvd.size() == 1:
+        pytest.skip(_NEEDS_TWO)
+    config = runtime.get_config()
+    monkeypatch.setattr(runtime._state, "config", dataclasses.replace(config, verify_every=1))
+    w = tf.Variable(tf.ones([4]), name="w")
+    v = tf.Variable(tf.ones([3], tf.float64), name="v")  # a second dtype: a second bucket
+
+    @tf.function
+    def gradient():
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(w * w) + tf.cast(tf.reduce_sum(v * v), tf.float32)
+        return hvd.DistributedGradientTape(t).gradient(loss, [w, v])
+
+    graph = gradient.get_concrete_function().graph
+    host_ops = [op for op in graph.get_operations() if op.type == "PyFunc"]
+    buckets = [op for op in host_ops if "bucket" in op.name]
+    checks = [op for op in host_ops if "verify_every" in op.name]
+    assert len(buckets) == 2 and len(checks) == 1
+    assert buckets[0] in buckets[1].control_inputs
+    assert buckets[1] in checks[0].control_inputs
+    np.testing.assert_allclose(gradient()[0].numpy(), np.full([4], 2.0))

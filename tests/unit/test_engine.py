@@ -80,7 +80,11 @@ def reduce_on_ranks(per_rank, dtype, op, *, pre=1.0, post=1.0, steps=None):
 
     def rank_main(r):
         reducer = BucketReducer(
-            dtype, op, prescale=pre, postscale=post, name=f"test{r}",
+            dtype,
+            op,
+            prescale=pre,
+            postscale=post,
+            name=f"test{r}",
             carry_step=steps[0] is not None,
         )
         try:
@@ -112,12 +116,8 @@ def test_plan_reverse_small_first_bucket_then_cap():
 
 def test_plan_separates_dtypes_and_unknown_sizes_and_zero_cap_splits_all():
     specs = [TensorSpec(16, "f4"), TensorSpec(16, "i4"), TensorSpec(16, "f4"), TensorSpec(-1, "f4")]
-    assert [b.indices for b in plan(specs, first_bytes=0, cap_bytes=MiB)] == [
-        (0, 2), (1,), (3,)
-    ]
-    assert [b.indices for b in plan(specs, first_bytes=0, cap_bytes=0)] == [
-        (0,), (1,), (2,), (3,)
-    ]
+    assert [b.indices for b in plan(specs, first_bytes=0, cap_bytes=MiB)] == [(0, 2), (1,), (3,)]
+    assert [b.indices for b in plan(specs, first_bytes=0, cap_bytes=0)] == [(0,), (1,), (2,), (3,)]
 
 
 def test_layout_aligns_every_member():
@@ -170,7 +170,10 @@ def test_every_op_matches_the_formula(size, dtype):
             for r in range(size):
                 got = np.asarray(results[r][0][m], dtype=np.float64)
                 np.testing.assert_allclose(
-                    got, np.asarray(want.astype(dtype), np.float64), rtol=0, atol=0,
+                    got,
+                    np.asarray(want.astype(dtype), np.float64),
+                    rtol=0,
+                    atol=0,
                     err_msg=f"{op} pre={pre} post={post} rank {r}",
                 )
 
@@ -179,8 +182,11 @@ def test_every_op_matches_the_formula(size, dtype):
 def test_half_precision_accumulates_in_float32_at_three_ranks(dtype, big):
     # big + 1 rounds back to big in this dtype (its spacing there is 2), so adding in the
     # bucket's dtype would lose both ones; the exact sum big + 2 is representable.
-    per_rank = [[np.array([big, 1.0], dtype)], [np.array([1.0, 2.0], dtype)],
-                [np.array([1.0, 3.0], dtype)]]
+    per_rank = [
+        [np.array([big, 1.0], dtype)],
+        [np.array([1.0, 2.0], dtype)],
+        [np.array([1.0, 3.0], dtype)],
+    ]
     results = reduce_on_ranks(per_rank, dtype, "sum")
     for r in range(3):
         np.testing.assert_array_equal(np.asarray(results[r][0][0], np.float64), [big + 2, 6.0])
@@ -219,8 +225,9 @@ def test_outputs_are_aligned_views_that_survive_the_next_call():
     np.testing.assert_array_equal(second[1], 20.0)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64,
-                                   np.int32, np.int64, np.int8])
+@pytest.mark.parametrize(
+    "dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int32, np.int64, np.int8]
+)
 def test_step_round_trips_through_a_summed_region(dtype):
     size = 3
     limbs = steps_mod.limbs_for(dtype)

@@ -1,0 +1,53 @@
+"""init() and shutdown() through the real launcher: importing starts no MPI, shutdown releases
+everything and a later init() works, and init() accepts an existing mpi4py communicator."""
+
+import pytest
+
+from tests.launcher import check, launch, python_script
+
+JOB = """
+import sys
+import tensorflow as tf
+tf.config.threading.set_intra_op_parallelism_threads(1)
+import syncdp
+
+assert "mpi4py.MPI" not in sys.modules, "import syncdp started MPI"
+assert not syncdp.is_initialized()
+
+syncdp.init()
+n, r = syncdp.size(), syncdp.rank()
+total = syncdp.allreduce(tf.constant([float(r)]), op=syncdp.Sum)
+assert total.numpy()[0] == n * (n - 1) / 2, total
+
+syncdp.shutdown()
+assert not syncdp.is_initialized()
+try:
+    syncdp.rank()
+    raise AssertionError("rank() after shutdown() must raise")
+except syncdp.NotInitializedError:
+    pass
+
+# Again, on a communicator the program made: even and odd ranks train apart.
+from mpi4py import MPI
+group = MPI.COMM_WORLD.Split(color=r % 2, key=r)
+syncdp.init(comm=group)
+members = [k for k in range(n) if k % 2 == r % 2]
+assert syncdp.size() == len(members), (syncdp.size(), members)
+assert syncdp.rank() == members.index(r)
+total = syncdp.allreduce(tf.constant([float(r)]), op=syncdp.Sum)
+assert total.numpy()[0] == sum(members), (total, members)
+assert syncdp.local_size() == len(members) and syncdp.cross_size() == 1
+syncdp.shutdown()
+
+syncdp.init()  # and the whole world once more
+assert syncdp.size() == n
+assert syncdp.allgather_object(r) == list(range(n))
+print(f"rank {r}: ok")
+"""
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3])
+def test_init_shutdown_init_and_a_given_communicator(tmp_path, np_):
+    result = check(launch(np_, "python", python_script(tmp_path, JOB), timeout=240))
+    for r in range(np_):
+        assert f"[{r}]<stdout>:rank {r}: ok" in result.stdout
