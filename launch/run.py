@@ -8,49 +8,57 @@ Usage::
 
 The command line is horovodrun's. Every rank runs under a small supervisor
 (:mod:`launch.worker`) that prefixes its output lines with ``[rank]<stdout>:`` or
-``[rank]<stderr>:``, and that, when its rank dies or exits non-zero, says which rank and how
-(exit code or signal) and makes mpirun end all the others. ``syncdp-run`` returns non-zero if
-any rank failed, and Ctrl-C or SIGTERM stops every rank.
+``[rank]<stderr>:`` and makes mpirun end all the other ranks when its rank dies or exits
+non-zero. ``syncdp-run`` returns non-zero if any rank failed, and Ctrl-C or SIGTERM stops every
+rank.
 
-Flags and the one environment variable each sets on every rank:
+Flags of the launcher itself:
 
     -np, --num-proc N          number of ranks (mpirun -np)
     -H, --hosts H:S,...        hosts and slots (mpirun --host)
     --hostfile FILE            "host slots=N" lines (mpirun --hostfile)
-    --start-timeout S          SYNCDP_START_TIMEOUT: seconds for every rank to reach init()
-    --stall-timeout S          SYNCDP_STALL_TIMEOUT: a collective waiting longer ends the job,
-                               naming the ranks that did not arrive (0 = wait forever)
-    --stall-warning S          SYNCDP_STALL_WARNING: seconds before a stall warning
-    --fusion-threshold-mb MB   SYNCDP_FUSION_THRESHOLD (in bytes): size of a fused buffer
-    --chunk-mb MB              SYNCDP_CHUNK_BYTES (in bytes): largest single MPI message
-    --timeline-filename FILE   SYNCDP_TIMELINE: Chrome-trace JSON of every collective
-    --verify-every K           SYNCDP_VERIFY_EVERY: check replicas are identical every K steps
-    --log-all-ranks            SYNCDP_LOG_ALL_RANKS=1: Keras progress output on every rank
-    --verbose                  SYNCDP_VERBOSE=1, and prints the mpirun command
     --mpi-args "ARGS"          extra arguments for mpirun, split like a shell would
 
-Also set on every rank: OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (so
-root works without Open MPI's flags), PYTHONUNBUFFERED=1 (so lines arrive as they are
-printed), and TF_CPP_MIN_LOG_LEVEL=1 unless already set (hides TensorFlow's info logs). mpirun
-runs with --oversubscribe (more ranks than cores works, just slower) and --bind-to none.
+Every other flag is a row of :data:`syncdp.core.settings.SETTINGS` and sets exactly that row's
+``SYNCDP_*`` variable on every rank (flags ending in ``-mb`` take MiB; the variable holds
+bytes). ``syncdp-run --help`` lists them with their defaults.
+
+Also set on every rank: SYNCDP_LAUNCHER=1; SYNCDP_REPORT_ADDR=host:port, where the launcher
+listens for the ranks' reports; OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (so
+root works without Open MPI's flags); PYTHONUNBUFFERED=1 (so lines arrive as they are printed);
+and TF_CPP_MIN_LOG_LEVEL=1 unless already set (hides TensorFlow's info logs). mpirun runs with
+--oversubscribe (more ranks than cores works, just slower) and --bind-to none.
+
+Failures arrive as data, not as text to parse: ranks and their supervisors send one JSON report
+per event to SYNCDP_REPORT_ADDR (:mod:`syncdp.core.report`). The launcher's last line, on
+failure, is built from the earliest failure report. It also bounds start-up: once the first
+rank has reached ``syncdp.init()``, every rank must follow within the start timeout (plus 5 s),
+or the launcher ends the job and names the ranks that never arrived. A program that never calls
+``syncdp.init()`` is never stopped for this.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
+import json
+import math
 import os
-import re
+import select
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from launch.worker import describe_exit
+from syncdp.core import settings
+from syncdp.core.report import ADDRESS_VAR
 
 __all__ = [
     "LaunchConfig",
@@ -62,44 +70,52 @@ __all__ = [
     "main",
 ]
 
-MiB = 1024 * 1024
 # Seconds between asking mpirun to stop (SIGTERM) and killing it.
 _TERMINATE_GRACE_SECONDS = 10.0
 # Once a rank has reported a failure, mpirun gets this long to end the job by itself.
 _FAILURE_GRACE_SECONDS = 15.0
-_FAILURE_LINE = re.compile(r"syncdp(?:-run)?: (ranks? \d+(?:, \d+)* .*)")
-_RANK_PREFIX = re.compile(r"\[\d+\]<std(?:out|err)>:")
-# mpirun's own words when a supervisor died without reporting (e.g. it was SIGKILLed).
-_MPIRUN_SIGNAL = re.compile(
-    r"process rank (\d+) with PID (\d+) on node (\S+) exited on\s+"
-    r"signal (\d+)"
-)
-_MPIRUN_EXIT = re.compile(r"Process name: \[\S+?,(\d+)\]\s+Exit code:\s+(\d+)")
-_MPIRUN_LINES = 200
+# Beyond the start timeout, how long the launcher waits for the ranks' own verdict (a rank
+# that timed out in init() reports it and aborts) before it ends the job itself.
+_START_GRACE_SECONDS = 5.0
+# Report kinds that are failures by themselves; an "exit" report is one when it says so.
+_FAILURE_KINDS = frozenset({"exception", "stall", "start_timeout", "exit_early"})
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-    """Everything the launcher was asked to do."""
+    """Everything the launcher was asked to do.
+
+    Attributes:
+        num_proc: Number of ranks.
+        command: The program and its arguments, run on every rank.
+        hosts: mpirun's ``--host`` value, or None.
+        hostfile: mpirun's ``--hostfile`` value, or None.
+        settings: The settings given as flags, by setting name (``stall_timeout``), each in
+            the flag's unit (MiB for the ``-mb`` flags); settings not given are absent.
+        mpi_args: Extra mpirun arguments.
+    """
 
     num_proc: int
     command: tuple[str, ...]
     hosts: str | None = None
     hostfile: str | None = None
-    start_timeout: float | None = None
-    stall_timeout: float | None = None
-    stall_warning: float | None = None
-    fusion_threshold_mb: float | None = None
-    chunk_mb: float | None = None
-    timeline_filename: str | None = None
-    verify_every: int | None = None
-    log_all_ranks: bool = False
-    verbose: bool = False
+    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     mpi_args: tuple[str, ...] = ()
 
 
+def _setting_help(s: settings.Setting) -> str:
+    unit = " MiB" if s.flag_unit == settings.MiB else ""
+    text = f"{s.doc} (default {s.default_text()}{unit}; sets {s.env})"
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser, horovodrun's flags first."""
+    """The argument parser: the launcher's own flags, then one flag per setting.
+
+    Returns:
+        A parser whose settings flags store into ``dest`` = the setting's name, None when the
+        flag is not given.
+    """
     p = argparse.ArgumentParser(
         prog="syncdp-run",
         description="Run a program on N synchronous data-parallel ranks through mpirun.",
@@ -110,38 +126,43 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-proc",
         dest="num_proc",
         type=int,
+        metavar="N",
         required=True,
         help="number of ranks to start",
     )
     where = p.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", help="hosts and slots, e.g. host1:2,host2:2")
-    where.add_argument("--hostfile", help="file of 'host slots=N' lines")
-    p.add_argument("--start-timeout", type=float, help="seconds for all ranks to start")
-    p.add_argument(
-        "--stall-timeout",
-        type=float,
-        help="seconds a collective may wait before the job ends (0: forever)",
+    where.add_argument("--hostfile", metavar="FILE", help="file of 'host slots=N' lines")
+    p.add_argument("--mpi-args", default="", metavar="ARGS", help="extra mpirun arguments, quoted")
+    group = p.add_argument_group(
+        "settings", "each sets one SYNCDP_* variable on every rank (syncdp.core.settings)"
     )
-    p.add_argument("--stall-warning", type=float, help="seconds before a stall warning")
-    p.add_argument("--fusion-threshold-mb", type=float, help="fused buffer size in MiB")
-    p.add_argument("--chunk-mb", type=float, help="largest single MPI message in MiB")
-    p.add_argument("--timeline-filename", help="write a Chrome-trace timeline here")
-    p.add_argument(
-        "--verify-every", type=int, help="check that replicas are identical every K steps"
-    )
-    p.add_argument(
-        "--log-all-ranks",
-        action="store_true",
-        help="Keras progress output on every rank, not only rank 0",
-    )
-    p.add_argument("--verbose", action="store_true", help="log what syncdp does")
-    p.add_argument("--mpi-args", default="", help="extra mpirun arguments, quoted")
+    for s in settings.SETTINGS:
+        if s.type is bool:
+            group.add_argument(
+                s.flag, dest=s.name, action="store_true", default=None, help=_setting_help(s)
+            )
+            continue
+        if s.type is str:
+            kind, metavar = str, "STR"
+        elif s.flag_unit == settings.MiB:
+            kind, metavar = float, "MiB"  # fractions of a MiB are fine: the variable is bytes
+        else:
+            kind, metavar = s.type, s.type.__name__.upper()
+        group.add_argument(s.flag, dest=s.name, type=kind, metavar=metavar, help=_setting_help(s))
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> LaunchConfig:
-    """Parses the command line into a LaunchConfig; exits with usage on a bad one."""
+    """Parses the command line into a LaunchConfig; exits with usage on a bad one.
+
+    Args:
+        argv: The arguments after the program name. Defaults to ``sys.argv[1:]``.
+
+    Returns:
+        The LaunchConfig.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     command = list(args.command)
@@ -153,66 +174,65 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         parser.error(f"-np must be at least 1; got {args.num_proc}")
     if args.hostfile and not os.path.isfile(args.hostfile):
         parser.error(f"--hostfile {args.hostfile!r} does not exist")
-    for flag in (
-        "start_timeout",
-        "stall_timeout",
-        "stall_warning",
-        "fusion_threshold_mb",
-        "chunk_mb",
-        "verify_every",
-    ):
-        value = getattr(args, flag)
-        if value is not None and value < 0:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 0; got {value}")
+    given = {}
+    for s in settings.SETTINGS:
+        value = getattr(args, s.name)
+        if value is None:
+            continue
+        # The row's minimum is in the variable's unit (bytes for the -mb flags).
+        if s.minimum is not None and s.type is not bool and s.type is not str:
+            if value * s.flag_unit < s.minimum:
+                least = f"{s.minimum:g}"
+                if s.flag_unit == settings.MiB:
+                    least = f"{s.minimum / s.flag_unit:g} MiB ({s.minimum:g} bytes)"
+                parser.error(f"{s.flag} must be at least {least}; got {value:g}")
+        given[s.name] = value
     return LaunchConfig(
         num_proc=args.num_proc,
         command=tuple(command),
         hosts=args.hosts,
         hostfile=args.hostfile,
-        start_timeout=args.start_timeout,
-        stall_timeout=args.stall_timeout,
-        stall_warning=args.stall_warning,
-        fusion_threshold_mb=args.fusion_threshold_mb,
-        chunk_mb=args.chunk_mb,
-        timeline_filename=args.timeline_filename,
-        verify_every=args.verify_every,
-        log_all_ranks=args.log_all_ranks,
-        verbose=args.verbose,
+        settings=given,
         mpi_args=tuple(shlex.split(args.mpi_args)),
     )
 
 
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else str(value)
+def build_env(
+    config: LaunchConfig,
+    environ: Mapping[str, str] | None = None,
+    *,
+    report_addr: str | None = None,
+) -> dict[str, str]:
+    """The environment every rank gets: the caller's, plus one SYNCDP_* variable per flag.
 
+    Args:
+        config: The parsed command line.
+        environ: The caller's environment. Defaults to ``os.environ``.
+        report_addr: ``host:port`` where the launcher listens for reports, or None to set
+            no ``SYNCDP_REPORT_ADDR``. Defaults to None.
 
-def build_env(config: LaunchConfig, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment every rank gets: the caller's, plus one SYNCDP_* variable per flag."""
+    Returns:
+        The environment, a new dict.
+    """
     env = dict(os.environ if environ is None else environ)
-    flags = {
-        "SYNCDP_START_TIMEOUT": config.start_timeout,
-        "SYNCDP_STALL_TIMEOUT": config.stall_timeout,
-        "SYNCDP_STALL_WARNING": config.stall_warning,
-        "SYNCDP_FUSION_THRESHOLD": (
-            None if config.fusion_threshold_mb is None else int(config.fusion_threshold_mb * MiB)
-        ),
-        "SYNCDP_CHUNK_BYTES": None if config.chunk_mb is None else int(config.chunk_mb * MiB),
-        "SYNCDP_TIMELINE": (
-            None if config.timeline_filename is None else os.path.abspath(config.timeline_filename)
-        ),
-        "SYNCDP_VERIFY_EVERY": config.verify_every,
-        "SYNCDP_LOG_ALL_RANKS": "1" if config.log_all_ranks else None,
-        "SYNCDP_VERBOSE": "1" if config.verbose else None,
-    }
-    for key, value in flags.items():
-        if value is not None:
-            env[key] = value if isinstance(value, str) else _number(value)
+    env.update(settings.launcher_env(config.settings))
+    if report_addr is not None:
+        env[ADDRESS_VAR] = report_addr
     env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
     env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     env["SYNCDP_LAUNCHER"] = "1"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     return env
+
+
+def _setting_value(env: Mapping[str, str], name: str) -> Any:
+    """A setting as the ranks will read it from ``env``; the default if unset or malformed."""
+    s = next(s for s in settings.SETTINGS if s.name == name)
+    try:
+        return s.parse(env[s.env])
+    except (KeyError, ValueError):  # a malformed value is the ranks' error to report
+        return s.default
 
 
 def _find_mpirun() -> str:
@@ -226,7 +246,16 @@ def _find_mpirun() -> str:
 
 
 def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpirun") -> list[str]:
-    """The mpirun command line that starts every rank under :mod:`launch.worker`."""
+    """The mpirun command line that starts every rank under :mod:`launch.worker`.
+
+    Args:
+        config: The parsed command line.
+        env: The ranks' environment (:func:`build_env`); its variables are exported by name.
+        mpirun: The mpirun executable. Defaults to ``"mpirun"``.
+
+    Returns:
+        The command, a list of arguments.
+    """
     cmd = [mpirun, "-np", str(config.num_proc), "--oversubscribe", "--bind-to", "none"]
     if config.hosts:
         cmd += ["--host", config.hosts]
@@ -246,46 +275,218 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
     return cmd
 
 
-class _OutputWatcher:
-    """Copies mpirun's output through and remembers the first failure a rank reported.
+def _ranks_text(ranks: Iterable[int]) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
-    When no rank's supervisor could report (the supervisor itself was killed), mpirun's own
-    report is read instead, from the lines it writes without a rank prefix.
+
+def _who(report: Mapping[str, Any]) -> str:
+    """``rank 1 (pid 4242 on node3)``, from a report's fields."""
+    where = ""
+    if report.get("pid") is not None and report.get("host"):
+        where = f" (pid {report['pid']} on {report['host']})"
+    return f"rank {report.get('rank', '?')}{where}"
+
+
+def _report_time(report: Mapping[str, Any]) -> float:
+    try:
+        return float(report["time"])
+    except (KeyError, TypeError, ValueError):
+        return math.inf
+
+
+class _Reports:
+    """What the ranks reported, and the launcher's verdict on the job from it.
+
+    Thread-safe: the report server adds, the launcher's main loop asks.
+
+    Args:
+        num_proc: The number of ranks.
+        start_timeout: Seconds every rank has to reach ``init()`` after the first did; 0 for
+            no limit.
+        stall_timeout: The stall timeout, for the words of a stall.
     """
 
-    def __init__(self):
-        self.first_failure: str | None = None
-        self.failure_seen = threading.Event()
-        self._mpirun_lines: collections.deque[str] = collections.deque(maxlen=_MPIRUN_LINES)
+    def __init__(self, num_proc: int, start_timeout: float, stall_timeout: float = 0.0):
+        self.num_proc = num_proc
+        self.start_timeout = start_timeout
+        self.stall_timeout = stall_timeout
+        self.started: dict[int, dict] = {}
+        self.exits: dict[int, dict] = {}
+        self.failed = threading.Event()
+        self._failures: list[dict] = []
+        self._first_start: float | None = None  # time.monotonic() of the first "started"
+        self._lock = threading.Lock()
 
-    def pump(self, source, sink) -> None:
-        for raw in iter(source.readline, b""):
-            sink.write(raw)
-            sink.flush()
-            line = raw.decode(errors="replace")
-            if not _RANK_PREFIX.match(line):
-                self._mpirun_lines.append(line.strip())
-            if self.first_failure is None:
-                match = _FAILURE_LINE.search(line)
-                if match:
-                    self.first_failure = match.group(1).strip()
-                    self.failure_seen.set()
-        source.close()
+    def add(self, report: dict) -> None:
+        """Records one report; sets :attr:`failed` when it is a failure."""
+        kind = report.get("kind")
+        with self._lock:
+            if kind == "started":
+                if self._first_start is None:
+                    self._first_start = time.monotonic()
+                self.started.setdefault(report.get("rank"), report)
+                return
+            if kind == "exit":
+                self.exits[report.get("rank")] = report
+                failure = bool(report.get("code") or report.get("signal"))
+                failure = failure and not report.get("requested")
+            else:
+                failure = kind in _FAILURE_KINDS
+            if failure:
+                self._failures.append(report)
+        if failure:
+            self.failed.set()
+
+    def _not_started(self) -> list[int]:
+        return [r for r in range(self.num_proc) if r not in self.started]
+
+    def check_start(self, now: float | None = None) -> bool:
+        """Records a start timeout if the ranks have not all arrived in time.
+
+        Args:
+            now: ``time.monotonic()``'s value. Defaults to now.
+
+        Returns:
+            Whether this call found the start timeout exceeded (the launcher then ends the job).
+        """
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if self.start_timeout <= 0 or self._first_start is None or self._failures:
+                return False
+            missing = self._not_started()
+            if not missing or now < self._first_start + self.start_timeout + _START_GRACE_SECONDS:
+                return False
+            self._failures.append(
+                {"kind": "start_timeout", "rank": None, "ranks": missing, "time": time.time()}
+            )
+        self.failed.set()
+        return True
+
+    def first_failure(self) -> dict | None:
+        """The earliest failure report, by the time it was sent; None if there was none."""
+        with self._lock:
+            if not self._failures:
+                return None
+            order = range(len(self._failures))
+            first = min(order, key=lambda i: (_report_time(self._failures[i]), i))
+            return self._failures[first]
 
     def cause(self) -> str:
         """The first failure, in words, for the launcher's last line."""
-        if self.first_failure:
-            return self.first_failure
-        text = " ".join(self._mpirun_lines)
-        match = _MPIRUN_SIGNAL.search(text)
-        if match:
-            rank, pid, node, signum = match.groups()
-            return f"rank {rank} (pid {pid} on {node}) {describe_exit(-int(signum))}"
-        match = _MPIRUN_EXIT.search(text)
-        if match:
-            rank, code = match.groups()
-            return f"rank {rank} {describe_exit(int(code))}"
-        return "see the output above"
+        first = self.first_failure()
+        if first is not None:
+            return self._describe(first)
+        with self._lock:
+            silent = [r for r in range(self.num_proc) if r not in self.exits]
+            if not silent or not (self.exits or self.started):
+                return "see the output above"
+            who = [_who(self.started.get(r, {"rank": r})) for r in silent]
+        if len(who) == 1:
+            return f"{who[0]} ended without a report (its supervisor was killed)"
+        return f"{', '.join(who)} ended without a report (their supervisors were killed)"
+
+    def _describe(self, report: Mapping[str, Any]) -> str:
+        kind, ranks = report.get("kind"), report.get("ranks") or []
+        if kind == "exception":
+            # The message's first line is the exception's "Type: text"; a last line has no room
+            # for the rest.
+            text = (report.get("message") or "").strip().splitlines()
+            return f"{_who(report)} failed with {text[0] if text else report.get('type')}"
+        if kind == "stall":
+            where = f"collective #{report.get('seq')} {report.get('collective')}"
+            limit = f"the stall timeout ({self.stall_timeout:g} s)"
+            if not ranks:
+                return f"rank {report.get('rank')} stalled: {where} ran past {limit}"
+            them = "it" if len(ranks) == 1 else "them"
+            return (
+                f"{_ranks_text(ranks)} stalled: rank {report.get('rank')} waited for {them} in "
+                f"{where} past {limit}"
+            )
+        if kind == "start_timeout":
+            with self._lock:
+                missing = ranks or self._not_started()
+            limit = f"the start timeout ({self.start_timeout:g} s)"
+            if not missing:
+                return f"{_who(report)} timed out in syncdp.init() after {limit}"
+            return f"{_ranks_text(missing)} never reached syncdp.init() within {limit}"
+        if kind == "exit_early":
+            waiting = "other ranks wait"
+            if ranks:
+                waiting = f"{_ranks_text(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
+            return f"{_who(report)} finished its program while {waiting} for it"
+        code = -report["signal"] if report.get("signal") else report.get("code") or 0
+        return f"{_who(report)} {describe_exit(code)}"
+
+
+class _ReportServer:
+    """Listens on a TCP port and feeds every JSON line it receives to a :class:`_Reports`.
+
+    The address exists from construction, so it can go into the ranks' environment before
+    :meth:`start`.
+
+    Args:
+        public: Listen on every interface and advertise this host's name (ranks on other
+            hosts), instead of 127.0.0.1. Defaults to False.
+    """
+
+    def __init__(self, *, public: bool = False):
+        self.reports: _Reports | None = None
+        self._sock = socket.create_server(("0.0.0.0" if public else "127.0.0.1", 0))
+        port = self._sock.getsockname()[1]
+        self.address = f"{socket.gethostname() if public else '127.0.0.1'}:{port}"
+        self._stopping = threading.Event()
+        self._readers: list[threading.Thread] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def start(self, reports: _Reports) -> _ReportServer:
+        """Starts feeding the reports that arrive to ``reports``; returns self."""
+        self.reports = reports
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Reads every report already sent, then stops listening."""
+        self._stopping.set()
+        self._thread.join()
+        for reader in self._readers:
+            reader.join(timeout=2)
+        self._sock.close()
+
+    def _serve(self) -> None:
+        while True:
+            ready, _, _ = select.select([self._sock], [], [], 0.1)
+            if ready:
+                conn, _ = self._sock.accept()
+                reader = threading.Thread(target=self._read, args=(conn,), daemon=True)
+                reader.start()
+                self._readers.append(reader)
+            elif self._stopping.is_set():
+                # Only once nothing waits to be accepted: every process of the job has ended,
+                # so whatever it sent is already queued.
+                return
+
+    def _read(self, conn: socket.socket) -> None:
+        conn.settimeout(5.0)  # a sender never holds its connection open for long
+        with conn, conn.makefile("rb") as lines:
+            try:
+                for line in lines:
+                    try:
+                        report = json.loads(line)
+                    except ValueError:
+                        continue  # not a report: ignored, the launcher must not fail on it
+                    if isinstance(report, dict) and "kind" in report:
+                        self.reports.add(report)
+            except OSError:
+                pass
+
+
+def _pump(source, sink) -> None:
+    """Copies one of mpirun's output streams through unchanged."""
+    for raw in iter(source.readline, b""):
+        sink.write(raw)
+        sink.flush()
+    source.close()
 
 
 def _stop(process: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
@@ -306,26 +507,53 @@ def _stop(process: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
         process.wait()
 
 
+def _supervise(process: subprocess.Popen, reports: _Reports) -> None:
+    """Waits for mpirun; ends the job on a failure report or a start timeout."""
+    while process.poll() is None:
+        if reports.check_start():
+            _stop(process)  # the ranks' own start timeout did not end the job: nothing will
+        elif reports.failed.wait(timeout=0.5):
+            # mpirun normally ends the job at once; make sure nothing is left waiting.
+            deadline = time.monotonic() + _FAILURE_GRACE_SECONDS
+            while process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            _stop(process)
+
+
 def run(config: LaunchConfig) -> int:
-    """Starts the job, copies its output, and returns its exit code (non-zero on failure)."""
-    env = build_env(config)
+    """Starts the job, copies its output, and returns its exit code (non-zero on failure).
+
+    Args:
+        config: The parsed command line.
+
+    Returns:
+        0 when every rank succeeded; otherwise mpirun's exit code (1 if it had none), or
+        128 + the signal number when the launcher was stopped by SIGINT or SIGTERM.
+    """
     try:
-        cmd = build_command(config, env, _find_mpirun())
+        mpirun = _find_mpirun()
     except FileNotFoundError as e:
         print(f"syncdp-run: {e}", file=sys.stderr)
         return 127
-    if config.verbose:
+    server = _ReportServer(public=bool(config.hosts or config.hostfile))
+    env = build_env(config, report_addr=server.address)
+    reports = _Reports(
+        config.num_proc,
+        start_timeout=_setting_value(env, "start_timeout"),
+        stall_timeout=_setting_value(env, "stall_timeout"),
+    )
+    server.start(reports)
+    cmd = build_command(config, env, mpirun)
+    if config.settings.get("verbose"):
         print("syncdp-run: " + shlex.join(cmd), file=sys.stderr, flush=True)
     process = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     )
-    watcher = _OutputWatcher()
     pumps = [
-        threading.Thread(target=watcher.pump, args=(process.stdout, sys.stdout.buffer)),
-        threading.Thread(target=watcher.pump, args=(process.stderr, sys.stderr.buffer)),
+        threading.Thread(target=_pump, args=(process.stdout, sys.stdout.buffer), daemon=True),
+        threading.Thread(target=_pump, args=(process.stderr, sys.stderr.buffer), daemon=True),
     ]
     for p in pumps:
-        p.daemon = True
         p.start()
     interrupted = []
 
@@ -335,18 +563,13 @@ def run(config: LaunchConfig) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while process.poll() is None:
-            if watcher.failure_seen.wait(timeout=0.5):
-                # mpirun normally ends the job at once; make sure nothing is left waiting.
-                deadline = time.monotonic() + _FAILURE_GRACE_SECONDS
-                while process.poll() is None and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                _stop(process)
+        _supervise(process, reports)
         for p in pumps:
             p.join(timeout=5)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        server.close()
     code = process.returncode
     if interrupted:
         print(
@@ -356,9 +579,9 @@ def run(config: LaunchConfig) -> int:
         )
         return 128 + interrupted[0]
     if code != 0:
-        cause = watcher.cause()
         print(
-            f"syncdp-run: the job failed (mpirun exit code {code}); first failure: {cause}",
+            f"syncdp-run: the job failed (mpirun exit code {code}); first failure: "
+            f"{reports.cause()}",
             file=sys.stderr,
             flush=True,
         )
@@ -367,7 +590,14 @@ def run(config: LaunchConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``syncdp-run`` and ``python -m launch``."""
+    """Entry point of ``syncdp-run`` and ``python -m launch``.
+
+    Args:
+        argv: The arguments after the program name. Defaults to ``sys.argv[1:]``.
+
+    Returns:
+        The exit status (see :func:`run`).
+    """
     return run(parse_args(argv))
 
 

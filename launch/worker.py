@@ -6,22 +6,33 @@ which rank it was and how it ended (exit code or signal) before exiting non-zero
 makes mpirun end every other rank. The child is started with a parent-death signal, so it can
 never outlive this supervisor.
 
+However the child ends, the supervisor sends the launcher an ``exit`` report (see
+:mod:`syncdp.core.report`; the same one-JSON-line format, written here directly because
+importing syncdp would import TensorFlow, seconds per rank): ``code`` or ``signal``, and
+``requested`` when the child was stopped because the job was ending.
+
 Usage (by the launcher, not by hand): ``python -m launch.worker COMMAND [ARGS...]``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 __all__ = ["main", "describe_exit"]
 
 _PR_SET_PDEATHSIG = 1
+# syncdp.core.report's address variable and connect timeout: a report must never hold up a
+# rank that is about to end the job.
+_REPORT_ADDR = "SYNCDP_REPORT_ADDR"
+_CONNECT_SECONDS = 2.0
 
 
 def _rank() -> str:
@@ -36,6 +47,32 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:  # not Linux: the launcher's own cleanup still ends the job
         pass
+
+
+def _send_exit_report(
+    rank: str, pid: int | None, returncode: int, requested: bool, message: str
+) -> None:
+    """Tells the launcher how the child ended, if there is a launcher; never raises."""
+    address = os.environ.get(_REPORT_ADDR)
+    if not address:
+        return
+    report = {
+        "kind": "exit",
+        "rank": int(rank) if rank.isdigit() else None,
+        "host": socket.gethostname(),
+        "pid": pid,
+        "time": time.time(),
+        "message": message,
+        "code": returncode if returncode >= 0 else None,
+        "signal": -returncode if returncode < 0 else None,
+        "requested": requested,
+    }
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=_CONNECT_SECONDS) as s:
+            s.sendall((json.dumps(report) + "\n").encode())
+    except (OSError, ValueError):
+        pass  # the launcher is gone or unreachable; the stderr line still says it
 
 
 def _pump(source, sink, prefix: bytes) -> None:
@@ -57,6 +94,15 @@ def describe_exit(returncode: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs ``argv`` as this rank's program; returns the exit status for mpirun.
+
+    Args:
+        argv: The command and its arguments. Defaults to ``sys.argv[1:]``.
+
+    Returns:
+        The child's exit code, 128 + the signal number if a signal ended it, 127 if it could
+        not be started, 2 without a command.
+    """
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         print("usage: python -m launch.worker COMMAND [ARGS...]", file=sys.stderr)
@@ -67,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
         )
     except OSError as e:
-        print(
-            f"syncdp-run: rank {rank} could not start {argv[0]!r}: {e}", file=sys.stderr, flush=True
-        )
+        message = f"rank {rank} could not start {argv[0]!r}: {e}"
+        print(f"syncdp-run: {message}", file=sys.stderr, flush=True)
+        _send_exit_report(rank, None, 127, False, message)
         return 127
 
     forwarded: list[int] = []
@@ -99,18 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         # Stopped on request (mpirun ending the job because another rank failed, or Ctrl-C):
         # not a failure of this rank, so not worded as one (the launcher reports the first).
         name = signal.Signals(forwarded[0]).name
-        print(
-            f"syncdp-run: stopped rank {rank} {where} with {name} as the job ends; it "
-            f"{describe_exit(returncode)}.",
-            file=sys.stderr,
-            flush=True,
+        message = (
+            f"stopped rank {rank} {where} with {name} as the job ends; it "
+            f"{describe_exit(returncode)}."
         )
-    elif returncode != 0:
-        print(
-            f"syncdp-run: rank {rank} {where} {describe_exit(returncode)}.",
-            file=sys.stderr,
-            flush=True,
-        )
+    else:
+        message = f"rank {rank} {where} {describe_exit(returncode)}."
+    if returncode != 0:
+        print(f"syncdp-run: {message}", file=sys.stderr, flush=True)
+    _send_exit_report(rank, child.pid, returncode, bool(forwarded), message)
     return returncode if returncode >= 0 else 128 - returncode
 
 

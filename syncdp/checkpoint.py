@@ -164,18 +164,12 @@ def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, str]]:
 def _is_optimizer(obj) -> bool:
     # A Keras optimizer (DistributedOptimizer included) applies gradients and creates its slot
     # variables in build(var_list); duck-typed so this layer does not import Keras.
-    return callable(getattr(obj, "apply_gradients", None)) and callable(
-        getattr(obj, "build", None)
-    )
+    return callable(getattr(obj, "apply_gradients", None)) and callable(getattr(obj, "build", None))
 
 
 def _is_model(obj) -> bool:
     # A Keras model or layer: it has weights once ``built``. A tf.Module has no ``built``.
-    return (
-        not _is_optimizer(obj)
-        and hasattr(obj, "built")
-        and hasattr(obj, "trainable_variables")
-    )
+    return not _is_optimizer(obj) and hasattr(obj, "built") and hasattr(obj, "trainable_variables")
 
 
 def _is_variable(obj) -> bool:
@@ -270,7 +264,8 @@ class CheckpointManager:
         """Makes every rank hold the newest checkpoint's state, or rank 0's current state.
 
         A synchronization point: all ranks must call it. Rank 0 reads the newest complete
-        checkpoint (skipping, with a warning, any whose files do not match their manifest) and
+        checkpoint (skipping, with a warning, any whose files do not match their manifest; one
+        whose files the system refuses to read is an error, see the module docstring) and
         broadcasts every variable, optimizer slots included; with no checkpoint it broadcasts
         its current state, so this also replaces the initial ``broadcast_variables``. Call it
         eagerly, after the model is built and before training.
@@ -280,9 +275,9 @@ class CheckpointManager:
             metadata (``save(step, metadata=...)``) is in ``self.metadata`` afterwards.
 
         Raises:
-            CheckpointError: Rank 0 could not read the checkpoint or it does not match the
-                trackables, or the ranks' variables differ in number, shape or dtype. Raised on
-                every rank.
+            CheckpointError: Rank 0 could not read a file of the newest checkpoint (the
+                message names it and the cause), the checkpoint does not match the trackables,
+                or the ranks' variables differ in number, shape or dtype. Raised on every rank.
         """
         if not tf.executing_eagerly():
             raise CheckpointError(
@@ -316,7 +311,18 @@ class CheckpointManager:
         return step
 
     def _read_newest(self) -> tuple[int, dict, str | None]:
-        """On rank 0: loads the newest good checkpoint; returns (step, metadata, error)."""
+        """On rank 0: loads the newest good checkpoint; returns (step, metadata, error).
+
+        Every failure comes back as ``error`` rather than raised, so rank 0 still reaches the
+        collective that tells the other ranks; raising here would leave them waiting.
+        """
+        try:
+            return self._load_newest()
+        except OSError as e:
+            file = e.filename or self.directory
+            return 0, {}, self._unreadable(file, e.strerror or str(e))
+
+    def _load_newest(self) -> tuple[int, dict, str | None]:
         self._remove_stale_temporaries()
         for step, path in reversed(list_checkpoints(self.directory)):
             try:
@@ -330,7 +336,7 @@ class CheckpointManager:
                 status = self._checkpoint.read(os.path.join(path, _PREFIX))
                 status.assert_existing_objects_matched()
                 del status
-            except (tf.errors.OpError, AssertionError, ValueError) as e:
+            except (AssertionError, ValueError, tf.errors.InvalidArgumentError) as e:
                 return (
                     0,
                     {},
@@ -340,8 +346,21 @@ class CheckpointManager:
                         "same model and optimizer it was saved from, or use another directory."
                     ),
                 )
+            except tf.errors.OpError as e:
+                # TensorFlow's own read failed after the checksums passed: an I/O failure
+                # (TF reports the file in its message), not a mismatch.
+                return 0, {}, self._unreadable(os.path.join(path, _PREFIX), e.message)
             return int(manifest.get("step", step)), dict(manifest.get("metadata", {})), None
         return 0, {}, None
+
+    def _unreadable(self, file: str, cause: str) -> str:
+        return (
+            f"Rank 0 could not read {file} to restore from {self.directory}: {cause}. "
+            "restore() does not fall back to an older checkpoint when a file cannot be read "
+            "(only when one is damaged), since it may be readable again. Make it readable (check "
+            "the disk, the mount and the permissions), or move its checkpoint directory out of "
+            f"{self.directory} to resume from the one before."
+        )
 
     def save(self, step: int, *, metadata: dict | None = None) -> str | None:
         """Writes a checkpoint of the current state on rank 0, atomically.

@@ -29,27 +29,45 @@ def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def launch(np: int, *command: str, timeout: float = 180, env: dict[str, str] | None = None,
-           launcher_args: tuple[str, ...] = (), cwd: str | os.PathLike | None = None
-           ) -> subprocess.CompletedProcess:
+def launch(
+    np: int,
+    *command: str,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+    launcher_args: tuple[str, ...] = (),
+    cwd: str | os.PathLike | None = None,
+) -> subprocess.CompletedProcess:
     """Runs ``syncdp-run -np NP [launcher_args] COMMAND`` and returns the finished process.
 
-    Its ``stdout``/``stderr`` are text and ``elapsed`` holds the wall time in seconds. Fails the
-    test (after killing every process of the job) when the job outlives ``timeout``.
+    Its ``stdout``/``stderr`` are text, ``elapsed`` holds the wall time in seconds, and
+    ``started_at``/``ended_at`` the ``time.time()`` of the launch and of the launcher's exit (to
+    compare with times the ranks print). Fails the test (after killing every process of the job)
+    when the job outlives ``timeout``.
     """
     cmd = [sys.executable, "-m", "launch", "-np", str(np), *launcher_args, *command]
+    started_at = time.time()
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=rank_env(env), cwd=cwd or ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=rank_env(env),
+        cwd=cwd or ROOT,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"job did not end within {timeout} s: {' '.join(cmd)}\n"
-                    f"--- stdout ---\n{out[-5000:]}\n--- stderr ---\n{err[-5000:]}")
+        pytest.fail(
+            f"job did not end within {timeout} s: {' '.join(cmd)}\n"
+            f"--- stdout ---\n{out[-5000:]}\n--- stderr ---\n{err[-5000:]}"
+        )
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     result.elapsed = time.monotonic() - start
+    result.started_at, result.ended_at = started_at, time.time()
     return result
 
 
@@ -63,7 +81,9 @@ def python_script(tmp_path: Path, source: str, name: str = "job.py") -> str:
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """Fails the test with the job's output unless it exited 0."""
     if result.returncode != 0:
-        pytest.fail(f"job failed with {result.returncode}: {' '.join(result.args)}\n"
-                    f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n"
-                    f"{result.stderr[-6000:]}")
+        pytest.fail(
+            f"job failed with {result.returncode}: {' '.join(result.args)}\n"
+            f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n"
+            f"{result.stderr[-6000:]}"
+        )
     return result

@@ -42,14 +42,6 @@ class Layout:
         self.offsets = tuple(offsets)
         self.total = at
 
-    def padding(self) -> list[tuple[int, int]]:
-        """The [start, end) element ranges that belong to no member."""
-        gaps = []
-        for off, n, nxt in zip(self.offsets, self.sizes, self.offsets[1:] + (self.total,)):
-            if off + n < nxt:
-                gaps.append((off + n, nxt))
-        return gaps
-
 
 def aligned_empty(size: int, dtype) -> np.ndarray:
     """A 1-D uninitialized array of ``size`` elements whose data starts on an :data:`ALIGN`

@@ -177,22 +177,24 @@ def _momentum_buffers(optimizer) -> list:
 
 
 class LearningRateScheduleCallback(_SyncdpCallback):
-    """Sets the learning rate to ``initial_lr * multiplier(epoch)`` during chosen epochs.
+    """Sets the learning rate to ``initial_lr * multiplier`` during ``[start_epoch, end_epoch)``.
 
-    With ``staircase=True`` the rate changes at the first batch of each epoch (``epoch`` is an
-    integer); otherwise at every batch, with ``epoch`` fractional
-    (``epoch + batch / steps_per_epoch``). Outside ``[start_epoch, end_epoch)`` the rate is
-    left as it is. A constant ``multiplier`` means ``multiplier ** epoch`` (exponential
-    decay), as in Horovod. At each epoch end the rate is logged as ``lr``. Not a collective:
-    every rank computes the same rates.
+    With Horovod's meaning of ``multiplier``: a constant is a constant factor, applied at the
+    first batch of every epoch in the window (``staircase`` is then forced to True); a function
+    is called with the epoch, an integer with ``staircase=True``, otherwise at every batch with
+    the fractional epoch ``epoch + batch / steps_per_epoch``. Outside the window the rate is
+    left as it is, so a schedule is several callbacks with adjacent windows. At each epoch end
+    the rate is logged as ``lr``. Not a collective: every rank computes the same rates.
 
     Args:
         initial_lr: The learning rate the multiplier scales (usually the base rate times
             ``syncdp.size()``).
-        multiplier: A function ``epoch -> factor``, or a constant (``factor ** epoch``).
+        multiplier: A constant factor, or a function ``epoch -> factor`` (e.g.
+            ``lambda epoch: 0.95 ** epoch`` for exponential decay).
         start_epoch: First epoch (0-based) to adjust. Defaults to 0.
         end_epoch: First epoch not to adjust; None for no end. Defaults to None.
-        staircase: Adjust once per epoch (True) or every batch (False). Defaults to True.
+        staircase: Adjust once per epoch (True) or every batch (False); ignored (True) for a
+            constant ``multiplier``. Defaults to True.
         momentum_correction: When the rate changes, scale SGD/RMSprop momentum buffers by
             ``new_lr / old_lr``. Defaults to True.
         steps_per_epoch: Batches per epoch, needed when ``staircase=False``. Defaults to what
@@ -202,8 +204,15 @@ class LearningRateScheduleCallback(_SyncdpCallback):
         ValueError: ``initial_lr`` is None, or the steps per epoch cannot be known.
 
     Example:
-        >>> # x0.1 from epoch 30 to 60, x0.01 after.
-        >>> LearningRateScheduleCallback(0.1, 0.1, start_epoch=30, end_epoch=60)
+        >>> # The ImageNet schedule after a 5-epoch warmup: x1 to epoch 30, x0.1 to 60,
+        >>> # x0.01 to 80 (Goyal et al. 2017; Horovod's keras_imagenet_resnet50.py).
+        >>> lr = 0.0125 * syncdp.size()
+        >>> callbacks = [
+        ...     LearningRateWarmupCallback(initial_lr=lr, warmup_epochs=5),
+        ...     LearningRateScheduleCallback(lr, multiplier=1.0, start_epoch=5, end_epoch=30),
+        ...     LearningRateScheduleCallback(lr, multiplier=0.1, start_epoch=30, end_epoch=60),
+        ...     LearningRateScheduleCallback(lr, multiplier=0.01, start_epoch=60, end_epoch=80),
+        ... ]
     """
 
     def __init__(
@@ -227,8 +236,11 @@ class LearningRateScheduleCallback(_SyncdpCallback):
         if callable(multiplier):
             self.multiplier = multiplier
         else:
+            # Horovod's meaning: the same factor for the whole window, so there is nothing to
+            # recompute per batch (and no need to know the steps per epoch).
             factor = float(multiplier)
-            self.multiplier = lambda epoch: factor**epoch
+            self.multiplier = lambda epoch: factor
+            staircase = True
         self.start_epoch = start_epoch
         self.end_epoch = end_epoch
         self.staircase = staircase

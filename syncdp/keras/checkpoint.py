@@ -38,7 +38,7 @@ class CheckpointCallback(keras.callbacks.Callback):
 
     Example:
         >>> model.fit(x, y, epochs=10, callbacks=[
-        ...     syncdp.checkpoint.CheckpointCallback("/ckpt", save_freq="epoch")])
+        ...     syncdp.keras.CheckpointCallback("/ckpt", save_freq="epoch")])
     """
 
     def __init__(

@@ -1,4 +1,5 @@
-"""Crash and resume through CheckpointManager and CheckpointCallback, end to end at np=2.
+"""Crash and resume through CheckpointManager and CheckpointCallback, end to end at np=2;
+restore failures raised on every rank.
 
 Expected values come from an uninterrupted run of the same training, done in the same job
 after the resumed one (same initial weights, same per-step data), never from stored outputs.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+
+import pytest
 
 from tests.launcher import check, launch, python_script
 
@@ -88,7 +91,7 @@ import os
 import numpy as np
 import keras
 import syncdp
-from syncdp.checkpoint import CheckpointCallback
+from syncdp.keras import CheckpointCallback
 
 syncdp.init()
 crash_epoch = int(os.environ.get("CRASH_EPOCH", -1))
@@ -120,6 +123,72 @@ print(f"ITERATIONS {int(model.optimizer.iterations.numpy())} MAXDIFF {diff:.3e}"
 """
 
 
+UNREADABLE = r"""
+import builtins, errno, os, shutil, sys
+import tensorflow as tf
+import syncdp
+from syncdp.checkpoint import CheckpointManager
+from syncdp.core.errors import CheckpointError
+
+syncdp.init()
+rank = syncdp.rank()
+v = tf.Variable([1.0, 2.0, 3.0])
+manager = CheckpointManager(os.environ["CKPT_DIR"], v=v)
+manager.save(5)
+v.assign([7.0, 8.0, 9.0])
+newest = manager.save(7)  # rank 0's path, None elsewhere
+data = newest and os.path.join(newest, "ckpt.data-00000-of-00001")
+v.assign([float(rank)] * 3)
+
+def restore(case):
+    try:
+        step = manager.restore()
+    except CheckpointError as e:
+        print(f"CAUGHT {case} rank {rank}: {e}", flush=True)
+    else:
+        print(f"RESTORED {case} rank {rank} step {step} v {v.numpy().tolist()}", flush=True)
+
+# 1. The disk fails on rank 0 while it reads the newest checkpoint.
+real_open = builtins.open
+def failing_open(file, *args, **kwargs):
+    if file == data:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    return real_open(file, *args, **kwargs)
+builtins.open = failing_open
+restore("eio")
+builtins.open = real_open
+
+# 2. A directory where the data file should be (as root, chmod 000 would not stop a read).
+if rank == 0:
+    os.remove(data)
+    os.mkdir(data)
+restore("eisdir")
+
+# 3. What the error says to do: move the unreadable checkpoint away; the previous one is used.
+if rank == 0:
+    shutil.move(newest, os.environ["CKPT_DIR"] + "-unreadable")
+restore("moved")
+"""
+
+
+@pytest.mark.parametrize("np_", [1, 2], ids=["np1", "np2"])
+def test_an_unreadable_checkpoint_raises_on_every_rank(tmp_path, np_):
+    script = python_script(tmp_path, UNREADABLE)
+    directory = tmp_path / "ckpt"
+    data = directory / "ckpt-00000007" / "ckpt.data-00000-of-00001"
+    done = check(launch(np_, "python", script, env={"CKPT_DIR": str(directory)}, timeout=180))
+    out = done.stdout
+    for rank in range(np_):
+        prefix = f"[{rank}]<stdout>:"
+        for case, cause in (("eio", "Input/output error"), ("eisdir", "Is a directory")):
+            line = f"{prefix}CAUGHT {case} rank {rank}: Rank 0 could not read {data} "
+            assert line in out, out[-3000:] + done.stderr[-3000:]
+            assert f"to restore from {directory}: {cause}." in out
+        # Every rank holds what rank 0 saved at step 5, not a fallback taken silently earlier.
+        assert f"{prefix}RESTORED moved rank {rank} step 5 v [1.0, 2.0, 3.0]" in out, out[-3000:]
+    assert "RESTORED eio" not in out and "RESTORED eisdir" not in out
+
+
 def _rank0(result, word: str) -> str:
     match = re.search(rf"\[0\]<stdout>:{word} (.*)", result.stdout)
     assert match, result.stdout[-3000:] + result.stderr[-3000:]
@@ -136,7 +205,8 @@ def test_crash_resume_and_interrupted_save_match_an_uninterrupted_run(tmp_path):
     assert crashed.returncode != 0
     assert _rank0(crashed, "RESTORED") == "0"
     last = crashed.stderr.strip().splitlines()[-1]
-    assert "rank 1 failed with RuntimeError: rank 1 crashes at step 25" in last, last
+    assert "first failure: rank 1 " in last, last  # the launcher names the rank first
+    assert "failed with RuntimeError: rank 1 crashes at step 25" in last, last
     assert sorted(os.listdir(directory)) == ["ckpt-00000010", "ckpt-00000020"]
 
     # 2. Resumed at 20; rank 0 dies inside the save of step 30, before the rename.

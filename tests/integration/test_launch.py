@@ -1,15 +1,43 @@
 """The launcher end to end: ranks start, output is prefixed, and every failure ends the job."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.launcher import ROOT, check, launch, python_script, rank_env
 
 HELLO = "import syncdp; syncdp.init(); print('hello', syncdp.rank(), syncdp.size())"
+
+# Rank LATE_RANK reaches syncdp.init() a minute after the others; the others print the moment
+# they arrive. Only the ranks that arrive import syncdp (TensorFlow: seconds of CPU each).
+LATE = """
+import os, time
+if int(os.environ["OMPI_COMM_WORLD_RANK"]) == int(os.environ["LATE_RANK"]):
+    time.sleep(60)
+import syncdp
+print(f"arriving {time.time():.3f}", flush=True)
+syncdp.init()
+print("every rank arrived", flush=True)
+"""
+
+# A rank's first words to the launcher, without syncdp: what syncdp.init() sends on arrival.
+STARTED = """
+import json, os, socket, time
+host, _, port = os.environ["SYNCDP_REPORT_ADDR"].rpartition(":")
+rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+if rank == 0:
+    report = {"kind": "started", "rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
+              "time": time.time(), "message": ""}
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall((json.dumps(report) + "\\n").encode())
+time.sleep(60)
+"""
 
 
 def test_more_ranks_than_cores_with_prefixed_output():
@@ -20,22 +48,30 @@ def test_more_ranks_than_cores_with_prefixed_output():
 
 def test_plain_mpirun_works_without_the_launcher():
     env = rank_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
-    result = subprocess.run([shutil.which("mpirun"), "-np", "2", "--oversubscribe",
-                             sys.executable, "-c", HELLO], env=env, cwd=ROOT, text=True,
-                            capture_output=True, timeout=180)
+    result = subprocess.run(
+        [shutil.which("mpirun"), "-np", "2", "--oversubscribe", sys.executable, "-c", HELLO],
+        env=env,
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "hello 0 2" in result.stdout and "hello 1 2" in result.stdout
 
 
 def test_exception_on_one_rank_ends_the_job_naming_it(tmp_path):
-    script = python_script(tmp_path, """
+    script = python_script(
+        tmp_path,
+        """
 import syncdp
 syncdp.init()
 if syncdp.rank() == 1:
     raise ValueError("bad batch on purpose")
 syncdp.barrier()  # rank 0 waits here for a rank that will never come
 print("rank 0 passed the barrier")
-""")
+""",
+    )
     result = launch(2, "python", script, timeout=120)
     assert result.returncode != 0
     assert "rank 0 passed the barrier" not in result.stdout
@@ -44,34 +80,49 @@ print("rank 0 passed the barrier")
 
 
 def test_nonzero_exit_on_one_rank_ends_the_job_naming_it(tmp_path):
-    script = python_script(tmp_path, """
+    script = python_script(
+        tmp_path,
+        """
 import sys
 import syncdp
 syncdp.init()
 if syncdp.rank() == 1:
     sys.exit(3)
 syncdp.barrier()
-""")
+""",
+    )
     result = launch(2, "python", script, timeout=120)
     assert result.returncode != 0
-    assert ("syncdp: rank 1 finished its program after collective #1, but rank 0 is waiting "
-            "for it in collective #2 barrier" in result.stderr)
+    assert (
+        "syncdp: rank 1 finished its program after collective #1, but rank 0 is waiting "
+        "for it in collective #2 barrier" in result.stderr
+    )
     assert "first failure: rank 1" in result.stderr.splitlines()[-1]
 
 
 def test_sigterm_stops_every_rank(tmp_path):
     marker = f"syncdp-sigterm-{os.getpid()}"
-    script = python_script(tmp_path, f"""
+    script = python_script(
+        tmp_path,
+        f"""
 import time
 import syncdp
 syncdp.init()
 print("ready", syncdp.rank(), flush=True)
 while True:  # {marker}
     time.sleep(0.1)
-""", name=f"{marker}.py")
-    proc = subprocess.Popen([sys.executable, "-m", "launch", "-np", "2", "python", script],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=rank_env(), cwd=ROOT, start_new_session=True)
+""",
+        name=f"{marker}.py",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch", "-np", "2", "python", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=rank_env(),
+        cwd=ROOT,
+        start_new_session=True,
+    )
     try:
         ready = 0
         deadline = time.monotonic() + 120
@@ -89,3 +140,56 @@ while True:  # {marker}
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
     assert left == "", f"ranks still running: {left}"
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_rank_late_for_init_ends_the_job_naming_it(tmp_path, np):
+    start_timeout = 10
+    late = np - 1
+    script = python_script(tmp_path, LATE)
+    result = launch(
+        np,
+        "python",
+        script,
+        env={"LATE_RANK": str(late)},
+        launcher_args=("--start-timeout", str(start_timeout)),
+        timeout=150,
+    )
+    arrivals = [float(t) for t in re.findall(r"<stdout>:arriving ([\d.]+)", result.stdout)]
+    assert len(arrivals) == np - 1, result.stdout[-3000:] + result.stderr[-3000:]
+    # The guarantee: within start timeout + 10 s of the first rank reaching init(). Before that,
+    # the launcher and TensorFlow imports take what they take on this machine: measured, printed.
+    since_init = result.ended_at - min(arrivals)
+    imports = min(arrivals) - result.started_at
+    print(
+        f"np={np}: launch -> exit {result.elapsed:.1f} s; launch -> first init() "
+        f"{imports:.1f} s; first init() -> exit {since_init:.1f} s"
+    )
+    assert result.returncode != 0
+    assert "every rank arrived" not in result.stdout
+    assert since_init < start_timeout + 10, result.stderr[-3000:]
+    assert result.elapsed < imports + start_timeout + 10
+    last = result.stderr.strip().splitlines()[-1]
+    assert (
+        f"first failure: rank {late} never reached syncdp.init() within the start "
+        f"timeout ({start_timeout} s)" in last
+    ), result.stderr[-3000:]
+
+
+def test_launcher_ends_a_start_no_rank_ended_itself(tmp_path):
+    # Rank 0 says it arrived and rank 1 never does, and no rank ends the job by itself: the
+    # launcher does, once the start timeout and its 5 s of grace have passed.
+    script = python_script(tmp_path, STARTED)
+    result = launch(2, "python", script, launcher_args=("--start-timeout", "2"), timeout=120)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.endswith(
+        "first failure: rank 1 never reached syncdp.init() within the start timeout (2 s)"
+    ), result.stderr[-3000:]
+    assert result.elapsed < 50  # the ranks would sleep 60 s
+
+
+def test_a_program_without_init_is_never_stopped_for_the_start_timeout(tmp_path):
+    script = python_script(tmp_path, "import time; time.sleep(8); print('done', flush=True)")
+    result = check(launch(2, "python", script, launcher_args=("--start-timeout", "1"), timeout=120))
+    assert "[0]<stdout>:done" in result.stdout and "[1]<stdout>:done" in result.stdout

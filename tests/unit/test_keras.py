@@ -31,7 +31,12 @@ def test_all_lists_the_exports():
     import syncdp.tensorflow.keras as tfk
 
     core = set(syncdp.__all__)
-    assert set(hvd.__all__) == core | {"DistributedOptimizer", "load_model", "callbacks"}
+    assert set(hvd.__all__) == core | {
+        "DistributedOptimizer",
+        "load_model",
+        "callbacks",
+        "CheckpointCallback",
+    }
     for name in hvd.__all__:
         assert getattr(hvd, name) is getattr(tfk, name)
     public = {
@@ -52,6 +57,16 @@ def test_horovod_module_paths_are_the_same_objects():
     assert tfk.callbacks.MetricAverageCallback is cb.MetricAverageCallback
     assert callbacks.LearningRateWarmupCallback is cb.LearningRateWarmupCallback
     assert tfk.allreduce is syncdp.allreduce
+    assert tfk.CheckpointCallback is hvd.CheckpointCallback
+
+
+def test_checkpoint_callback_lives_in_the_keras_face():
+    from syncdp.keras import checkpoint
+
+    assert checkpoint.__all__ == ["CheckpointCallback"]
+    assert hvd.CheckpointCallback is checkpoint.CheckpointCallback
+    # The core manager stays Keras-free: the callback is not re-exported from it.
+    assert not hasattr(syncdp.checkpoint, "CheckpointCallback")
 
 
 def test_wrapped_optimizer_exposes_learning_rate_and_hyperparameters():
@@ -186,7 +201,7 @@ def test_momentum_correction_scales_sgd_velocity_by_lr_ratio():
     opt.build(model.trainable_variables)
     for m in opt.inner_optimizer.momentums:
         m.assign(tf.ones_like(m))
-    callback = cb.LearningRateScheduleCallback(0.4, 0.5)  # epoch 0: 0.4, epoch 1: 0.2
+    callback = cb.LearningRateScheduleCallback(0.4, lambda epoch: 0.5**epoch)  # 0.4, then 0.2
     callback.set_model(model)
     callback.on_train_begin()
     callback.on_epoch_begin(0)
@@ -219,6 +234,23 @@ def test_schedule_window_and_callable_multiplier():
     assert seen[1] == pytest.approx(0.3 / 2.5)
     assert seen[2] == pytest.approx(0.3 / 3.5)
     assert seen[3] == pytest.approx(seen[2])  # from end_epoch on: left as it was
+
+
+def test_constant_multiplier_is_a_constant_factor_as_in_horovod():
+    x, y = _xy()
+    model = _model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.5)), loss="mse")
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: seen.append(float(model.optimizer.learning_rate.numpy()))
+    )
+    schedule = cb.LearningRateScheduleCallback(initial_lr=0.1, multiplier=0.1, start_epoch=1)
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[schedule, record])
+    assert seen[0] == pytest.approx(0.5)  # before start_epoch: the optimizer's own rate
+    assert seen[1] == pytest.approx(0.1 * 0.1)
+    assert seen[2] == pytest.approx(0.1 * 0.1)  # not 0.1 * 0.1**2: a factor, not a base
+    # A constant has nothing to recompute per batch: staircase is forced, as in Horovod.
+    assert cb.LearningRateScheduleCallback(0.1, 0.1, staircase=False).staircase is True
 
 
 def test_schedule_needs_initial_lr_and_known_steps():
