@@ -169,7 +169,12 @@ def _sweep(args) -> None:
     if syncdp.rank() != 0:
         return
     names = list(next(iter(table.values())))
-    header = ["size"] + [f"{k} us" for k in names] + [f"{k} GB/s" for k in names]
+    header = (
+        ["size"]
+        + [f"{k} us" for k in names]
+        + [f"{k} GB/s" for k in names]
+        + ["syncdp tf.function / raw bandwidth"]
+    )
     rows = []
     for nbytes, t in table.items():
         size = f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
@@ -177,6 +182,7 @@ def _sweep(args) -> None:
             [size]
             + [f"{t[k] * 1e6:.0f}" for k in names]
             + [f"{nbytes / t[k] / 1e9:.2f}" for k in names]
+            + [f"{t['raw mpi4py'] / t['syncdp tf.function']:.2f}"]
         )
     mach = machine(f"np={syncdp.size()}, {args.intra_threads} intra-op thread per rank")
     say(f"allreduce sweep (float32, Average for syncdp, SUM for raw)\nmachine: {mach}")

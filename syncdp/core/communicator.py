@@ -123,7 +123,6 @@ class Communicator:
         after=None,
         info: dict | None = None,
         nbytes: int | None = None,
-        source: np.ndarray | None = None,
     ) -> np.ndarray:
         """Reduces a writable 1-D ``buffer`` over all ranks, in place, one chunk at a time.
 
@@ -143,10 +142,6 @@ class Communicator:
             op: "sum", "min" or "max". Defaults to "sum".
             name: What the timeline and stall reports call this collective.
             before: Optional ``fn(lo, hi)`` that writes ``buffer[lo:hi]``. Defaults to None.
-            source: Optional 1-D array of ``buffer``'s size to reduce from instead of
-                ``buffer`` itself: MPI reads it directly and writes the result into
-                ``buffer``, so a tensor needs no copy of its own first. Defaults to None
-                (in place).
             after: Optional ``fn(lo, hi)`` that post-processes ``buffer[lo:hi]``. Defaults to
                 None.
             info: Extra fields for the timeline event. Defaults to None.
@@ -163,8 +158,6 @@ class Communicator:
                 hi = min(size, lo + step)
                 if before is not None:
                     before(lo, hi)
-                if source is not None:
-                    buffer[lo:hi] = source[lo:hi]
                 if after is not None:
                     after(lo, hi)
             return buffer
@@ -175,8 +168,7 @@ class Communicator:
                 hi = min(size, lo + step)
                 if before is not None:
                     before(lo, hi)
-                send = in_place if source is None else source[lo:hi]
-                mpi.Allreduce(send, buffer[lo:hi], mpi_op)
+                mpi.Allreduce(in_place, buffer[lo:hi], mpi_op)
                 if after is not None:
                     after(lo, hi)
 

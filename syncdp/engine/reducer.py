@@ -150,15 +150,12 @@ class BucketReducer:
     def _reduce_in_place(self, comm, flats, layout, step_elems, step) -> np.ndarray:
         """MPI sums (or min/maxes) the packed buffer in place, chunk by chunk.
 
-        A bucket of one tensor with nothing to scale first is not packed at all: MPI reads the
-        tensor's own memory and writes the result into the pooled buffer (one copy fewer; an
-        Average then divides after the sum, which for a power of two is the same exactly).
+        Even a bucket of one tensor is copied into the pooled buffer first: Open MPI reduces
+        in place about twice as fast as from a separate send buffer (7 against 12 ms for
+        16 MiB here), which more than pays for the copy, made chunk by chunk while in cache.
         """
         dtype, floating = self.dtype, self.floating
         pre, post, divide = self._scales(comm.size)
-        direct = len(flats) == 1 and not step_elems and self.prescale == 1.0
-        if direct and pre != 1.0:  # the folded 1/size of an Average moves after the sum
-            pre, divide = 1.0, comm.size
         buf = _POOL.get(self.name, layout.total, dtype)
         members_end = self._write_step(buf, layout, step_elems, step, comm)
         members = list(zip(layout.offsets, (f.size for f in flats), flats))
@@ -198,18 +195,11 @@ class BucketReducer:
                     chunk[...] = (chunk * post).astype(dtype)
 
         mpi_op = "sum" if self.op == "average" else self.op
-        if direct:
-            source = flats[0]
-            if source.size != layout.total:  # alignment padding: only the member is reduced
-                buf = buf[: source.size]
-            if not source.flags.c_contiguous:
-                source = np.ascontiguousarray(source)
         comm.allreduce_inplace(
             buf,
             mpi_op,
             name=self.name,
-            source=source if direct else None,
-            before=None if direct else fill,
+            before=fill,
             after=finish if divide is not None or post != 1.0 else None,
             info=self.info,
             nbytes=sum(f.size for f in flats) * dtype.itemsize,
