@@ -9,7 +9,9 @@ Compares, at each size, in one run with alternating repetitions:
 - ``syncdp tf.function``: the same inside ``tf.function``;
 - ``syncdp fp16``: inside ``tf.function`` with ``Compression.fp16``.
 
-Bandwidth is the message size over the time (OSU's "algorithm bandwidth"). ``--resnet50``
+Bandwidth is the message size over the time (OSU's "algorithm bandwidth"). Each TensorFlow
+variant is timed until its call returns with the result computed, without converting the
+result to NumPy (a copy raw MPI does not make). ``--resnet50``
 instead times averaging ResNet-50's trainable-variable gradients (shapes from
 ``keras.applications.ResNet50(weights=None)``) through ``reduce_gradients``, the function
 ``DistributedGradientTape`` calls, inside ``tf.function``, against one raw mpi4py
@@ -154,10 +156,12 @@ def _sweep(args) -> None:
         floor = tf.function(lambda t: t + 0.0)
         variants = {
             "raw mpi4py": lambda s=send, r=recv: world.Allreduce(s, r, MPI.SUM),
-            "tf.function, no MPI": lambda f=floor, x=x: f(x).numpy(),
-            "syncdp eager": lambda x=x: syncdp.allreduce(x, name="bench_eager").numpy(),
-            "syncdp tf.function": lambda g=graph, x=x: g(x).numpy(),
-            "syncdp fp16": lambda g=fp16, x=x: g(x).numpy(),
+            # A call returns once its result is computed (TensorFlow runs eagerly and
+            # synchronously on the CPU); .numpy() would add a copy raw MPI does not make.
+            "tf.function, no MPI": lambda f=floor, x=x: f(x),
+            "syncdp eager": lambda x=x: syncdp.allreduce(x, name="bench_eager"),
+            "syncdp tf.function": lambda g=graph, x=x: g(x),
+            "syncdp fp16": lambda g=fp16, x=x: g(x),
         }
         repeats = args.repeats or max(5, min(200, (64 << 20) // nbytes))
         times = alternate(variants, repeats, sync=world.Barrier, warmup=2)
