@@ -53,6 +53,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -74,8 +75,8 @@ __all__ = [
 _TERMINATE_GRACE_SECONDS = 10.0
 # Once a rank has reported a failure, mpirun gets this long to end the job by itself.
 _FAILURE_GRACE_SECONDS = 15.0
-# Beyond the start timeout, how long the launcher waits for the ranks' own verdict (a rank
-# that timed out in init() reports it and aborts) before it ends the job itself.
+# Beyond the start timeout, left for a rank's own start timeout (counted from its own arrival,
+# a little after the first one) to end the job before the launcher does.
 _START_GRACE_SECONDS = 5.0
 # Report kinds that are failures by themselves; an "exit" report is one when it says so.
 _FAILURE_KINDS = frozenset({"exception", "stall", "start_timeout", "exit_early"})
@@ -192,7 +193,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         command=tuple(command),
         hosts=args.hosts,
         hostfile=args.hostfile,
-        settings=given,
+        settings=types.MappingProxyType(given),
         mpi_args=tuple(shlex.split(args.mpi_args)),
     )
 

@@ -76,7 +76,9 @@ print("rank 0 passed the barrier")
     assert result.returncode != 0
     assert "rank 0 passed the barrier" not in result.stdout
     assert "syncdp: rank 1 failed with ValueError: bad batch on purpose" in result.stderr
-    assert "first failure: rank 1" in result.stderr.splitlines()[-1]
+    last = result.stderr.splitlines()[-1]
+    assert "first failure: rank 1 (pid " in last, result.stderr[-3000:]
+    assert last.endswith("failed with ValueError: bad batch on purpose"), last
 
 
 def test_nonzero_exit_on_one_rank_ends_the_job_naming_it(tmp_path):
@@ -93,11 +95,16 @@ syncdp.barrier()
     )
     result = launch(2, "python", script, timeout=120)
     assert result.returncode != 0
+    # The collectives' numbers depend on how many collectives init() itself runs.
+    assert re.search(
+        r"syncdp: rank 1 finished its program after collective #\d+, but rank 0 is waiting "
+        r"for it in collective #\d+ barrier",
+        result.stderr,
+    ), result.stderr[-3000:]
+    last = result.stderr.splitlines()[-1]
     assert (
-        "syncdp: rank 1 finished its program after collective #1, but rank 0 is waiting "
-        "for it in collective #2 barrier" in result.stderr
+        "first failure: rank 1 (pid " in last and "finished its program while rank 0 waits" in last
     )
-    assert "first failure: rank 1" in result.stderr.splitlines()[-1]
 
 
 def test_sigterm_stops_every_rank(tmp_path):
@@ -155,25 +162,25 @@ def test_a_rank_late_for_init_ends_the_job_naming_it(tmp_path, np):
         launcher_args=("--start-timeout", str(start_timeout)),
         timeout=150,
     )
+    output = result.stdout[-3000:] + result.stderr[-3000:]
+    assert "every rank arrived" not in result.stdout, f"the job waited for rank {late}:\n{output}"
+    assert result.returncode != 0, output
     arrivals = [float(t) for t in re.findall(r"<stdout>:arriving ([\d.]+)", result.stdout)]
-    assert len(arrivals) == np - 1, result.stdout[-3000:] + result.stderr[-3000:]
-    # The guarantee: within start timeout + 10 s of the first rank reaching init(). Before that,
-    # the launcher and TensorFlow imports take what they take on this machine: measured, printed.
-    since_init = result.ended_at - min(arrivals)
+    assert len(arrivals) == np - 1, output
+    # The bound holds from the first rank's arrival in init(): start timeout + 10 s. What comes
+    # before (the launcher's and the ranks' TensorFlow imports) depends on the machine, so it is
+    # measured here and allowed for, not guessed.
     imports = min(arrivals) - result.started_at
     print(
-        f"np={np}: launch -> exit {result.elapsed:.1f} s; launch -> first init() "
-        f"{imports:.1f} s; first init() -> exit {since_init:.1f} s"
+        f"np={np}: launch -> exit {result.elapsed:.1f} s, of which launch -> first init() "
+        f"{imports:.1f} s and first init() -> exit {result.ended_at - min(arrivals):.1f} s"
     )
-    assert result.returncode != 0
-    assert "every rank arrived" not in result.stdout
-    assert since_init < start_timeout + 10, result.stderr[-3000:]
-    assert result.elapsed < imports + start_timeout + 10
+    assert result.elapsed < imports + start_timeout + 10, output
     last = result.stderr.strip().splitlines()[-1]
-    assert (
+    assert last.endswith(
         f"first failure: rank {late} never reached syncdp.init() within the start "
-        f"timeout ({start_timeout} s)" in last
-    ), result.stderr[-3000:]
+        f"timeout ({start_timeout} s)"
+    ), output
 
 
 def test_launcher_ends_a_start_no_rank_ended_itself(tmp_path):
