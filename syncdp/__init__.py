@@ -1,6 +1,7 @@
 """syncdp: synchronous data-parallel training for TensorFlow on MPI, with Horovod's API.
 
-Importing syncdp starts no MPI; ``syncdp.init()`` does.
+Importing syncdp starts no MPI (``syncdp.init()`` does) and loads no TensorFlow until a name
+that needs it is used.
 
 The layers, each importing only the ones above it in this list:
 
@@ -19,12 +20,65 @@ Example:
 Launch N ranks with ``syncdp-run -np N python train.py``.
 """
 
-# The data and checkpoint layers, so `syncdp.data.tfrecord_dataset` works after `import syncdp`.
-from syncdp import checkpoint as checkpoint
-from syncdp import data as data
-from syncdp.tensorflow import *  # noqa: F403
-from syncdp.tensorflow import __all__ as _tensorflow_all
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = list(_tensorflow_all)
+# Importing syncdp loads nothing else: the names below come from the TensorFlow face
+# (syncdp.tensorflow) on first use, and the layers are imported when first named, so that
+# `syncdp-run` (which reads syncdp.core.settings) starts without TensorFlow. The list is the
+# TensorFlow face's own; a test checks the two agree.
+__all__ = [
+    "init",
+    "shutdown",
+    "is_initialized",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "cross_rank",
+    "cross_size",
+    "is_chief",
+    "barrier",
+    "allreduce",
+    "grouped_allreduce",
+    "allgather",
+    "broadcast",
+    "broadcast_variables",
+    "broadcast_object",
+    "allgather_object",
+    "join",
+    "ReduceOp",
+    "Average",
+    "Sum",
+    "Min",
+    "Max",
+    "Compression",
+    "DistributedGradientTape",
+    "verify_synchronized",
+    "SyncdpError",
+    "NotInitializedError",
+    "ConfigError",
+    "CollectiveError",
+    "StepMismatchError",
+    "UnsupportedError",
+    "VerificationError",
+    "CheckpointError",
+    "DataError",
+]
+
+_LAYERS = ("core", "engine", "tensorflow", "data", "checkpoint", "keras")
+
+
+def __getattr__(name: str):
+    if name in _LAYERS:
+        return importlib.import_module(f"syncdp.{name}")
+    if name in __all__:
+        value = getattr(importlib.import_module("syncdp.tensorflow"), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'syncdp' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | set(_LAYERS))

@@ -3,7 +3,8 @@
 ``import syncdp`` starts nothing. ``init()``:
 
 1. reads the settings (:mod:`syncdp.core.settings`) and starts MPI (:mod:`syncdp.core.mpi`);
-2. tells the launcher this rank has arrived, then waits at most ``start_timeout`` seconds for
+2. tells the launcher this rank has arrived (before starting MPI, whose own start-up already
+   waits for every rank), then waits at most ``start_timeout`` seconds for
    every other rank to arrive (a non-blocking duplicate of the communicator, polled against the
    deadline); if one never comes, the job ends and the launcher names it;
 3. builds the :class:`~syncdp.core.communicator.Communicator` on that private duplicate, the
@@ -19,6 +20,7 @@ import: every layer above asks :func:`communicator` for the current one.
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import time
 import traceback
@@ -84,7 +86,14 @@ def init(comm=None, **options) -> None:
     if _state.comm is not None:
         return
     config = settings.from_env(**options)
+    # Announce this rank before MPI starts: Open MPI's MPI_Init itself waits for every rank,
+    # so a rank that is late to start would otherwise keep the others from ever reporting.
+    world_rank = _rank_from_launcher()
+    if world_rank is not None:
+        report.send("started", world_rank)
     MPI = mpi.load()
+    if world_rank is None:
+        report.send("started", MPI.COMM_WORLD.Get_rank())
     base = MPI.COMM_WORLD if comm is None else comm
     private = _arrive(base, config.start_timeout)
     timeline = Timeline(config.timeline) if config.timeline else None
@@ -112,14 +121,13 @@ def init(comm=None, **options) -> None:
 
 
 def _arrive(base, timeout: float):
-    """Announces this rank and waits for all of them; returns a private duplicate of ``base``.
+    """Waits for every rank of ``base``; returns a private duplicate of it.
 
     ``Idup`` completes only once every rank has called it, and unlike a blocking ``Dup`` it can
     be abandoned at a deadline: then this rank reports a start timeout and ends the job. The
     launcher, which counts the ``started`` reports, names the ranks that never came.
     """
     rank, size = base.Get_rank(), base.Get_size()
-    report.send("started", rank)
     if size == 1:
         return base.Dup()
     private, request = base.Idup()
@@ -136,6 +144,14 @@ def _arrive(base, timeout: float):
             mpi.load().COMM_WORLD.Abort(1)
         time.sleep(_POLL_SECONDS)
     return private
+
+
+def _rank_from_launcher() -> int | None:
+    """This process's world rank as mpirun announced it, read without starting MPI."""
+    for key in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return None
 
 
 def _pin_gpu(local: int) -> None:

@@ -298,6 +298,10 @@ def launcher_env(flag_values: Mapping[str, Any]) -> dict[str, str]:
     return env
 
 
+# How the README shows each kind of flag's argument (every float setting is in seconds).
+_FLAG_ARG = {bool: "", int: " N", float: " S", str: " FILE"}
+
+
 def markdown_table() -> str:
     """The README's table of settings, one row per setting."""
     lines = [
@@ -306,7 +310,7 @@ def markdown_table() -> str:
     ]
     for s in SETTINGS:
         unit = " (MiB; the variable holds bytes)" if s.flag_unit == MiB else ""
-        arg = "" if s.type is bool else " " + s.type.__name__.upper()
+        arg = _FLAG_ARG[s.type] if s.flag_unit == 1 else " MB"
         lines.append(
             f"| `{s.flag}{arg}` | `{s.env}` | `{s.name}` | {s.default_text()} | {s.doc}{unit} |"
         )
