@@ -75,9 +75,12 @@ __all__ = [
 _TERMINATE_GRACE_SECONDS = 10.0
 # Once a rank has reported a failure, mpirun gets this long to end the job by itself.
 _FAILURE_GRACE_SECONDS = 15.0
-# Beyond the start timeout, left for a rank's own start timeout (counted from its own arrival,
-# a little after the first one) to end the job before the launcher does.
-_START_GRACE_SECONDS = 5.0
+# Beyond the start timeout, left for a rank's own start timeout to end the job before the
+# launcher does. Short: under Open MPI 5 a rank that arrived waits inside MPI_Init itself
+# (which waits for every rank), so its own timeout cannot run, and the launcher must act.
+_START_GRACE_SECONDS = 1.0
+# Between SIGTERM and SIGKILL when a job that never started is stopped.
+_START_STOP_GRACE_SECONDS = 2.0
 # Report kinds that are failures by themselves; an "exit" report is one when it says so.
 _FAILURE_KINDS = frozenset({"exception", "stall", "start_timeout", "exit_early"})
 
@@ -490,8 +493,13 @@ def _pump(source, sink) -> None:
     source.close()
 
 
-def _stop(process: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
-    """Asks mpirun (and through it every rank) to stop, then kills whatever is left."""
+def _stop(
+    process: subprocess.Popen,
+    signum: int = signal.SIGTERM,
+    grace: float = _TERMINATE_GRACE_SECONDS,
+) -> None:
+    """Asks mpirun (and through it every rank) to stop, then, after ``grace`` seconds, kills
+    whatever is left."""
     if process.poll() is not None:
         return
     try:
@@ -499,7 +507,7 @@ def _stop(process: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
     except ProcessLookupError:
         return
     try:
-        process.wait(timeout=_TERMINATE_GRACE_SECONDS)
+        process.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         try:
             os.killpg(process.pid, signal.SIGKILL)
@@ -512,7 +520,9 @@ def _supervise(process: subprocess.Popen, reports: _Reports) -> None:
     """Waits for mpirun; ends the job on a failure report or a start timeout."""
     while process.poll() is None:
         if reports.check_start():
-            _stop(process)  # the ranks' own start timeout did not end the job: nothing will
+            # The ranks' own start timeout did not end the job: nothing will. Training never
+            # began, so there is nothing to let the ranks finish: a short grace.
+            _stop(process, grace=_START_STOP_GRACE_SECONDS)
         elif reports.failed.wait(timeout=0.5):
             # mpirun normally ends the job at once; make sure nothing is left waiting.
             deadline = time.monotonic() + _FAILURE_GRACE_SECONDS

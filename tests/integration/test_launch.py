@@ -185,7 +185,7 @@ def test_a_rank_late_for_init_ends_the_job_naming_it(tmp_path, np):
 
 def test_launcher_ends_a_start_no_rank_ended_itself(tmp_path):
     # Rank 0 says it arrived and rank 1 never does, and no rank ends the job by itself: the
-    # launcher does, once the start timeout and its 5 s of grace have passed.
+    # launcher does, once the start timeout and its 1 s of grace have passed.
     script = python_script(tmp_path, STARTED)
     result = launch(2, "python", script, launcher_args=("--start-timeout", "2"), timeout=120)
     assert result.returncode != 0
