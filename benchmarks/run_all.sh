@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Every benchmark at its default settings, one after another; each rewrites its table and plot
-# under benchmarks/results/. About 5 minutes on a 2-core machine. Keep the machine otherwise
+# under benchmarks/results/. About 8 minutes on a 2-core machine. Keep the machine otherwise
 # idle: the figures are ratios measured side by side, but heavy load still adds noise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 syncdp-run -np 2 python benchmarks/allreduce.py
 syncdp-run -np 2 python benchmarks/allreduce.py --resnet50
+syncdp-run -np 2 python benchmarks/overlap.py
 syncdp-run -np 2 python benchmarks/synthetic.py --compare-no-comm --repeats 12
 syncdp-run -np 1 python benchmarks/synthetic.py --overhead --repeats 30
 python benchmarks/synthetic.py --scaling 1,2
