@@ -24,61 +24,24 @@ import importlib
 
 __version__ = "0.1.0"
 
-# Importing syncdp loads nothing else: the names below come from the TensorFlow face
-# (syncdp.tensorflow) on first use, and the layers are imported when first named, so that
-# `syncdp-run` (which reads syncdp.core.settings) starts without TensorFlow. The list is the
-# TensorFlow face's own; a test checks the two agree.
-__all__ = [
-    "init",
-    "shutdown",
-    "is_initialized",
-    "rank",
-    "size",
-    "local_rank",
-    "local_size",
-    "cross_rank",
-    "cross_size",
-    "is_chief",
-    "barrier",
-    "allreduce",
-    "grouped_allreduce",
-    "allgather",
-    "broadcast",
-    "broadcast_variables",
-    "broadcast_object",
-    "allgather_object",
-    "join",
-    "ReduceOp",
-    "Average",
-    "Sum",
-    "Min",
-    "Max",
-    "Compression",
-    "DistributedGradientTape",
-    "verify_synchronized",
-    "SyncdpError",
-    "NotInitializedError",
-    "ConfigError",
-    "CollectiveError",
-    "StepMismatchError",
-    "UnsupportedError",
-    "VerificationError",
-    "CheckpointError",
-    "DataError",
-]
-
+# Importing syncdp loads nothing else: the public names are the TensorFlow face's (its
+# __all__ is the one list of them), fetched from syncdp.tensorflow on first use, and the layers
+# are imported when first named, so that `syncdp-run` (which reads syncdp.core.settings) starts
+# without TensorFlow.
 _LAYERS = ("core", "engine", "tensorflow", "data", "checkpoint", "keras")
 
 
 def __getattr__(name: str):
     if name in _LAYERS:
         return importlib.import_module(f"syncdp.{name}")
-    if name in __all__:
-        value = getattr(importlib.import_module("syncdp.tensorflow"), name)
+    face = importlib.import_module("syncdp.tensorflow")
+    if name == "__all__" or name in face.__all__:
+        value = getattr(face, name)
         globals()[name] = value  # later lookups skip this function
         return value
     raise AttributeError(f"module 'syncdp' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__) | set(_LAYERS))
+    face = importlib.import_module("syncdp.tensorflow")
+    return sorted(set(globals()) | set(face.__all__) | set(_LAYERS))

@@ -24,12 +24,6 @@ def test_horovod_names_are_exported(module):
     assert mod.Compression.none is not None and mod.Compression.fp16 is not None
 
 
-def test_the_package_and_its_tensorflow_face_export_the_same_names():
-    import syncdp.tensorflow
-
-    assert syncdp.__all__ == syncdp.tensorflow.__all__
-
-
 def test_all_matches_public_names():
     public = {n for n in dir(syncdp) if not n.startswith("_")}
     submodules = {n for n in public if type(getattr(syncdp, n)).__name__ == "module"}
