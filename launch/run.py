@@ -29,6 +29,12 @@ root works without Open MPI's flags); PYTHONUNBUFFERED=1 (so lines arrive as the
 and TF_CPP_MIN_LOG_LEVEL=1 unless already set (hides TensorFlow's info logs). mpirun runs with
 --oversubscribe (more ranks than cores works, just slower) and --bind-to none.
 
+Elastic mode: ``--min-np M``, ``--max-np K``, ``--elastic`` or ``--host-discovery-script``
+(horovodrun's flags) run mpirun with ``--with-ft ulfm`` (checked first: an MPI without ULFM is an
+error before anything starts); a lost or stalled rank is replaced while training goes on, and
+the launcher logs each membership change (:mod:`launch.elastic`). ``--min-np`` defaults to
+``-np`` and may not exceed it; ``--max-np`` may not be below it.
+
 Failures arrive as data, not as text to parse: ranks and their supervisors send one JSON report
 per event to SYNCDP_REPORT_ADDR (:mod:`syncdp.core.report`). The launcher's last line, on
 failure, is built from the earliest failure report. It also bounds start-up: once the first
@@ -57,6 +63,7 @@ import types
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from launch.elastic import ElasticLog, check_ulfm
 from launch.worker import describe_exit
 from syncdp.core import settings
 from syncdp.core.report import ADDRESS_VAR
@@ -82,7 +89,9 @@ _START_GRACE_SECONDS = 1.0
 # Between SIGTERM and SIGKILL when a job that never started is stopped.
 _START_STOP_GRACE_SECONDS = 2.0
 # Report kinds that are failures by themselves; an "exit" report is one when it says so.
-_FAILURE_KINDS = frozenset({"exception", "stall", "start_timeout", "exit_early"})
+_FAILURE_KINDS = frozenset({"exception", "stall", "start_timeout", "exit_early", "elastic_abort"})
+# The settings that switch elastic mode on.
+_ELASTIC_SETTINGS = ("elastic", "min_np", "max_np", "host_discovery_script")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +114,11 @@ class LaunchConfig:
     hostfile: str | None = None
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     mpi_args: tuple[str, ...] = ()
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job runs in elastic mode (ULFM; lost ranks are replaced)."""
+        return bool(self.settings.get("elastic"))
 
 
 def _setting_help(s: settings.Setting) -> str:
@@ -191,6 +205,14 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
                     least = f"{s.minimum / s.flag_unit:g} MiB ({s.minimum:g} bytes)"
                 parser.error(f"{s.flag} must be at least {least}; got {value:g}")
         given[s.name] = value
+    if any(given.get(name) for name in _ELASTIC_SETTINGS):
+        min_np = given.get("min_np") or args.num_proc
+        max_np = given.get("max_np") or args.num_proc
+        if min_np > args.num_proc:
+            parser.error(f"--min-np ({min_np}) must not exceed -np ({args.num_proc})")
+        if max_np < args.num_proc:
+            parser.error(f"--max-np ({max_np}) must be at least -np ({args.num_proc})")
+        given.update(elastic=True, min_np=min_np, max_np=max_np)
     return LaunchConfig(
         num_proc=args.num_proc,
         command=tuple(command),
@@ -261,6 +283,8 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
         The command, a list of arguments.
     """
     cmd = [mpirun, "-np", str(config.num_proc), "--oversubscribe", "--bind-to", "none"]
+    if config.elastic:
+        cmd += ["--with-ft", "ulfm"]
     if config.hosts:
         cmd += ["--host", config.hosts]
     if config.hostfile:
@@ -311,8 +335,15 @@ class _Reports:
         stall_timeout: The stall timeout, for the words of a stall.
     """
 
-    def __init__(self, num_proc: int, start_timeout: float, stall_timeout: float = 0.0):
+    def __init__(
+        self,
+        num_proc: int,
+        start_timeout: float,
+        stall_timeout: float = 0.0,
+        elastic: ElasticLog | None = None,
+    ):
         self.num_proc = num_proc
+        self.elastic = elastic
         self.start_timeout = start_timeout
         self.stall_timeout = stall_timeout
         self.started: dict[int, dict] = {}
@@ -325,6 +356,8 @@ class _Reports:
     def add(self, report: dict) -> None:
         """Records one report; sets :attr:`failed` when it is a failure."""
         kind = report.get("kind")
+        if self.elastic is not None and self.elastic.handle(report):
+            return
         with self._lock:
             if kind == "started":
                 if self._first_start is None:
@@ -414,6 +447,8 @@ class _Reports:
             if not missing:
                 return f"{_who(report)} timed out in syncdp.init() after {limit}"
             return f"{_ranks_text(missing)} never reached syncdp.init() within {limit}"
+        if kind == "elastic_abort":
+            return f"elastic mode could not go on: {report.get('message')}"
         if kind == "exit_early":
             waiting = "other ranks wait"
             if ranks:
@@ -546,12 +581,19 @@ def run(config: LaunchConfig) -> int:
     except FileNotFoundError as e:
         print(f"syncdp-run: {e}", file=sys.stderr)
         return 127
+    if config.elastic:
+        problem = check_ulfm(mpirun)
+        if problem is not None:
+            print(f"syncdp-run: {problem}", file=sys.stderr)
+            return 2
     server = _ReportServer(public=bool(config.hosts or config.hostfile))
     env = build_env(config, report_addr=server.address)
+    elastic = ElasticLog() if config.elastic else None
     reports = _Reports(
         config.num_proc,
         start_timeout=_setting_value(env, "start_timeout"),
         stall_timeout=_setting_value(env, "stall_timeout"),
+        elastic=elastic,
     )
     server.start(reports)
     cmd = build_command(config, env, mpirun)
@@ -582,6 +624,17 @@ def run(config: LaunchConfig) -> int:
             signal.signal(s, handler)
         server.close()
     code = process.returncode
+    if elastic is not None and code == 0 and not interrupted:
+        lost = elastic.unexplained()
+        if lost:
+            print(
+                "syncdp-run: the job failed: no recovery followed the loss of "
+                + ", ".join(reports._describe(r) for r in lost),
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+        print(f"syncdp-run: elastic: {elastic.summary()}", file=sys.stderr, flush=True)
     if interrupted:
         print(
             f"syncdp-run: stopped by {signal.Signals(interrupted[0]).name}; every rank was ended.",

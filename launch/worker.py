@@ -11,6 +11,13 @@ However the child ends, the supervisor sends the launcher an ``exit`` report (se
 importing syncdp would import TensorFlow, seconds per rank): ``code`` or ``signal``, and
 ``requested`` when the child was stopped because the job was ending.
 
+In elastic mode (``SYNCDP_ELASTIC=1``) a child that fails takes the supervisor with it by
+SIGKILL: Open MPI's ULFM treats a process killed by a signal as a failed rank the others can
+recover from, while one that merely exits non-zero leaves them waiting. Replacements spawned
+by a recovery run as ``python -m launch.worker --replacement LABEL COMMAND...``: their output
+lines carry ``LABEL`` plus their index among the ranks spawned together (the original ranks are
+labelled 0..N-1), and the child finds that label in ``SYNCDP_REPLACEMENT``.
+
 Usage (by the launcher, not by hand): ``python -m launch.worker COMMAND [ARGS...]``.
 """
 
@@ -108,9 +115,19 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m launch.worker COMMAND [ARGS...]", file=sys.stderr)
         return 2
     rank = _rank()
+    env = None
+    if argv[0] == "--replacement" and len(argv) > 2:
+        rank = str(int(argv[1]) + (int(rank) if rank.isdigit() else 0))
+        argv = argv[2:]
+        env = {**os.environ, "SYNCDP_REPLACEMENT": rank}
+    elastic = os.environ.get("SYNCDP_ELASTIC", "").lower() in ("1", "true", "yes", "on")
     try:
         child = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=_die_with_parent,
+            env=env,
         )
     except OSError as e:
         message = f"rank {rank} could not start {argv[0]!r}: {e}"
@@ -154,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     if returncode != 0:
         print(f"syncdp-run: {message}", file=sys.stderr, flush=True)
     _send_exit_report(rank, child.pid, returncode, bool(forwarded), message)
+    if elastic and returncode != 0 and not forwarded:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)  # a failed rank, for ULFM (see the docstring)
     return returncode if returncode >= 0 else 128 - returncode
 
 

@@ -7,6 +7,12 @@ point: all ranks must call it, in the same order, with matching shapes and dtype
 
 Each collective is numbered and announced to the :class:`~syncdp.watchdog.Watchdog` before it
 starts, which is how a rank that never arrives is detected and named.
+
+Under Open MPI's ULFM (elastic mode) a collective whose peer died fails with
+``MPI_ERR_PROC_FAILED`` on the ranks that notice, while the others could wait for them forever.
+So the first rank to notice revokes the communicator (every rank's pending and future
+operations on it then fail with ``MPI_ERR_REVOKED``), and every rank raises
+:class:`~syncdp.core.errors.RankFailureError` from the collective it was in.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from syncdp.core import mpi as _mpi
-from syncdp.core.errors import MismatchError
+from syncdp.core.errors import MismatchError, RankFailureError
 from syncdp.core.settings import Config
 from syncdp.core.watchdog import Watchdog
 
@@ -52,7 +58,7 @@ class Communicator:
             every collective.
     """
 
-    def __init__(self, mpi_comm, config: Config, timeline=None):
+    def __init__(self, mpi_comm, config: Config, timeline=None, *, job_comm=None, revoke_with=()):
         self._MPI = _mpi.load()
         self.mpi = mpi_comm
         self.rank = self.mpi.Get_rank()
@@ -61,16 +67,54 @@ class Communicator:
         self.timeline = timeline
         self.seq = 0
         self._checked_at: float | None = None  # when the last argument check began
-        self.watchdog = Watchdog(self.mpi, config) if self.size > 1 else None
+        # Set once a rank of this group was found dead: nothing more can run on it.
+        self.broken = False
+        # Communicators to revoke along with this one (a process set's job communicator).
+        self._revoke_with = tuple(revoke_with)
+        self.watchdog = Watchdog(self.mpi, config, job_comm) if self.size > 1 else None
 
     def close(self) -> None:
-        """Stops the watchdog and frees the MPI communicator (not a collective)."""
+        """Stops the watchdog and frees the MPI communicator (not a collective).
+
+        A broken communicator (a rank died) is dropped instead of freed: freeing may wait for
+        the dead rank.
+        """
         if self.watchdog is not None:
-            self.watchdog.stop()
+            self.watchdog.stop(free=not self.broken)
             self.watchdog = None
         if self.mpi != self._MPI.COMM_NULL:
-            self.mpi.Free()
+            if not self.broken:
+                self.mpi.Free()
             self.mpi = self._MPI.COMM_NULL
+
+    def revoke(self) -> None:
+        """Marks this group broken and revokes it (ULFM), so no rank waits on it any longer.
+
+        Not a collective: one rank's revoke interrupts every rank's operations on the group.
+        Without ULFM it only marks the communicator broken.
+        """
+        self.broken = True
+        for comm in (self.mpi, *self._revoke_with):
+            try:
+                comm.Revoke()
+            except (self._MPI.Exception, AttributeError, NotImplementedError):
+                pass  # already revoked, or an MPI without ULFM
+
+    def _failure(self, error, name: str) -> RankFailureError | None:
+        """The RankFailureError for an MPI error that means a rank is gone; None otherwise."""
+        MPI = self._MPI
+        lost = {
+            getattr(MPI, code, None)
+            for code in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+        }
+        if error.Get_error_class() not in lost - {None}:
+            return None
+        self.revoke()
+        return RankFailureError(
+            f"{name}: a rank of the job failed ({error.Get_error_string()}); the collective "
+            "was abandoned on every rank. In elastic mode syncdp.elastic.run recovers from the "
+            "last commit."
+        )
 
     def _run(
         self,
@@ -92,7 +136,14 @@ class Communicator:
             # is where a rank waits for the others to arrive.
             start, self._checked_at = self._checked_at, None
         try:
+            if self.broken:
+                raise RankFailureError(f"{name}: a rank of this job has failed; recover first.")
             return fn()
+        except self._MPI.Exception as e:
+            failure = self._failure(e, name)
+            if failure is None:
+                raise
+            raise failure from None
         finally:
             if self.watchdog is not None:
                 self.watchdog.leave(self.seq)
@@ -400,6 +451,19 @@ class Communicator:
             return self.mpi.bcast(last, root=0)
 
         return self._run(name, run)
+
+    def all_agree(self, flag: int, *, name: str = "agree") -> int:
+        """The bitwise AND of every rank's ``flag``, the same on every rank even when a rank
+        fails meanwhile (ULFM's fault-tolerant agreement; a plain allreduce without ULFM).
+
+        Raises:
+            RankFailureError: On every surviving rank alike, when a rank of the group is gone.
+        """
+        if self.size == 1:
+            return flag
+        if hasattr(self.mpi, "Agree") and self.config.elastic:
+            return self._run(name, lambda: self.mpi.Agree(flag))
+        return self._run(name, lambda: self.mpi.allreduce(flag, op=self._MPI.BAND))
 
     def broadcast_object(self, obj: Any, root: int = 0, *, name: str = "broadcast_object"):
         """Returns rank ``root``'s picklable ``obj`` on every rank."""

@@ -9,7 +9,11 @@
     ├── UnsupportedError       a collective placed where it cannot run (an XLA-compiled step)
     ├── VerificationError      replicas that must be bit-identical are not
     ├── CheckpointError        a checkpoint cannot be written, read or matched to the model
-    └── DataError              missing, empty or corrupt input data
+    ├── DataError              missing, empty or corrupt input data
+    ├── RankFailureError       elastic mode: a rank died or stalled; recover and go on
+    │                          (Horovod's HorovodInternalError)
+    ├── HostsUpdatedInterrupt  elastic mode: slots were added; grow at the next commit
+    └── ElasticAbortError      elastic mode: the job cannot go on (below --min-np, reset limit)
 
 Catch ``SyncdpError`` to handle any of them. A rank that stops answering or a job whose ranks
 never all start is not an exception: the job ends (see ``syncdp.core.watchdog`` and
@@ -27,6 +31,10 @@ __all__ = [
     "VerificationError",
     "CheckpointError",
     "DataError",
+    "RankFailureError",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "ElasticAbortError",
 ]
 
 
@@ -71,3 +79,36 @@ class CheckpointError(SyncdpError, RuntimeError):
 
 class DataError(SyncdpError, ValueError):
     """Input data is missing, empty or corrupt."""
+
+
+class RankFailureError(SyncdpError, RuntimeError):
+    """A rank of the job died (or stalled and was removed) during a collective.
+
+    Elastic mode only (``syncdp-run --min-np``/``--elastic``): raised on every surviving rank
+    by the collective that noticed, after syncdp has revoked the communicator so that no other
+    rank waits in vain. ``syncdp.elastic.run`` catches it, restores the last commit, rebuilds
+    the job without the lost rank (and with replacements) and calls the training function
+    again. Horovod calls this ``HorovodInternalError``.
+    """
+
+
+HorovodInternalError = RankFailureError
+
+
+class HostsUpdatedInterrupt(SyncdpError):
+    """Raised by ``state.commit()`` on every rank when the host discovery script offers more
+    slots and the job is below ``--max-np``: ``syncdp.elastic.run`` then grows the job.
+
+    Args:
+        skip_sync: Whether the state need not be broadcast again (Horovod's field; syncdp
+            always syncs, since new ranks need the state).
+    """
+
+    def __init__(self, skip_sync: bool = False):
+        super().__init__("new slots were found; the job grows at this commit")
+        self.skip_sync = skip_sync
+
+
+class ElasticAbortError(SyncdpError, RuntimeError):
+    """An elastic job cannot go on: fewer ranks than ``--min-np`` are left and no replacement
+    could start, or the reset limit was reached."""

@@ -15,6 +15,10 @@
 ``shutdown()`` releases all of it (communicators, watchdog thread, timeline), and a later
 ``init()`` builds it again. The communicator is a value held here, not a global fixed at
 import: every layer above asks :func:`communicator` for the current one.
+
+In elastic mode :func:`reset` swaps it after a rank failure (:mod:`syncdp.core.membership`:
+revoke, shrink, spawn, merge) and rebuilds everything above on the new one with the same code
+``init()`` runs, which a replacement runs too, so both sides make the same collectives.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ import sys
 import time
 import traceback
 
-from syncdp.core import mpi, report, settings
+from syncdp.core import membership, mpi, report, settings
 from syncdp.core.communicator import Communicator
-from syncdp.core.errors import NotInitializedError
+from syncdp.core.errors import ElasticAbortError, NotInitializedError
 from syncdp.core.timeline import Timeline
 from syncdp.core.topology import Topology, discover
 
@@ -48,6 +52,10 @@ __all__ = [
     "communicator",
     "get_config",
     "topology",
+    "reset",
+    "on_reset",
+    "members",
+    "elastic_plan",
 ]
 
 _POLL_SECONDS = 0.01
@@ -63,6 +71,11 @@ class _State:
     process_sets: dict = {}
     hook_installed = False
     atexit_registered = False
+    # Elastic mode: every rank's process (rank order) and the plan (syncdp.core.membership).
+    members: list = []
+    plan = None
+    # Functions called after every membership change (step counters, Horovod's callbacks).
+    reset_callbacks: list = []
 
 
 _state = _State()
@@ -96,25 +109,23 @@ def init(comm=None, process_sets=None, **options) -> None:
         _register(process_sets, only_new=True)  # Horovod programs may call init() again
         return
     config = settings.from_env(**options)
+    replacement = os.environ.get(membership.REPLACEMENT_VAR)
     # Announce this rank before MPI starts: Open MPI's MPI_Init itself waits for every rank,
     # so a rank that is late to start would otherwise keep the others from ever reporting.
     world_rank = _rank_from_launcher()
-    if world_rank is not None:
+    if world_rank is not None and not replacement:
         report.send("started", world_rank)
     MPI = mpi.load()
     if world_rank is None:
         report.send("started", MPI.COMM_WORLD.Get_rank())
     base = MPI.COMM_WORLD if comm is None else comm
-    private = _arrive(base, config.start_timeout)
+    if config.elastic:
+        base = membership.join_parent() or base
     timeline = Timeline(config.timeline) if config.timeline else None
-    world = Communicator(private, config, timeline)
-    _state.topology = discover(world.mpi)
+    world = _build(base, config, timeline, plan=None)
     if timeline is not None:
         world.mpi.Barrier()  # leave together, so every rank's clock starts at the same moment
         timeline.start(world.rank)
-    _state.exit_comm = world.mpi.Dup()
-    _state.comm = world
-    _state.config = config
     _pin_gpu(_state.topology.local_rank)
     _install_failure_hook()
     if not _state.atexit_registered:
@@ -129,6 +140,132 @@ def init(comm=None, process_sets=None, **options) -> None:
             f"{config}",
             file=sys.stderr,
         )
+
+
+def _build(base, config: settings.Config, timeline, plan) -> Communicator:
+    """Makes the job's communicator, topology and exit channel on ``base`` (a collective).
+
+    ``init()`` and :func:`reset` both come here, so a replacement joining the job and the
+    survivors that spawned it run the same collectives.
+    """
+    private = _arrive(base, config.start_timeout)
+    world = Communicator(private, config, timeline, job_comm=private)
+    _state.topology = discover(world.mpi)
+    _state.exit_comm = world.mpi.Dup()
+    _state.comm = world
+    _state.config = config
+    if config.elastic:
+        if world.rank == 0 and plan is None:
+            plan = membership.first_plan(config, world.size)
+        _state.plan = world.broadcast_object(plan, 0, name="elastic.plan")
+        found = world.allgather_object(membership.me(), name="elastic.members")
+        _state.members = list(found)
+        if world.watchdog is not None:
+            world.watchdog.members = [(m.host, m.pid) for m in found]
+    return world
+
+
+def reset(grow: bool = False) -> dict:
+    """Rebuilds the job after a rank failure, or to grow into new slots (elastic mode).
+
+    A collective of every surviving rank (replacements join from ``init()``). After a failure:
+    revoke, shrink, spawn replacements, merge (:func:`syncdp.core.membership.recover`); with
+    ``grow``: spawn into the free slots and merge. Then the communicator, topology and watchdog
+    are rebuilt, registered process sets are dropped (register them again), the reset
+    callbacks run, and rank 0 tells the launcher what changed.
+
+    Returns:
+        The change: ``old_size``, ``survivors``, ``spawned``, ``new_size``, ``seconds``,
+        ``lost`` and ``added`` (members, as dicts).
+
+    Raises:
+        ElasticAbortError: Fewer ranks than ``min_np`` are left, or the reset limit was hit.
+        NotInitializedError: ``init()`` has not been called.
+    """
+    comm = communicator()
+    started = time.monotonic()
+    config, plan, before = _state.config, _state.plan, list(_state.members)
+    base = comm.mpi
+    if grow:
+        merged, plan, change = membership.grow(base, plan)
+    else:
+        merged, plan, change = membership.recover(base, plan, started)
+    _drop(broken=not grow)
+    plan.resets += 1
+    world = _build(merged, config, comm.timeline, plan)
+    for callback in list(_state.reset_callbacks):
+        callback()
+    after = _state.members
+    keys = {(m.host, m.pid) for m in after}
+    old_keys = {(m.host, m.pid) for m in before}
+    change.update(
+        old_size=len(before),
+        new_size=world.size,
+        seconds=time.monotonic() - started,
+        lost=[dict(rank=r, **vars(m)) for r, m in enumerate(before) if (m.host, m.pid) not in keys],
+        added=[
+            dict(rank=r, **vars(m)) for r, m in enumerate(after) if (m.host, m.pid) not in old_keys
+        ],
+        reason="grow" if grow else "failure",
+    )
+    problem = None
+    if world.size < plan.min_np:
+        problem = (
+            f"only {world.size} rank(s) left after losing "
+            f"{', '.join(str(m['rank']) for m in change['lost']) or 'none'} and no free slot for "
+            f"a replacement; --min-np is {plan.min_np}. Ending the job."
+        )
+    elif plan.reset_limit and plan.resets > plan.reset_limit:
+        problem = f"the reset limit ({plan.reset_limit}) was reached; ending the job."
+    if world.rank == 0:
+        text = (
+            f"membership changed: {change['old_size']} -> {change['survivors']} -> "
+            f"{world.size} ranks in {change['seconds']:.2f} s"
+        )
+        report.send("membership", 0, text, **change)
+        if problem is not None:
+            print(f"syncdp: elastic: {problem}", file=sys.stderr, flush=True)
+            report.send("elastic_abort", 0, problem)
+    if problem is not None:
+        raise ElasticAbortError(problem)
+    return change
+
+
+def _drop(broken: bool) -> None:
+    """Lets go of the job's communicators before a rebuild; ``broken`` ones are not freed."""
+    from syncdp.core.process_sets import close_all
+
+    for ps in _state.process_sets.values():
+        if ps._comm is not None:
+            ps._comm.broken = ps._comm.broken or broken
+    close_all(_state.process_sets)
+    comm, _state.comm = _state.comm, None
+    comm.broken = comm.broken or broken
+    comm.close()
+    if not broken and _state.exit_comm is not None:
+        _state.exit_comm.Free()
+    if not broken and _state.topology is not None:
+        _state.topology.free()
+    _state.exit_comm = None
+    _state.topology = None
+
+
+def on_reset(callback) -> None:
+    """Calls ``callback()`` after every membership change, on every rank (elastic mode)."""
+    _state.reset_callbacks.append(callback)
+
+
+def members() -> list:
+    """Every rank's process (:class:`~syncdp.core.membership.Member`), in rank order; elastic
+    mode only (empty otherwise)."""
+    communicator()
+    return list(_state.members)
+
+
+def elastic_plan():
+    """The elastic :class:`~syncdp.core.membership.Plan` (None outside elastic mode)."""
+    communicator()
+    return _state.plan
 
 
 def _register(process_sets, only_new: bool = False) -> None:
@@ -232,6 +369,10 @@ def _at_exit() -> None:
     """
     comm, exit_comm = _state.comm, _state.exit_comm
     watchdog = comm.watchdog if comm is not None else None
+    if comm is not None and (comm.config.elastic or comm.broken):
+        # Elastic ranks leave through syncdp.elastic.run's final agreement instead; a rank of
+        # a broken job may be gone, and no handshake with it could end.
+        watchdog = None
     if watchdog is not None and watchdog.can_ask and exit_comm is not None:
         watchdog.exiting = True
         everyone_here = exit_comm.Ibarrier()
@@ -259,21 +400,11 @@ def shutdown() -> None:
     comm = _state.comm
     if comm is None:
         return
-    if comm.timeline is not None:
+    if comm.timeline is not None and not comm.broken:
         timeline, comm.timeline = comm.timeline, None  # the gather itself is not recorded
         timeline.gather_and_write(comm.mpi)
-    from syncdp.core.process_sets import close_all
-
-    close_all(_state.process_sets)
-    _state.comm = None
+    _drop(broken=comm.broken)
     _state.config = None
-    if _state.exit_comm is not None:
-        _state.exit_comm.Free()
-        _state.exit_comm = None
-    if _state.topology is not None:
-        _state.topology.free()
-        _state.topology = None
-    comm.close()
 
 
 def is_initialized() -> bool:

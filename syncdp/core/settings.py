@@ -168,6 +168,46 @@ SETTINGS: tuple[Setting, ...] = (
         "check every K gradient steps that replicas are bit-identical (0: never)",
     ),
     Setting(
+        "elastic",
+        "SYNCDP_ELASTIC",
+        "--elastic",
+        bool,
+        False,
+        "elastic mode (Open MPI ULFM): a lost rank is replaced and training goes on",
+    ),
+    Setting(
+        "min_np",
+        "SYNCDP_MIN_NP",
+        "--min-np",
+        int,
+        0,
+        "elastic: fewest ranks to go on with (0: -np); implies --elastic",
+    ),
+    Setting(
+        "max_np",
+        "SYNCDP_MAX_NP",
+        "--max-np",
+        int,
+        0,
+        "elastic: most ranks to grow to when the discovery script adds slots (0: -np)",
+    ),
+    Setting(
+        "host_discovery_script",
+        "SYNCDP_HOST_DISCOVERY_SCRIPT",
+        "--host-discovery-script",
+        str,
+        "",
+        "elastic: program printing 'host:slots' lines, where replacements may start",
+    ),
+    Setting(
+        "reset_limit",
+        "SYNCDP_RESET_LIMIT",
+        "--reset-limit",
+        int,
+        0,
+        "elastic: most membership changes before the job ends (0: no limit)",
+    ),
+    Setting(
         "log_all_ranks",
         "SYNCDP_LOG_ALL_RANKS",
         "--log-all-ranks",
@@ -191,7 +231,8 @@ _BY_NAME = {s.name: s for s in SETTINGS}
 # Variables the launcher sets for its own machinery; not settings of the library.
 #   SYNCDP_LAUNCHER     set under syncdp-run
 #   SYNCDP_REPORT_ADDR  host:port where ranks send structured reports (syncdp.core.report)
-INTERNAL_VARS = frozenset({"SYNCDP_LAUNCHER", "SYNCDP_REPORT_ADDR"})
+#   SYNCDP_REPLACEMENT  set by launch.worker on a rank spawned by elastic recovery: its label
+INTERNAL_VARS = frozenset({"SYNCDP_LAUNCHER", "SYNCDP_REPORT_ADDR", "SYNCDP_REPLACEMENT"})
 
 
 def _default(name: str):
@@ -214,6 +255,11 @@ class Config:
     stall_warning: float = _default("stall_warning")
     timeline: str = _default("timeline")
     verify_every: int = _default("verify_every")
+    elastic: bool = _default("elastic")
+    min_np: int = _default("min_np")
+    max_np: int = _default("max_np")
+    host_discovery_script: str = _default("host_discovery_script")
+    reset_limit: int = _default("reset_limit")
     log_all_ranks: bool = _default("log_all_ranks")
     verbose: bool = _default("verbose")
 
@@ -292,8 +338,8 @@ def launcher_env(flag_values: Mapping[str, Any]) -> dict[str, str]:
         value = flag_values.get(s.name)
         if value is None or (s.type is bool and not value):
             continue
-        if s.name == "timeline":
-            value = os.path.abspath(value)
+        if s.name == "timeline" or (s.name == "host_discovery_script" and os.path.exists(value)):
+            value = os.path.abspath(value)  # ranks may start in another working directory
         env[s.env] = s.env_text(value)
     return env
 

@@ -16,6 +16,10 @@ Defaults (``syncdp.config``): warning at 10 s, abort at 60 s (``SYNCDP_STALL_TIM
 ``syncdp-run --stall-timeout``; 0 waits forever). A stalled job therefore ends within the stall
 timeout plus about 3 s (the time given to the other ranks to answer).
 
+In elastic mode (``SYNCDP_ELASTIC``) a stall does not end the job: the report names the
+stalled ranks' processes and the launcher kills them, which turns the stall into a rank
+failure the job recovers from (:mod:`syncdp.core.membership`).
+
 The main thread only sets two attributes per collective; all the waiting happens here.
 """
 
@@ -40,16 +44,22 @@ class Watchdog:
 
     Args:
         comm: The communicator the collectives run on. The watchdog talks over its own duplicate.
-        config: ``stall_timeout`` (0 disables the abort) and ``stall_warning``.
+        config: ``stall_timeout`` (0 disables the abort), ``stall_warning`` and ``elastic``.
+        job_comm: The job's communicator, whose rank numbers messages use. Defaults to
+            ``MPI.COMM_WORLD``.
     """
 
-    def __init__(self, comm, config: Config):
+    def __init__(self, comm, config: Config, job_comm=None):
         self._MPI = mpi.load()
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        # The job's (MPI_COMM_WORLD's) number of each rank of ``comm``: a process set's
-        # communicator numbers its ranks from 0, but messages and reports name job ranks.
-        world = self._MPI.COMM_WORLD.Get_group()
+        self.elastic = config.elastic
+        # (host, pid) of each rank of ``comm``, when the runtime knows them (elastic mode).
+        self.members: list | None = None
+        # The job's number of each rank of ``comm``: a process set's communicator numbers its
+        # ranks from 0, but messages and reports name job ranks.
+        job = self._MPI.COMM_WORLD if job_comm is None else job_comm
+        world = job.Get_group()
         self._job_rank = self._MPI.Group.Translate_ranks(
             comm.Get_group(), list(range(self.size)), world
         )
@@ -78,14 +88,19 @@ class Watchdog:
         self.current = None
         self.last_done = seq
 
-    def stop(self) -> None:
-        """Ends the thread, then frees its communicator (never while the thread may use it)."""
+    def stop(self, free: bool = True) -> None:
+        """Ends the thread, then frees its communicator (never while the thread may use it).
+
+        Args:
+            free: Free the communicator; False drops it (a rank of it died). Defaults to True.
+        """
         self._stop.set()
         # The loop checks the flag every poll, but may be in the middle of asking the others
         # (a few seconds at most); wait for it rather than free a communicator it is using.
         self._thread.join()
         if self._side is not None:
-            self._side.Free()
+            if free:
+                self._side.Free()
             self._side = None
 
     @property
@@ -111,7 +126,16 @@ class Watchdog:
             self._side.send(self._where(), dest=status.Get_source(), tag=_REPLY)
 
     def _loop(self) -> None:
+        try:
+            self._watch()
+        except self._MPI.Exception:
+            # A rank of the group died (elastic mode): the main thread's collective fails
+            # and recovery builds a new watchdog; this one has nothing left to watch.
+            pass
+
+    def _watch(self) -> None:
         warned_for = None
+        reported = None
         while not self._stop.wait(_POLL_SECONDS):
             if self._can_ask:
                 self._answer_questions()
@@ -130,7 +154,8 @@ class Watchdog:
                     file=sys.stderr,
                     flush=True,
                 )
-            if timeout and waited > timeout and self.current is current:
+            if timeout and waited > timeout and self.current is current and reported != seq:
+                reported = seq
                 self._abort(seq, name, waited)
 
     def ask_others(self, grace: float = _ANSWER_GRACE_SECONDS) -> dict[int, tuple]:
@@ -208,6 +233,9 @@ class Watchdog:
                 f"other ranks {limit}; MPI without thread support cannot say which."
             ]
         lines += details
+        if self.elastic and missing:
+            self._remove(missing, lines, name, seq)
+            return
         lines.append(
             "syncdp: ending the job. Set SYNCDP_STALL_TIMEOUT (or --stall-timeout) "
             "to wait longer, or 0 to wait forever."
@@ -215,3 +243,24 @@ class Watchdog:
         print("\n".join(lines), file=sys.stderr, flush=True)
         report.send("stall", me, "\n".join(lines), ranks=missing, collective=name, seq=seq)
         self._MPI.COMM_WORLD.Abort(1)
+
+    def _remove(self, missing: list[int], lines: list[str], name: str, seq: int) -> None:
+        """Elastic mode: asks the launcher to kill the stalled ranks; the job recovers."""
+        members = self.members or []
+        pids = [list(members[r]) for r in missing if r < len(members)]
+        lines.append(
+            "syncdp: elastic mode: asking the launcher to remove the stalled "
+            + ("rank" if len(missing) == 1 else "ranks")
+            + "; the job goes on without them."
+        )
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        report.send(
+            "stall",
+            self._job_rank[self.rank],
+            "\n".join(lines),
+            ranks=missing,
+            collective=name,
+            seq=seq,
+            elastic=True,
+            pids=pids,
+        )

@@ -8,6 +8,8 @@ record may be read by two ranks in one epoch. :func:`tfrecord_dataset` guarantee
     tfrecord_dataset         this rank's batches: disjoint records, equal count on every rank
     write_tfrecord_shards    write ``tf.train.Example`` records into N shards
     count_records            a TFRecord file's record count, from its headers alone
+    elastic_tfrecord_dataset an epoch split by position, so shards follow an elastic job's
+                             membership (each record used once from the committed batch on)
 
 Example:
     >>> import syncdp
@@ -19,7 +21,14 @@ Example:
 """
 
 from syncdp.data._dataset import tfrecord_dataset
+from syncdp.data._elastic import elastic_tfrecord_dataset
 from syncdp.data._sharding import shard_files
 from syncdp.data._tfrecord import count_records, write_tfrecord_shards
 
-__all__ = ["shard_files", "tfrecord_dataset", "write_tfrecord_shards", "count_records"]
+__all__ = [
+    "shard_files",
+    "tfrecord_dataset",
+    "elastic_tfrecord_dataset",
+    "write_tfrecord_shards",
+    "count_records",
+]

@@ -19,6 +19,7 @@ Example:
 from syncdp.tensorflow import *  # noqa: F403
 from syncdp.tensorflow import __all__ as _core_all
 from syncdp.keras import callbacks
+import syncdp.keras.elastic as elastic  # noqa: F401, F811 - replaces the TensorFlow one
 from syncdp.keras.checkpoint import CheckpointCallback
 from syncdp.keras.optimizer import DistributedOptimizer  # noqa: F401 (in _core_all)
 from syncdp.keras.optimizer import PartialDistributedOptimizer, load_model

@@ -21,8 +21,12 @@ from syncdp.core.errors import (
     CollectiveError,
     ConfigError,
     DataError,
+    ElasticAbortError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
     MismatchError,
     NotInitializedError,
+    RankFailureError,
     StepMismatchError,
     SyncdpError,
     UnsupportedError,
@@ -49,6 +53,7 @@ from syncdp.core.runtime import (
     start_timeline,
     stop_timeline,
 )
+from syncdp.tensorflow import elastic
 from syncdp.tensorflow.collectives import (
     Adasum,
     Average,
@@ -185,6 +190,11 @@ __all__ = [
     "VerificationError",
     "CheckpointError",
     "DataError",
+    "RankFailureError",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "ElasticAbortError",
+    "elastic",
 ]
 
 

@@ -211,11 +211,14 @@ def fused_allreduce(
     """
     comm = _comm(process_set)
     _check_reducible(tensors)
-    if comm.size == 1:
-        step = None
-    if comm.size == 1 and prescale == 1.0 and postscale == 1.0:
-        return list(tensors), None
     config = runtime.get_config()
+    # A traced step is built for the size at trace time, except in elastic mode, where the
+    # job may grow from one rank later.
+    alone = comm.size == 1 and not config.elastic
+    if alone:
+        step = None
+    if alone and prescale == 1.0 and postscale == 1.0:
+        return list(tensors), None
     cap = config.fusion_threshold if cap_bytes is None else cap_bytes
     first = config.first_bucket_bytes if first_bytes is None else first_bytes
     wire, ctxs = [], []

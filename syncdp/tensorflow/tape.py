@@ -45,6 +45,15 @@ __all__ = [
 _counters: dict[int, tf.Variable] = {}
 
 
+def _zero_counters() -> None:
+    # After an elastic membership change every rank, replacements included, counts from 0.
+    for counter in _counters.values():
+        counter.assign(0)
+
+
+runtime.on_reset(_zero_counters)
+
+
 def _step_counter(process_set=None) -> tf.Variable:
     key = 0 if process_set is None else process_set.process_set_id
     if key not in _counters:
@@ -189,7 +198,9 @@ def reduce_gradients(
         prescale = 1.0 / gradient_predivide_factor
         postscale = gradient_predivide_factor
     step_tensor = None
-    if comm.size > 1 and not graph.in_v1_graph() and op is not collectives.Adasum:
+    # In elastic mode a traced step must stay right when the job later grows from one rank.
+    several = comm.size > 1 or runtime.get_config().elastic
+    if several and not graph.in_v1_graph() and op is not collectives.Adasum:
         count = _step_counter(process_set).assign_add(1)
         step_tensor = count if step is None else tf.cast(tf.convert_to_tensor(step), tf.int64)
         step_tensor = tf.reshape(step_tensor, [])

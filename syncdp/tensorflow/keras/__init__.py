@@ -2,7 +2,8 @@
 ``horovod.tensorflow.keras`` was.
 
 A thin re-export of :mod:`syncdp.keras`; there is no second implementation here.
-``syncdp.tensorflow.keras.callbacks`` is :mod:`syncdp.keras.callbacks` itself (the same module
+``syncdp.tensorflow.keras.callbacks`` and ``.elastic`` are :mod:`syncdp.keras.callbacks` and
+:mod:`syncdp.keras.elastic` themselves (the same module
 object under Horovod's path), whichever of the two names is imported first.
 """
 
@@ -12,6 +13,8 @@ from syncdp.keras import *  # noqa: F403
 from syncdp.keras import (
     __all__,  # noqa: F401
     callbacks,
+    elastic,
 )
 
 sys.modules[__name__ + ".callbacks"] = callbacks
+sys.modules[__name__ + ".elastic"] = elastic

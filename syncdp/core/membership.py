@@ -1,0 +1,272 @@
+"""Elastic membership: who is in the job, and how it heals when a rank is lost (Open MPI ULFM).
+
+Elastic mode (``syncdp-run --min-np M``, ``--max-np K`` or ``--elastic``) starts mpirun with
+``--with-ft ulfm``: a rank that dies no longer ends the job. The survivors notice in a collective
+(:class:`~syncdp.core.errors.RankFailureError`), and :func:`recover` heals the job in place:
+
+1. revoke the job's communicator, so every survivor leaves whatever collective it was in;
+2. ``Shrink`` it to the survivors (they keep their order: ranks are renumbered consistently,
+   the lowest surviving rank becomes rank 0);
+3. rank 0 decides how many replacements to start: back to the target size, at most the free
+   slots the host discovery script reports (hosts it stopped listing are never used again);
+4. ``Spawn`` them (each runs the same program under the launcher's supervisor) and ``Merge``
+   them in after the survivors.
+
+The runtime then rebuilds everything on the merged communicator, the same code a replacement
+runs in ``init()`` (:func:`join_parent` gives it its side of the merge), and rank 0 sends the
+launcher a ``membership`` report. A failure during recovery (a survivor or a replacement lost
+meanwhile) starts it over from the shrink.
+
+The :class:`Plan` (target size, limits, labels, hosts) lives on every rank and is broadcast by
+rank 0 whenever the membership changes, so replacements learn it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from syncdp.core import mpi
+
+__all__ = ["Member", "Plan", "me", "join_parent", "recover", "grow", "discover_slots"]
+
+REPLACEMENT_VAR = "SYNCDP_REPLACEMENT"
+# A host discovery script that does not answer within this long is treated as listing nothing.
+_DISCOVERY_TIMEOUT_SECONDS = 30.0
+# The fewest seconds between two runs of the discovery script to look for new slots.
+DISCOVERY_INTERVAL_SECONDS = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One rank's process: where it runs and the label its output lines carry."""
+
+    host: str
+    pid: int
+    label: int
+
+
+@dataclasses.dataclass
+class Plan:
+    """What every rank knows about the elastic job; rank 0's copy wins at each change.
+
+    Attributes:
+        target: Ranks to keep: replacements are started up to this many.
+        min_np: Fewer ranks than this end the job.
+        max_np: The most ranks the job grows to when slots are added.
+        next_label: The output label of the next replacement (the original ranks are 0..N-1).
+        resets: Membership changes so far.
+        reset_limit: The most changes allowed (0: no limit).
+        script: The host discovery script, or "".
+        seen_hosts: Every host the script has listed; one it stops listing has vanished.
+        vanished: Hosts never to be used again.
+        command: What a replacement runs: the program as this job started it.
+    """
+
+    target: int
+    min_np: int
+    max_np: int
+    next_label: int
+    resets: int = 0
+    reset_limit: int = 0
+    script: str = ""
+    seen_hosts: tuple[str, ...] = ()
+    vanished: tuple[str, ...] = ()
+    command: tuple[str, ...] = ()
+
+
+def me() -> Member:
+    """This process as a Member."""
+    label = os.environ.get(REPLACEMENT_VAR) or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
+    return Member(socket.gethostname(), os.getpid(), int(label))
+
+
+def first_plan(config, size: int) -> Plan:
+    """The plan of a job that just started with ``size`` ranks."""
+    return Plan(
+        target=size,
+        min_np=config.min_np or size,
+        max_np=max(config.max_np or size, size),
+        next_label=size,
+        reset_limit=config.reset_limit,
+        script=config.host_discovery_script,
+        command=(sys.executable, *sys.orig_argv[1:]),
+    )
+
+
+def join_parent():
+    """A replacement's side of the merge: the job's communicator with this rank in it.
+
+    Returns:
+        The merged intracommunicator, or None when this process was not spawned by a recovery.
+    """
+    if not os.environ.get(REPLACEMENT_VAR):
+        return None
+    MPI = mpi.load()
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        return None
+    return parent.Merge(high=True)
+
+
+def _local(host: str) -> str:
+    return socket.gethostname() if host in ("localhost", "127.0.0.1", "") else host
+
+
+def discover_slots(script: str) -> dict[str, int] | None:
+    """Runs the host discovery script; returns host -> slots (None if it failed).
+
+    The script prints one host per line, ``host:slots`` or ``host`` (one slot), as
+    horovodrun's ``--host-discovery-script``.
+    """
+    try:
+        out = subprocess.run(
+            [script], capture_output=True, text=True, timeout=_DISCOVERY_TIMEOUT_SECONDS
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"syncdp: host discovery script {script!r} failed: {e}", file=sys.stderr)
+        return None
+    if out.returncode != 0:
+        print(
+            f"syncdp: host discovery script {script!r} exited with {out.returncode}: "
+            f"{out.stderr.strip()}",
+            file=sys.stderr,
+        )
+        return None
+    slots: dict[str, int] = {}
+    for line in out.stdout.split():
+        host, _, count = line.partition(":")
+        try:
+            slots[_local(host)] = int(count) if count else 1
+        except ValueError:
+            print(f"syncdp: ignoring discovery line {line!r} (not host:slots)", file=sys.stderr)
+    return slots
+
+
+def _free_slots(plan: Plan, alive: list[Member]) -> tuple[int | None, list[str]]:
+    """Free slots by the discovery script (None: no script, no limit) and their hosts.
+
+    Updates ``plan.seen_hosts`` and ``plan.vanished``.
+    """
+    if not plan.script:
+        return None, []
+    slots = discover_slots(plan.script)
+    if slots is None:
+        return 0, []
+    gone = set(plan.seen_hosts) - set(slots)
+    plan.vanished = tuple(sorted(set(plan.vanished) | gone))
+    plan.seen_hosts = tuple(sorted(set(plan.seen_hosts) | set(slots)))
+    hosts = []
+    for host, count in sorted(slots.items()):
+        if host in plan.vanished:
+            continue
+        used = sum(1 for m in alive if m.host == host)
+        hosts += [host] * max(0, count - used)
+    return len(hosts), hosts
+
+
+def _spawn(comm, plan: Plan, count: int, hosts: list[str]):
+    """Starts ``count`` replacements and merges them in after ``comm``'s ranks (collective)."""
+    MPI = mpi.load()
+    args = ["-m", "launch.worker", "--replacement", str(plan.next_label), *plan.command]
+    info = MPI.Info.Create()
+    info.Set("wdir", os.getcwd())
+    remote = [h for h in hosts[:count] if h != socket.gethostname()]
+    if remote:
+        info.Set("host", ",".join(hosts[:count]))
+    try:
+        inter = comm.Spawn(sys.executable, args, maxprocs=count, root=0, info=info)
+    finally:
+        info.Free()
+    merged = inter.Merge(high=False)
+    return merged
+
+
+def _decide(comm, plan: Plan, alive: list[Member], want: int) -> tuple[Plan, int, list[str]]:
+    """Rank 0 counts the replacements to start; every rank gets its plan and the count."""
+    decision = None
+    if comm.Get_rank() == 0:
+        free, hosts = _free_slots(plan, alive)
+        count = max(0, want - len(alive))
+        if free is not None:
+            count = min(count, free)
+        decision = (plan, count, hosts)
+    return comm.bcast(decision, root=0)
+
+
+def recover(base, plan: Plan, lost_at: float) -> tuple[object, Plan, dict]:
+    """Heals the job after a rank failure: shrink, spawn replacements, merge.
+
+    A collective of the survivors: every one of them must call it with the job's (revoked)
+    communicator.
+
+    Args:
+        base: The job's MPI communicator, in which a rank failed.
+        plan: This rank's plan.
+        lost_at: ``time.monotonic()`` when the failure was noticed.
+
+    Returns:
+        ``(merged communicator, rank 0's plan, what changed)``; the change has ``survivors``
+        (how many ranks shrank to) and ``spawned`` (replacements started).
+    """
+    MPI = mpi.load()
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            base.Revoke()
+        except MPI.Exception:
+            pass
+        shrunk = None
+        try:
+            shrunk = base.Shrink()
+            alive = [Member(*m) for m in shrunk.allgather(dataclasses.astuple(me()))]
+            plan, count, hosts = _decide(shrunk, plan, alive, plan.target)
+            merged = _spawn(shrunk, plan, count, hosts) if count else shrunk.Dup()
+            plan.next_label += count
+            return merged, plan, {"survivors": len(alive), "spawned": count}
+        except MPI.Exception as e:
+            # Another rank (a survivor or a replacement) was lost meanwhile: start over from
+            # the communicator that is left.
+            print(
+                f"syncdp: elastic recovery attempt {attempts} failed ({e}); retrying.",
+                file=sys.stderr,
+                flush=True,
+            )
+            if shrunk is not None:
+                base = shrunk
+            time.sleep(0.1)
+
+
+def grow(comm, plan: Plan) -> tuple[object, Plan, dict]:
+    """Adds ranks in the slots the discovery script offers, up to ``max_np`` (collective)."""
+    alive = [Member(*m) for m in comm.allgather(dataclasses.astuple(me()))]
+    plan, count, hosts = _decide(comm, plan, alive, plan.max_np)
+    merged = _spawn(comm, plan, count, hosts) if count else comm.Dup()
+    plan.next_label += count
+    plan.target = len(alive) + count
+    return merged, plan, {"survivors": len(alive), "spawned": count}
+
+
+def slots_added(comm, plan: Plan, alive: list[Member], last_check: list[float]) -> bool:
+    """Whether the discovery script now offers room to grow (a collective: rank 0 asks).
+
+    Args:
+        comm: The job's :class:`~syncdp.core.communicator.Communicator`.
+        plan: This rank's plan (rank 0's is the one used).
+        alive: The job's members.
+        last_check: Holds the ``time.monotonic()`` of rank 0's last look; the script runs at
+            most every :data:`DISCOVERY_INTERVAL_SECONDS`.
+    """
+    grow_now = False
+    if comm.rank == 0 and plan.script and len(alive) < plan.max_np:
+        now = time.monotonic()
+        if now - last_check[0] >= DISCOVERY_INTERVAL_SECONDS:
+            last_check[0] = now
+            free, _ = _free_slots(plan, alive)
+            grow_now = bool(free)
+    return bool(comm.broadcast_object(grow_now, 0, name="elastic.check_host_updates"))

@@ -1,0 +1,218 @@
+"""Elastic training: state that survives a lost rank, and the loop that recovers it.
+
+Horovod's elastic API on syncdp's engine (Open MPI ULFM underneath, no Gloo, no restart of the
+survivors). A training function decorated with :func:`run` takes a :class:`State`; it calls
+``state.commit()`` every few steps, which keeps a copy of the state in memory on every rank.
+When a rank dies (or stalls and is removed), every survivor's current collective raises
+:class:`~syncdp.core.errors.RankFailureError` (``HorovodInternalError``), and :func:`run`:
+
+1. restores the last commit (``state.restore()``),
+2. heals the job (``syncdp.core.runtime.reset``: revoke, shrink, spawn replacements, merge),
+3. calls the reset callbacks (``state.register_reset_callbacks``),
+4. broadcasts rank 0's state to every rank, replacements included (``state.sync()``),
+5. calls the training function again, which resumes from the state.
+
+A replacement runs the program from the top: ``syncdp.init()`` merges it into the job, and its
+:func:`run` starts with the same ``state.sync()``. So between ``init()`` and :func:`run` a program
+must not call collectives (the survivors are not there to match them).
+
+When the function returns on every rank, a fault-tolerant agreement makes sure no rank was lost
+at the very end; if one was, the survivors recover and run the function again from the last
+commit (usually returning at once).
+
+Example:
+    >>> state = syncdp.tensorflow.elastic.TensorFlowKerasState(model, optimizer, epoch=0, batch=0)
+    >>> @syncdp.tensorflow.elastic.run
+    ... def train(state):
+    ...     for state.epoch in range(state.epoch, epochs):
+    ...         ...  # steps; state.commit() every few
+    >>> train(state)
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import sys
+
+from syncdp.core import membership, runtime
+from syncdp.core.errors import (
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    RankFailureError,
+)
+
+__all__ = [
+    "State",
+    "ObjectState",
+    "run",
+    "RankFailureError",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+]
+
+
+def _broadcast_object(obj, root_rank: int = 0):
+    return runtime.communicator().broadcast_object(obj, root_rank, name="elastic.sync")
+
+
+class State:
+    """What a training function needs to resume: saved by ``commit()``, shared by ``sync()``.
+
+    Subclasses define :meth:`save`, :meth:`restore` and :meth:`sync`.
+
+    Args:
+        bcast_object: ``fn(obj, root_rank)`` returning rank ``root_rank``'s object on every
+            rank. Defaults to syncdp's.
+        get_rank: ``fn()`` returning this rank. Defaults to ``syncdp.rank``.
+    """
+
+    def __init__(self, bcast_object=None, get_rank=None):
+        self._bcast_object = bcast_object or _broadcast_object
+        self._rank = get_rank or runtime.rank
+        self._reset_callbacks: list = []
+        self._last_check = [0.0]  # when rank 0 last ran the host discovery script
+
+    def register_reset_callbacks(self, callbacks) -> None:
+        """Calls each of ``callbacks`` (no arguments) after every membership change, on every
+        rank, before the state is synced (e.g. to rescale the learning rate to the new size)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Runs the reset callbacks (called by :func:`run` after a membership change)."""
+        for callback in self._reset_callbacks:
+            callback()
+
+    def on_hosts_updated(self, timestamp, update_res) -> None:
+        """Horovod's notification hook; syncdp checks for new hosts in :meth:`commit`."""
+
+    def commit(self) -> None:
+        """Saves the state in memory (every rank keeps its own copy; nothing goes to disk),
+        then checks for new hosts. A synchronization point when a discovery script is set.
+
+        Raises:
+            HostsUpdatedInterrupt: The discovery script offers room to grow; :func:`run`
+                grows the job and resumes from this commit.
+        """
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raises HostsUpdatedInterrupt on every rank when slots were added (elastic mode with
+        ``--host-discovery-script`` and fewer ranks than ``--max-np``); otherwise returns."""
+        plan = runtime.elastic_plan()
+        if plan is None or not plan.script:
+            return
+        comm = runtime.communicator()
+        if membership.slots_added(comm, plan, runtime.members(), self._last_check):
+            raise HostsUpdatedInterrupt(False)
+
+    def save(self) -> None:
+        """Keeps a copy of the state in memory."""
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        """Puts back the copy :meth:`save` kept."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Makes every rank's state rank 0's (a collective), then saves it."""
+        raise NotImplementedError
+
+
+class ObjectState(State):
+    """State made of picklable Python values, given as keyword arguments and read back as
+    attributes (``state.epoch``, ``state.batch``).
+
+    Args:
+        bcast_object: See :class:`State`. Defaults to syncdp's.
+        get_rank: See :class:`State`. Defaults to ``syncdp.rank``.
+        **kwargs: The values, by name.
+    """
+
+    def __init__(self, bcast_object=None, get_rank=None, **kwargs):
+        super().__init__(bcast_object, get_rank)
+        self._names = list(kwargs)
+        self._saved = copy.deepcopy(kwargs)
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+
+    def _values(self) -> dict:
+        return {name: getattr(self, name) for name in self._names}
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self._values())
+
+    def restore(self) -> None:
+        for name, value in copy.deepcopy(self._saved).items():
+            setattr(self, name, value)
+
+    def sync(self) -> None:
+        if self._names:
+            values = self._bcast_object(self._values(), 0)
+            for name, value in values.items():
+                setattr(self, name, value)
+        self.save()
+
+
+def _failure(error: BaseException) -> Exception | None:
+    """The membership event behind ``error``, or None when it is an ordinary error.
+
+    A failure inside ``tf.function`` or Keras arrives wrapped (TensorFlow turns host-call
+    errors into ``UnknownError``), so a revoked communicator is the sign: any error raised
+    while the job's communicator is broken is the failure surfacing.
+    """
+    if isinstance(error, RankFailureError | HostsUpdatedInterrupt):
+        return error
+    comm = runtime.communicator()
+    if comm.broken:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        ours = [line for line in lines if "a rank of" in line]
+        return RankFailureError((ours or lines or [type(error).__name__])[0])
+    return None
+
+
+def run(func):
+    """Makes ``func(state, *args, **kwargs)`` survive lost ranks: Horovod's ``elastic.run``.
+
+    The wrapped function syncs the state from rank 0 first, then calls ``func``; on a rank
+    failure it restores the last commit, heals the job, runs the reset callbacks, syncs and
+    calls ``func`` again. Outside elastic mode it syncs once and calls ``func``.
+
+    Args:
+        func: The training function; its first argument is the :class:`State`.
+
+    Returns:
+        The wrapped function, returning what ``func`` returns.
+
+    Raises:
+        ElasticAbortError: Fewer than ``--min-np`` ranks are left, or the reset limit was hit.
+    """
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args, **kwargs):
+        while True:
+            try:
+                state.sync()
+                result = func(state, *args, **kwargs)
+                # Every rank must know that every rank finished: a rank lost at the very end
+                # would otherwise leave some survivors recovering while the others exit.
+                runtime.communicator().all_agree(1, name="elastic.done")
+                return result
+            except Exception as error:  # noqa: BLE001 - re-raised unless it is a failure
+                event = _failure(error)
+                if event is None or runtime.elastic_plan() is None:
+                    raise
+            grow = isinstance(event, HostsUpdatedInterrupt)
+            if not grow:
+                print(
+                    f"syncdp: rank {runtime.rank()}: {type(event).__name__}: {event}; "
+                    "recovering from the last commit.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                state.restore()
+            runtime.reset(grow=grow)
+            state.on_reset()
+
+    return wrapper

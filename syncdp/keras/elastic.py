@@ -1,0 +1,137 @@
+"""Horovod's ``hvd.elastic`` for Keras: ``KerasState`` and the callbacks that keep it current.
+
+``import syncdp.keras as hvd`` (or ``syncdp.tensorflow.keras``) gives ``hvd.elastic.run``,
+``hvd.elastic.KerasState`` and the callbacks below. With ``model.fit`` the usual list is::
+
+    callbacks = [
+        hvd.elastic.UpdateBatchStateCallback(state),
+        hvd.elastic.UpdateEpochStateCallback(state),
+        hvd.elastic.CommitStateCallback(state, batches_per_commit=10),
+    ]
+
+in any order: the commit is taken when the next batch begins (or the epoch or training ends),
+after every callback has updated the state, so a commit always holds the batch and epoch
+counters of the weights it saved.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from syncdp.core.errors import HorovodInternalError, HostsUpdatedInterrupt, RankFailureError
+from syncdp.elastic import ObjectState, State, run
+from syncdp.tensorflow.elastic import TensorFlowKerasState
+
+__all__ = [
+    "run",
+    "State",
+    "ObjectState",
+    "KerasState",
+    "TensorFlowKerasState",
+    "CommitStateCallback",
+    "UpdateBatchStateCallback",
+    "UpdateEpochStateCallback",
+    "RankFailureError",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+]
+
+
+class KerasState(TensorFlowKerasState):
+    """State of a Keras model and its optimizer, plus picklable values (Horovod's name).
+
+    Args:
+        model: A built Keras model.
+        optimizer: Its optimizer. Defaults to ``model.optimizer``.
+        **kwargs: Picklable values, read back as attributes (``state.epoch``, ``state.batch``).
+    """
+
+    def __init__(self, model, optimizer=None, **kwargs):
+        super().__init__(model, optimizer, **kwargs)
+
+
+class CommitStateCallback(keras.callbacks.Callback):
+    """Commits the state every ``batches_per_commit`` batches and at the end of every epoch.
+
+    Args:
+        state: The elastic state.
+        batches_per_commit: Batches between commits; a commit copies the model and optimizer
+            to host memory, so commit less often for large models. Defaults to 1.
+
+    Raises:
+        ValueError: ``batches_per_commit`` is below 1.
+    """
+
+    def __init__(self, state: State, batches_per_commit: int = 1):
+        super().__init__()
+        if int(batches_per_commit) != batches_per_commit or batches_per_commit < 1:
+            raise ValueError(
+                f"batches_per_commit must be an integer >= 1; got {batches_per_commit!r}."
+            )
+        self.state = state
+        self.batches_per_commit = int(batches_per_commit)
+        self._since = 0
+        self._pending = False
+
+    def _commit_pending(self) -> None:
+        if self._pending:
+            self._pending = False
+            self.state.commit()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._commit_pending()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._since += 1
+        if self._since >= self.batches_per_commit:
+            self._since = 0
+            self._pending = True
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._commit_pending()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._since = 0
+        self._pending = True
+
+    def on_train_end(self, logs=None):
+        self._commit_pending()
+
+
+class UpdateBatchStateCallback(keras.callbacks.Callback):
+    """Keeps ``state.batch`` = batches of the current epoch done, counting from where this
+    ``fit`` resumed (``state.batch`` when it began); 0 again when the epoch ends.
+
+    Args:
+        state: The elastic state; it needs a ``batch`` value.
+    """
+
+    def __init__(self, state: State):
+        super().__init__()
+        self.state = state
+        self._start = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = self.state.batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.state.batch = self._start + batch + 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.batch = 0
+        self._start = 0
+
+
+class UpdateEpochStateCallback(keras.callbacks.Callback):
+    """Keeps ``state.epoch`` = the next epoch to run (``epoch + 1`` when one ends).
+
+    Args:
+        state: The elastic state; it needs an ``epoch`` value.
+    """
+
+    def __init__(self, state: State):
+        super().__init__()
+        self.state = state
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.epoch = epoch + 1

@@ -1,0 +1,110 @@
+"""Horovod's ``hvd.elastic`` for TensorFlow: states of variables and Keras models.
+
+``import syncdp.tensorflow as hvd`` gives ``hvd.elastic.run``, ``hvd.elastic.State``,
+``hvd.elastic.ObjectState``, ``hvd.elastic.TensorFlowState`` and
+``hvd.elastic.TensorFlowKerasState`` (see :mod:`syncdp.elastic` for how recovery works).
+A state's ``commit()`` copies the variables' values into host memory on every rank; nothing is
+written to disk. ``sync()`` broadcasts rank 0's values (fused, like
+:func:`~syncdp.tensorflow.broadcast_variables`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from syncdp.core.errors import HorovodInternalError, HostsUpdatedInterrupt, RankFailureError
+from syncdp.elastic import ObjectState, State, run
+from syncdp.tensorflow.collectives import broadcast_variables
+
+__all__ = [
+    "run",
+    "State",
+    "ObjectState",
+    "TensorFlowState",
+    "TensorFlowKerasState",
+    "RankFailureError",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+]
+
+
+class _VariablesState(ObjectState):
+    """An ObjectState that also saves, restores and syncs a list of variables."""
+
+    def _variables(self) -> list:
+        raise NotImplementedError
+
+    def save(self) -> None:
+        self._saved_values = [v.numpy() for v in self._variables()]
+        super().save()
+
+    def restore(self) -> None:
+        for v, value in zip(self._variables(), self._saved_values):
+            v.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        broadcast_variables(self._variables(), root_rank=0)
+        super().sync()  # ends with save()
+
+
+class TensorFlowState(_VariablesState):
+    """State of TensorFlow variables plus any picklable values (eager TensorFlow 2).
+
+    Args:
+        variables: The variables to keep. Defaults to every global variable (TF1 only, so
+            give them in TensorFlow 2).
+        session: Accepted for Horovod compatibility; TF1 sessions are not supported here.
+        **kwargs: Picklable values, read back as attributes (``state.epoch``).
+
+    Raises:
+        ValueError: No variables were given.
+    """
+
+    def __init__(self, variables: Sequence[tf.Variable] | None = None, session=None, **kwargs):
+        if session is not None:
+            raise ValueError(
+                "TensorFlowState with a TF1 session is not supported; pass the variables of an "
+                "eager TensorFlow 2 program."
+            )
+        if variables is None:
+            variables = tf.compat.v1.global_variables()
+        self.variables = list(variables)
+        if not self.variables:
+            raise ValueError("TensorFlowState needs the variables to keep; got none.")
+        super().__init__(**kwargs)
+        self._saved_values = [v.numpy() for v in self.variables]
+
+    def _variables(self) -> list:
+        return self.variables
+
+
+class TensorFlowKerasState(_VariablesState):
+    """State of a Keras model and its optimizer, plus any picklable values.
+
+    The optimizer's variables (slots, iteration count) are created before the first sync, so a
+    replacement, whose optimizer has not run yet, receives them too.
+
+    Args:
+        model: A built Keras model.
+        optimizer: Its optimizer. Defaults to ``model.optimizer``.
+        backend: Accepted for Horovod compatibility.
+        **kwargs: Picklable values, read back as attributes (``state.epoch``, ``state.batch``).
+    """
+
+    def __init__(self, model, optimizer=None, backend=None, **kwargs):
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        super().__init__(**kwargs)
+        self._saved_values = [v.numpy() for v in self._variables()]
+
+    def _variables(self) -> list:
+        variables = list(self.model.variables)
+        opt = self.optimizer
+        if opt is not None:
+            if not opt.built:
+                opt.build(self.model.trainable_variables)
+            variables += list(opt.variables)
+        return variables
