@@ -14,7 +14,9 @@ heal it themselves (:mod:`syncdp.core.membership`). The launcher then only liste
   exception on a rank end the job as they do outside elastic mode.
 
 When the job ends, a rank that failed and was never recovered from (no membership change
-lists it as lost) makes the job a failure.
+lists it as lost) makes the job a failure; otherwise it succeeded when every rank of the final
+membership exited 0 (mpirun's exit code is not used: Open MPI reports a killed replacement in it
+even after the job recovered).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class ElasticLog:
         self.out = out or sys.stderr
         self.changes: list[dict] = []
         self._failed_exits: dict[tuple, dict] = {}  # (host, pid) -> exit report
+        self._clean_exits = 0
         self._lost: set[tuple] = set()
         self._lock = threading.Lock()
 
@@ -104,6 +107,9 @@ class ElasticLog:
         kind = report.get("kind")
         if kind == "exit":
             failed = (report.get("code") or report.get("signal")) and not report.get("requested")
+            if not failed and not report.get("code") and not report.get("signal"):
+                with self._lock:
+                    self._clean_exits += 1
             if failed:
                 with self._lock:
                     self._failed_exits[(report.get("host"), report.get("pid"))] = report
@@ -154,6 +160,16 @@ class ElasticLog:
         """Exit reports of ranks that failed and that no membership change recovered from."""
         with self._lock:
             return [r for key, r in self._failed_exits.items() if key not in self._lost]
+
+    def finished(self, num_proc: int) -> bool:
+        """Whether every rank of the final membership exited 0.
+
+        mpirun's own exit code cannot say: Open MPI sets it non-zero when a spawned
+        replacement is killed, even though the job recovered and finished.
+        """
+        with self._lock:
+            size = self.changes[-1].get("new_size", num_proc) if self.changes else num_proc
+            return self._clean_exits >= size
 
     def summary(self) -> str:
         """One line on what elastic mode did, for the end of a successful job."""

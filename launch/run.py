@@ -624,7 +624,7 @@ def run(config: LaunchConfig) -> int:
             signal.signal(s, handler)
         server.close()
     code = process.returncode
-    if elastic is not None and code == 0 and not interrupted:
+    if elastic is not None and not interrupted and not reports.failed.is_set():
         lost = elastic.unexplained()
         if lost:
             print(
@@ -634,7 +634,11 @@ def run(config: LaunchConfig) -> int:
                 flush=True,
             )
             return 1
-        print(f"syncdp-run: elastic: {elastic.summary()}", file=sys.stderr, flush=True)
+        if elastic.finished(config.num_proc):
+            print(f"syncdp-run: elastic: {elastic.summary()}", file=sys.stderr, flush=True)
+            return 0
+    if elastic is not None and code == 0 and reports.failed.is_set():
+        code = 1  # under ULFM mpirun may exit 0 after ranks failed: the reports decide
     if interrupted:
         print(
             f"syncdp-run: stopped by {signal.Signals(interrupted[0]).name}; every rank was ended.",

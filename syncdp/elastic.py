@@ -168,7 +168,8 @@ def _failure(error: BaseException) -> Exception | None:
     if comm.broken:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         ours = [line for line in lines if "a rank of" in line]
-        return RankFailureError((ours or lines or [type(error).__name__])[0])
+        text = (ours or lines or [type(error).__name__])[0]
+        return RankFailureError(text.removeprefix(f"{RankFailureError.__name__}: "))
     return None
 
 
@@ -206,8 +207,7 @@ def run(func):
             grow = isinstance(event, HostsUpdatedInterrupt)
             if not grow:
                 print(
-                    f"syncdp: rank {runtime.rank()}: {type(event).__name__}: {event}; "
-                    "recovering from the last commit.",
+                    f"syncdp: rank {runtime.rank()}: {event} Recovering from the last commit.",
                     file=sys.stderr,
                     flush=True,
                 )

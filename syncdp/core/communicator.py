@@ -112,8 +112,7 @@ class Communicator:
         self.revoke()
         return RankFailureError(
             f"{name}: a rank of the job failed ({error.Get_error_string()}); the collective "
-            "was abandoned on every rank. In elastic mode syncdp.elastic.run recovers from the "
-            "last commit."
+            "was abandoned on every rank."
         )
 
     def _run(

@@ -110,7 +110,9 @@ def join_parent():
     parent = MPI.Comm.Get_parent()
     if parent == MPI.COMM_NULL:
         return None
-    return parent.Merge(high=True)
+    merged = parent.Merge(high=True)
+    parent.Disconnect()  # see _spawn
+    return merged
 
 
 def _local(host: str) -> str:
@@ -183,6 +185,9 @@ def _spawn(comm, plan: Plan, count: int, hosts: list[str]):
     finally:
         info.Free()
     merged = inter.Merge(high=False)
+    # Disconnected while everyone is alive: MPI_Finalize would otherwise disconnect it at
+    # exit, and spin forever if a process on the other side has died by then.
+    inter.Disconnect()
     return merged
 
 

@@ -186,3 +186,40 @@ def test_keras_fit_runs_the_agreed_steps(hvd, data):
     assert len(seen) == int(dataset.cardinality())
     assert hvd.allgather_object(len(seen)) == [len(seen)] * hvd.size()
     assert syncdp.size() == hvd.size()
+
+
+def _elastic_ids(hvd, files, global_batch, start_batch):
+    """Every step's record ids over all ranks, gathered in rank order."""
+    from syncdp.data import elastic_tfrecord_dataset
+
+    ds = elastic_tfrecord_dataset(files, parse_id, global_batch, start_batch=start_batch)
+    steps = []
+    for batch in ds:
+        shares = hvd.allgather_object(batch.numpy().tolist())
+        steps.append(shares)
+    return int(ds.cardinality()), steps
+
+
+@pytest.mark.parametrize("start_batch", [0, 3])
+def test_elastic_dataset_uses_each_record_once_from_the_committed_batch(hvd, data, start_batch):
+    # 201 records in file order (a, b, c: ids 0..200) in global batches of 40: 5 batches, the
+    # last takes the remainder (41 records). Whatever the number of ranks, batch k is records
+    # [40k, 40(k+1)) split into contiguous shares differing by one at most.
+    cardinality, steps = _elastic_ids(hvd, data["abc"], 40, start_batch)
+    assert cardinality == len(steps) == 5 - start_batch
+    for k, shares in enumerate(steps, start=start_batch):
+        end = 201 if k == 4 else 40 * (k + 1)
+        assert [i for share in shares for i in share] == list(range(40 * k, end))
+        sizes = [len(share) for share in shares]
+        assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+def test_elastic_dataset_bad_input(hvd, data):
+    from syncdp.data import elastic_tfrecord_dataset
+
+    with pytest.raises(ValueError, match="at least the number of ranks"):
+        elastic_tfrecord_dataset(data["abc"], parse_id, hvd.size() - 1 or 0)
+    with pytest.raises(ValueError, match="start_batch must be in"):
+        elastic_tfrecord_dataset(data["abc"], parse_id, 40, start_batch=6)
+    with pytest.raises(DataError, match="do not fill one global batch"):
+        elastic_tfrecord_dataset(data["abc"], parse_id, 500)

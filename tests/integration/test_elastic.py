@@ -1,0 +1,208 @@
+"""Elastic mode through the real launcher: lost and stalled ranks are replaced, training goes on.
+
+The job is examples/elastic_custom_loop.py (linear regression, state committed every step,
+data from elastic_tfrecord_dataset with a fixed global batch, gradients summed). Its update
+does not depend on the number of ranks, so whatever the failures, the final weights must equal
+one process's result (examples/elastic_custom_loop.py:reference), which applies every global
+batch of every epoch exactly once: a batch lost or applied twice would show.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.launcher import ROOT, launch, rank_env
+
+EXAMPLE = "examples/elastic_custom_loop.py"
+EPOCHS, RECORDS, GLOBAL_BATCH, LR = 2, 600, 60, 0.05
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("elastic_custom_loop", ROOT / EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # numpy only at import: TensorFlow loads in main()
+    return module
+
+
+def _expected():
+    ex = _example()
+    x, y = ex.make_data(RECORDS)
+    order = ex.file_order(RECORDS, ex.SHARDS)
+    return ex.reference(x[order], y[order], GLOBAL_BATCH, EPOCHS, LR)
+
+
+def _results(stdout: str) -> list[dict]:
+    return [json.loads(m) for m in re.findall(r"<stdout>:RESULT (\{.*\})", stdout)]
+
+
+def _run(tmp_path, np_, *kills, launcher=(), timeout=300):
+    args = ["--data", str(tmp_path / "data"), "--epochs", str(EPOCHS)]
+    for kill in kills:
+        args += ["--kill", kill]
+    return launch(
+        np_,
+        "python",
+        EXAMPLE,
+        *args,
+        launcher_args=("--min-np", "2", *launcher),
+        timeout=timeout,
+    )
+
+
+def _assert_finished(result, size: int, changes: int) -> None:
+    """Exit 0, every rank done and bit-identical, equal to one process, the log right."""
+    out = f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, out
+    results = _results(result.stdout)
+    assert len(results) == size, out
+    assert sorted(r["rank"] for r in results) == list(range(size)), out
+    assert all(r["size"] == size and r["epoch"] == EPOCHS for r in results), out
+    first = results[0]
+    assert all(r["w"] == first["w"] and r["b"] == first["b"] for r in results), out
+    w, b = _expected()
+    np.testing.assert_allclose(first["w"], w, rtol=1e-9, atol=1e-12)
+    assert abs(first["b"] - b) < 1e-9
+    logged = re.findall(r"syncdp-run: elastic: .*recovered in ([0-9.]+) s", result.stderr)
+    assert len(logged) == changes, out
+    assert f"{changes} membership change(s); the job finished with {size} rank(s)" in (
+        result.stderr
+    ), out
+
+
+@pytest.mark.parametrize("label", [1, 0])
+def test_killed_rank_is_replaced_and_training_matches_one_process(tmp_path, label):
+    result = _run(tmp_path, 3, f"{label}:0:4")
+    _assert_finished(result, size=3, changes=1)
+    assert re.search(
+        rf"elastic: lost rank {label} \(pid \d+ on .*\): it was killed by signal 9", result.stderr
+    )
+    assert "size 3 -> 3" in result.stderr
+    # The replacement's output is labelled 3, and it finished as the last rank.
+    assert any(r["label"] == 3 and r["rank"] == 2 for r in _results(result.stdout))
+
+
+def test_two_failures_and_a_failure_during_recovery(tmp_path):
+    # Rank 1 dies; while the job recovers (after the rebuild, before the state is synced)
+    # rank 2 dies too; later the first replacement (label 3) dies in epoch 1.
+    result = _run(tmp_path, 3, "1:0:3", "2:reset", "3:1:2")
+    _assert_finished(result, size=3, changes=3)
+    assert len(re.findall(r"elastic: lost rank", result.stderr)) >= 3
+
+
+def _discovery(tmp_path, slots: int) -> str:
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\necho localhost:{slots}\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_no_free_slot_goes_on_at_a_smaller_size(tmp_path):
+    # The discovery script offers 2 slots: after rank 1 dies there is none for a replacement,
+    # and the job finishes on the 2 survivors, still equal to one process (fixed global batch).
+    result = _run(
+        tmp_path, 3, "1:0:4", launcher=("--host-discovery-script", _discovery(tmp_path, 2))
+    )
+    _assert_finished(result, size=2, changes=1)
+    assert "0 replacement(s) started; size 3 -> 2" in result.stderr
+
+
+def test_below_min_np_ends_cleanly_with_a_message(tmp_path):
+    result = _run(
+        tmp_path,
+        2,
+        "1:0:4",
+        launcher=("--host-discovery-script", _discovery(tmp_path, 1)),
+        timeout=180,
+    )
+    assert result.returncode != 0
+    assert "only 1 rank(s) left" in result.stderr and "--min-np is 2" in result.stderr, (
+        result.stderr[-4000:]
+    )
+    assert re.search(r"syncdp-run: the job failed .*elastic mode could not go on", result.stderr)
+
+
+def test_stalled_rank_is_removed_and_replaced(tmp_path):
+    result = _run(tmp_path, 3, "2:0:4:STOP", launcher=("--stall-timeout", "4"))
+    _assert_finished(result, size=3, changes=1)
+    assert re.search(
+        r"elastic: rank \[2\] \(pid \d+ on .*\) stalled past the stall timeout", (result.stderr)
+    )
+
+
+def test_keras_example_survives_a_random_kill(tmp_path):
+    """The issue's acceptance run: any one rank SIGKILLed at a random moment of training."""
+    data = str(tmp_path / "digits")
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch",
+        "-np",
+        "3",
+        "--min-np",
+        "2",
+        "python",
+        "examples/elastic_train.py",
+        "--data-dir",
+        data,
+        "--epochs",
+        "4",
+        "--step-seconds",
+        "0.05",
+        "--verbose",
+        "2",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=rank_env(),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    rng = random.Random()
+    victim = None
+    try:
+        lines = []
+        deadline = time.monotonic() + 240
+        for line in proc.stdout:  # wait until training is under way
+            lines.append(line)
+            if "Epoch 2/2" in line or time.monotonic() > deadline:
+                break
+        time.sleep(rng.uniform(0.0, 1.5))
+        pids = subprocess.run(
+            ["pgrep", "-f", f"^python examples/elastic_train.py --data-dir {data}"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        assert len(pids) == 3, pids
+        victim = int(rng.choice(pids))
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+        out = "".join(lines) + out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the elastic Keras job did not end within its timeout")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = f"--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-5000:]}"
+    assert proc.returncode == 0, log
+    results = _results(out)
+    assert len(results) == 3 and {r["epoch"] for r in results} == {4}, log
+    assert len({r["weights_sha1"] for r in results}) == 1, log
+    assert re.search(rf"elastic: lost rank \d \(pid {victim} on", err), log
+    assert "1 membership change(s); the job finished with 3 rank(s)" in err, log
+    accuracy = float(re.findall(r"held-out accuracy: ([0-9.]+)", out)[-1])
+    assert accuracy > 0.85, log
