@@ -118,7 +118,7 @@ class LaunchConfig:
     @property
     def elastic(self) -> bool:
         """Whether the job runs in elastic mode (ULFM; lost ranks are replaced)."""
-        return bool(self.settings.get("elastic"))
+        return any(self.settings.get(name) for name in _ELASTIC_SETTINGS)
 
 
 def _setting_help(s: settings.Setting) -> str:
@@ -205,14 +205,11 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
                     least = f"{s.minimum / s.flag_unit:g} MiB ({s.minimum:g} bytes)"
                 parser.error(f"{s.flag} must be at least {least}; got {value:g}")
         given[s.name] = value
-    if any(given.get(name) for name in _ELASTIC_SETTINGS):
-        min_np = given.get("min_np") or args.num_proc
-        max_np = given.get("max_np") or args.num_proc
-        if min_np > args.num_proc:
-            parser.error(f"--min-np ({min_np}) must not exceed -np ({args.num_proc})")
-        if max_np < args.num_proc:
-            parser.error(f"--max-np ({max_np}) must be at least -np ({args.num_proc})")
-        given.update(elastic=True, min_np=min_np, max_np=max_np)
+    # Each flag sets only its own variable; the ranks read -np's defaults from the job's size.
+    if (given.get("min_np") or 0) > args.num_proc:
+        parser.error(f"--min-np ({given['min_np']}) must not exceed -np ({args.num_proc})")
+    if given.get("max_np") and given["max_np"] < args.num_proc:
+        parser.error(f"--max-np ({given['max_np']}) must be at least -np ({args.num_proc})")
     return LaunchConfig(
         num_proc=args.num_proc,
         command=tuple(command),

@@ -11,7 +11,7 @@ However the child ends, the supervisor sends the launcher an ``exit`` report (se
 importing syncdp would import TensorFlow, seconds per rank): ``code`` or ``signal``, and
 ``requested`` when the child was stopped because the job was ending.
 
-In elastic mode (``SYNCDP_ELASTIC=1``) a child that fails takes the supervisor with it by
+In elastic mode (``SYNCDP_ELASTIC=1`` or a ``SYNCDP_MIN_NP``-like variable set) a child that fails takes the supervisor with it by
 SIGKILL: Open MPI's ULFM treats a process killed by a signal as a failed rank the others can
 recover from, while one that merely exits non-zero leaves them waiting. Replacements spawned
 by a recovery run as ``python -m launch.worker --replacement LABEL COMMAND...``: their output
@@ -120,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         rank = str(int(argv[1]) + (int(rank) if rank.isdigit() else 0))
         argv = argv[2:]
         env = {**os.environ, "SYNCDP_REPLACEMENT": rank}
-    elastic = os.environ.get("SYNCDP_ELASTIC", "").lower() in ("1", "true", "yes", "on")
+    # syncdp.core.settings: --elastic, or any of the flags that imply it.
+    elastic = os.environ.get("SYNCDP_ELASTIC", "").lower() in ("1", "true", "yes", "on") or any(
+        os.environ.get(k, "0") not in ("", "0")
+        for k in ("SYNCDP_MIN_NP", "SYNCDP_MAX_NP", "SYNCDP_HOST_DISCOVERY_SCRIPT")
+    )
     try:
         child = subprocess.Popen(
             argv,

@@ -33,6 +33,7 @@ __all__ = [
     "launcher_env",
     "markdown_table",
     "INTERNAL_VARS",
+    "ELASTIC_IMPLIED_BY",
 ]
 
 MiB = 1024 * 1024
@@ -235,6 +236,10 @@ _BY_NAME = {s.name: s for s in SETTINGS}
 INTERNAL_VARS = frozenset({"SYNCDP_LAUNCHER", "SYNCDP_REPORT_ADDR", "SYNCDP_REPLACEMENT"})
 
 
+# Settings that switch elastic mode on by being set (horovodrun: --min-np alone is elastic).
+ELASTIC_IMPLIED_BY = ("min_np", "max_np", "host_discovery_script")
+
+
 def _default(name: str):
     return _BY_NAME[name].default
 
@@ -321,6 +326,8 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides) -> Config:
             raise ConfigError(f"Unknown syncdp option {key!r}; options are {sorted(_BY_NAME)}.")
         if value is not None:
             values[key] = value
+    if any(values.get(name) for name in ELASTIC_IMPLIED_BY):
+        values["elastic"] = True
     return Config(**values)
 
 

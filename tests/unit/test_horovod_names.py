@@ -39,8 +39,16 @@ BroadcastGlobalVariablesCallback MetricAverageCallback LearningRateScheduleCallb
 LearningRateWarmupCallback BestModelCheckpoint
 """.split()
 
-# Horovod's elastic modules (hvd.elastic) belong to the elastic-training issue, not yet here.
-NOT_YET = {"elastic"}
+HOROVOD_TENSORFLOW_ELASTIC = """
+run State ObjectState TensorFlowState TensorFlowKerasState
+""".split()
+
+HOROVOD_KERAS_ELASTIC = """
+run State ObjectState KerasState CommitStateCallback UpdateBatchStateCallback
+UpdateEpochStateCallback
+""".split()
+
+NOT_YET: set[str] = set()
 
 
 @pytest.mark.parametrize(
@@ -49,6 +57,8 @@ NOT_YET = {"elastic"}
         ("syncdp.tensorflow", HOROVOD_TENSORFLOW),
         ("syncdp.tensorflow.keras", HOROVOD_TENSORFLOW_KERAS),
         ("syncdp.tensorflow.keras.callbacks", HOROVOD_KERAS_CALLBACKS),
+        ("syncdp.tensorflow.elastic", HOROVOD_TENSORFLOW_ELASTIC),
+        ("syncdp.tensorflow.keras.elastic", HOROVOD_KERAS_ELASTIC),
     ],
 )
 def test_every_horovod_name_exists(module, names):

@@ -27,6 +27,11 @@ EVERY_VARIABLE = {
     "SYNCDP_STALL_WARNING": ("3", 3.0),
     "SYNCDP_TIMELINE": ("/tmp/t.json", "/tmp/t.json"),
     "SYNCDP_VERIFY_EVERY": ("5", 5),
+    "SYNCDP_ELASTIC": ("1", True),
+    "SYNCDP_MIN_NP": ("2", 2),
+    "SYNCDP_MAX_NP": ("4", 4),
+    "SYNCDP_HOST_DISCOVERY_SCRIPT": ("/bin/hosts.sh", "/bin/hosts.sh"),
+    "SYNCDP_RESET_LIMIT": ("3", 3),
     "SYNCDP_LOG_ALL_RANKS": ("true", True),
     "SYNCDP_VERBOSE": ("1", True),
 }
@@ -133,6 +138,8 @@ def _flag_value(s: settings.Setting) -> tuple[list[str], str]:
         return [s.flag, "/tmp/timeline.json"], "/tmp/timeline.json"
     if s.flag_unit == MiB:
         return [s.flag, "0.5"], str(MiB // 2)  # the flag is MiB, the variable bytes
+    if s.name == "min_np":
+        return [s.flag, "1"], "1"  # may not exceed -np (2)
     return [s.flag, "7"], "7"
 
 

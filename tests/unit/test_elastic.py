@@ -1,0 +1,229 @@
+"""Elastic mode in one process: the launcher's flags and verdict, the state API, the callbacks.
+
+The recovery itself (ULFM revoke, shrink, spawn, merge) is tested through the real launcher in
+tests/integration/test_elastic.py.
+"""
+
+import os
+
+import pytest
+
+from launch import elastic, run
+
+
+def test_min_np_turns_elastic_mode_on_with_ulfm():
+    from syncdp.core import settings
+
+    c = run.parse_args(["-np", "3", "--min-np", "2", "python", "train.py"])
+    assert c.elastic and c.settings == {"min_np": 2}
+    env = run.build_env(c, environ={})
+    assert env["SYNCDP_MIN_NP"] == "2"
+    cmd = run.build_command(c, env)
+    assert cmd[cmd.index("--with-ft") + 1] == "ulfm"
+    assert "SYNCDP_MIN_NP" in cmd
+    # The ranks see elastic mode on; min and max default to the job's size (membership.Plan).
+    config = settings.from_env({"SYNCDP_MIN_NP": "2"})
+    assert config.elastic and config.min_np == 2 and config.max_np == 0
+
+
+def test_elastic_alone_keeps_np_as_the_minimum():
+    from syncdp.core import membership, settings
+
+    config = settings.from_env({"SYNCDP_ELASTIC": "1"})
+    plan = membership.first_plan(config, 3)
+    assert (plan.target, plan.min_np, plan.max_np, plan.next_label) == (3, 3, 3, 3)
+
+
+def test_without_elastic_flags_nothing_changes():
+    c = run.parse_args(["-np", "3", "python", "train.py"])
+    assert not c.elastic
+    cmd = run.build_command(c, run.build_env(c, environ={}))
+    assert "--with-ft" not in cmd
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["-np", "2", "--min-np", "3", "python"], "--min-np (3) must not exceed -np (2)"),
+        (["-np", "3", "--max-np", "2", "python"], "--max-np (2) must be at least -np (3)"),
+        (["-np", "2", "--min-np", "-1", "python"], "--min-np must be at least 0"),
+    ],
+)
+def test_bad_elastic_command_lines(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        run.parse_args(argv)
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def _fake_mpi(tmp_path, extensions: str) -> str:
+    """A directory with an mpirun and an ompi_info that lists ``extensions``."""
+    for name, text in (
+        ("mpirun", "#!/bin/sh\nexit 0\n"),
+        ("ompi_info", f"#!/bin/sh\necho 'options:mpi_ext:{extensions}'\n"),
+    ):
+        path = tmp_path / name
+        path.write_text(text)
+        path.chmod(0o755)
+    return str(tmp_path / "mpirun")
+
+
+def test_ulfm_is_found_in_this_open_mpi():
+    assert elastic.check_ulfm(run._find_mpirun()) is None
+
+
+def test_an_mpi_without_ulfm_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    mpirun = _fake_mpi(tmp_path, "affinity, cuda")
+    problem = elastic.check_ulfm(mpirun)
+    assert "lists no 'ftmpi' extension" in problem
+    monkeypatch.setattr(run, "_find_mpirun", lambda: mpirun)
+    c = run.parse_args(["-np", "2", "--min-np", "1", "python", "-c", "pass"])
+    assert run.run(c) == 2
+    assert "elastic mode needs Open MPI built with ULFM" in capsys.readouterr().err
+
+
+def test_an_mpi_that_is_not_open_mpi_is_refused(tmp_path, monkeypatch):
+    mpirun = tmp_path / "mpirun"
+    mpirun.write_text("#!/bin/sh\n")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert "does not look like Open MPI" in elastic.check_ulfm(str(mpirun))
+
+
+def _exit(pid, code=0, signal=None, rank=1):
+    return {"kind": "exit", "rank": rank, "host": "h", "pid": pid, "code": code, "signal": signal}
+
+
+def test_elastic_log_explains_losses_by_membership_changes(capsys):
+    log = elastic.ElasticLog()
+    assert log.handle(_exit(11, code=None, signal=9))
+    assert [r["pid"] for r in log.unexplained()] == [11]
+    change = {
+        "kind": "membership",
+        "lost": [{"rank": 1, "host": "h", "pid": 11, "label": 1}],
+        "added": [{"rank": 2, "host": "h", "pid": 13, "label": 3}],
+        "old_size": 3,
+        "survivors": 2,
+        "spawned": 1,
+        "new_size": 3,
+        "seconds": 1.25,
+    }
+    assert log.handle(change)
+    assert log.unexplained() == []
+    for pid in (10, 12, 13):
+        log.handle(_exit(pid))
+    assert log.finished(3)
+    err = capsys.readouterr().err
+    assert "lost rank 1 (pid 11 on h): it was killed by signal 9 (SIGKILL)" in err
+    assert "2 rank(s) went on, 1 replacement(s) started (rank 2 (pid 13 on h, output [3]))" in err
+    assert "size 3 -> 3, recovered in 1.25 s." in err
+    assert log.summary() == "1 membership change(s); the job finished with 3 rank(s)."
+
+
+def test_elastic_log_needs_every_final_rank_to_exit_cleanly():
+    log = elastic.ElasticLog()
+    log.handle(_exit(10))
+    assert not log.finished(2)
+    assert not log.handle({"kind": "exception", "rank": 0})  # still the launcher's failure
+
+
+def test_a_stall_report_kills_the_stalled_process(monkeypatch):
+    killed = []
+    monkeypatch.setattr(elastic, "_kill", lambda host, pid: killed.append((host, pid)))
+    log = elastic.ElasticLog()
+    assert log.handle({"kind": "stall", "elastic": True, "ranks": [2], "pids": [["h", 77]]})
+    for _ in range(100):
+        if killed:
+            break
+        import time
+
+        time.sleep(0.01)
+    assert killed == [("h", 77)]
+
+
+def test_object_state_commits_restores_and_syncs():
+    from syncdp.elastic import ObjectState
+
+    state = ObjectState(
+        bcast_object=lambda obj, root: {"epoch": 7, "seen": [1]}, get_rank=int, epoch=0, seen=[]
+    )
+    state.epoch, state.seen = 2, [5]
+    state.save()
+    state.epoch = 3
+    state.seen.append(6)
+    state.restore()
+    assert state.epoch == 2 and state.seen == [5]  # a copy: later changes do not leak in
+    state.sync()  # rank 0's values (here from the fake broadcast), then saved
+    assert state.epoch == 7 and state.seen == [1]
+    state.epoch = 9
+    state.restore()
+    assert state.epoch == 7
+
+
+class _CountingState:
+    def __init__(self):
+        self.batch, self.epoch, self.commits = 0, 0, []
+
+    def commit(self):
+        self.commits.append((self.epoch, self.batch))
+
+
+@pytest.mark.parametrize("commit_first", [True, False])
+def test_commits_hold_the_counters_of_their_weights_in_any_callback_order(commit_first):
+    from syncdp.keras.elastic import (
+        CommitStateCallback,
+        UpdateBatchStateCallback,
+        UpdateEpochStateCallback,
+    )
+
+    state = _CountingState()
+    commit = CommitStateCallback(state, batches_per_commit=2)
+    updates = [UpdateBatchStateCallback(state), UpdateEpochStateCallback(state)]
+    callbacks = [commit, *updates] if commit_first else [*updates, commit]
+
+    def fire(name, *args):
+        for c in callbacks:
+            getattr(c, name)(*args)
+
+    for epoch in range(2):  # Keras's order of calls for 2 epochs of 3 batches
+        fire("on_epoch_begin", epoch)
+        for batch in range(3):
+            fire("on_train_batch_begin", batch)
+            fire("on_train_batch_end", batch)
+        fire("on_epoch_end", epoch)
+    fire("on_train_end")
+    # After batch 2 of each epoch (2 batches done), and at each epoch's end (next epoch, 0).
+    assert state.commits == [(0, 2), (1, 0), (1, 2), (2, 0)]
+
+
+def test_commit_state_callback_rejects_a_bad_period():
+    from syncdp.keras.elastic import CommitStateCallback
+
+    with pytest.raises(ValueError, match="batches_per_commit must be an integer >= 1"):
+        CommitStateCallback(_CountingState(), batches_per_commit=0)
+
+
+def test_worker_labels_a_replacement_and_tells_its_child(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from tests.launcher import ROOT
+
+    env = {**os.environ, "OMPI_COMM_WORLD_RANK": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("SYNCDP_REPORT_ADDR", None)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.worker",
+            "--replacement",
+            "5",
+            sys.executable,
+            "-c",
+            "import os; print(os.environ['SYNCDP_REPLACEMENT'])",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert out.stdout.strip() == "[6]<stdout>:6"
