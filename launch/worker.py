@@ -11,12 +11,13 @@ However the child ends, the supervisor sends the launcher an ``exit`` report (se
 importing syncdp would import TensorFlow, seconds per rank): ``code`` or ``signal``, and
 ``requested`` when the child was stopped because the job was ending.
 
-In elastic mode (``SYNCDP_ELASTIC=1`` or a ``SYNCDP_MIN_NP``-like variable set) a child that fails takes the supervisor with it by
-SIGKILL: Open MPI's ULFM treats a process killed by a signal as a failed rank the others can
-recover from, while one that merely exits non-zero leaves them waiting. Replacements spawned
-by a recovery run as ``python -m launch.worker --replacement LABEL COMMAND...``: their output
-lines carry ``LABEL`` plus their index among the ranks spawned together (the original ranks are
-labelled 0..N-1), and the child finds that label in ``SYNCDP_REPLACEMENT``.
+In elastic mode (``SYNCDP_ELASTIC=1``, or ``SYNCDP_MIN_NP`` and the like set) a child that fails
+takes the supervisor with it by SIGKILL: Open MPI's ULFM treats a process killed by a signal as
+a failed rank the others can recover from, while one that merely exits non-zero leaves them
+waiting. Replacements spawned by a recovery run as ``python -m launch.worker --replacement LABEL
+COMMAND...``: their output lines carry ``LABEL`` plus their index among the ranks spawned
+together (the original ranks are labelled 0..N-1), and the child finds that label in
+``SYNCDP_REPLACEMENT``.
 
 Usage (by the launcher, not by hand): ``python -m launch.worker COMMAND [ARGS...]``.
 """
