@@ -13,7 +13,9 @@ of ranks, so the result equals one process's.
 ``--kill LABEL:EPOCH:BATCH[:SIGNAL]`` (repeatable) makes the process labelled LABEL (the
 original ranks are 0..N-1, replacements N, N+1, ...) send itself SIGNAL (default KILL) before
 that batch; ``--kill LABEL:reset`` makes it die in its first reset callback (a failure during
-recovery). The tests use these; try them by hand to watch the launcher's log.
+recovery). ``--touch EPOCH:BATCH:PATH`` makes rank 0 create PATH before that batch: a host
+discovery script that lists more slots once PATH exists then lets the job grow
+(``--max-np``). The tests use these; try them by hand to watch the launcher's log.
 
 Every rank prints ``RESULT {json}`` at the end: its label, rank, size, epoch and weights.
 """
@@ -90,6 +92,7 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--data", default="/tmp/syncdp-elastic-data")
     p.add_argument("--kill", action="append", default=[], help="LABEL:EPOCH:BATCH[:SIGNAL]")
+    p.add_argument("--touch", default="", help="EPOCH:BATCH:PATH, created by rank 0 there")
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (demos)")
     args = p.parse_args()
 
@@ -148,6 +151,10 @@ def main() -> int:
                 files, parse, args.global_batch, epoch=state.epoch, start_batch=state.batch
             )
             for x, y in ds:
+                if args.touch and hvd.rank() == 0:
+                    epoch, batch, path = args.touch.split(":", 2)
+                    if (int(epoch), int(batch)) == (state.epoch, state.batch):
+                        open(path, "w").close()
                 sig = kills.pop((str(state.epoch), str(state.batch)), None)
                 if sig is not None:
                     print(f"label {label}: sending myself {sig.name}", flush=True)

@@ -142,13 +142,12 @@ class ElasticLog:
             for m in report.get("added", [])
         )
         if report.get("reason") == "grow":
-            what = "new slots found"
+            text = f"new slots found; {report.get('spawned')} rank(s) added"
         else:
-            what = f"lost {lost or 'a rank'}"
-        text = (
-            f"{what}; {report.get('survivors')} rank(s) went on, "
-            f"{report.get('spawned')} replacement(s) started"
-        )
+            text = (
+                f"lost {lost or 'a rank'}; {report.get('survivors')} rank(s) went on, "
+                f"{report.get('spawned')} replacement(s) started"
+            )
         if added:
             text += f" ({added})"
         return (

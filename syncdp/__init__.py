@@ -7,6 +7,7 @@ The layers, each importing only the ones above it in this list:
 
     syncdp.core        rank environment: settings, MPI, communicator, watchdog, topology
     syncdp.engine      the reduction engine: buckets, packing, reduce, unpack (NumPy + MPI)
+    syncdp.elastic     elastic training's state and recovery loop (hvd.elastic's core)
     syncdp.tensorflow  the TensorFlow face: collectives on tensors, DistributedGradientTape
     syncdp.data        each rank's TFRecord shards, the same number of steps everywhere
     syncdp.checkpoint  rank 0 writes, every rank restores
@@ -28,7 +29,7 @@ __version__ = "0.1.0"
 # __all__ is the one list of them), fetched from syncdp.tensorflow on first use, and the layers
 # are imported when first named, so that `syncdp-run` (which reads syncdp.core.settings) starts
 # without TensorFlow.
-_LAYERS = ("core", "engine", "tensorflow", "data", "checkpoint", "keras")
+_LAYERS = ("core", "engine", "elastic", "tensorflow", "data", "checkpoint", "keras")
 
 
 def __getattr__(name: str):

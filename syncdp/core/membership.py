@@ -112,6 +112,7 @@ def join_parent():
         return None
     merged = parent.Merge(high=True)
     parent.Disconnect()  # see _spawn
+    merged.Agree(1)
     return merged
 
 
@@ -188,6 +189,8 @@ def _spawn(comm, plan: Plan, count: int, hosts: list[str]):
     # Disconnected while everyone is alive: MPI_Finalize would otherwise disconnect it at
     # exit, and spin forever if a process on the other side has died by then.
     inter.Disconnect()
+    # Failures are not reported uniformly: agree that every rank got here, or all start over.
+    merged.Agree(1)
     return merged
 
 

@@ -53,7 +53,7 @@ from syncdp.core.runtime import (
     start_timeline,
     stop_timeline,
 )
-from syncdp.tensorflow import elastic
+from syncdp.tensorflow import elastic  # noqa: F401 - hvd.elastic, a module (not in __all__)
 from syncdp.tensorflow.collectives import (
     Adasum,
     Average,
@@ -194,7 +194,6 @@ __all__ = [
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
     "ElasticAbortError",
-    "elastic",
 ]
 
 

@@ -46,8 +46,8 @@ def _results(stdout: str) -> list[dict]:
     return [json.loads(m) for m in re.findall(r"<stdout>:RESULT (\{.*\})", stdout)]
 
 
-def _run(tmp_path, np_, *kills, launcher=(), timeout=300):
-    args = ["--data", str(tmp_path / "data"), "--epochs", str(EPOCHS)]
+def _run(tmp_path, np_, *kills, launcher=(), extra=(), timeout=300):
+    args = ["--data", str(tmp_path / "data"), "--epochs", str(EPOCHS), *extra]
     for kill in kills:
         args += ["--kill", kill]
     return launch(
@@ -115,6 +115,26 @@ def test_no_free_slot_goes_on_at_a_smaller_size(tmp_path):
     )
     _assert_finished(result, size=2, changes=1)
     assert "0 replacement(s) started; size 3 -> 2" in result.stderr
+
+
+def test_the_job_grows_when_the_discovery_script_offers_slots(tmp_path):
+    # 2 slots until rank 0 creates the marker in epoch 0, 3 after: at its next commit the job
+    # spawns a third rank (--max-np 3), which receives the state, and finishes at size 3.
+    marker = tmp_path / "more-slots"
+    script = tmp_path / "discover.sh"
+    script.write_text(
+        f"#!/bin/sh\nif [ -e {marker} ]; then echo localhost:3; else echo localhost:2; fi\n"
+    )
+    script.chmod(0o755)
+    result = _run(
+        tmp_path,
+        2,
+        launcher=("--max-np", "3", "--host-discovery-script", str(script)),
+        # Slow steps: rank 0 runs the script at most every 2 s, at a commit.
+        extra=("--touch", f"0:2:{marker}", "--step-seconds", "0.3"),
+    )
+    _assert_finished(result, size=3, changes=1)
+    assert "new slots found" in result.stderr and "size 2 -> 3" in result.stderr
 
 
 def test_below_min_np_ends_cleanly_with_a_message(tmp_path):

@@ -1,4 +1,4 @@
-"""The layers import one way: core <- engine <- tensorflow <- data <- checkpoint <- keras.
+"""Layers import one way: core <- engine <- elastic <- tensorflow <- data <- checkpoint <- keras.
 
 Read from the source (no import needed): a module may import syncdp modules of its own layer
 or lower ones, never higher. The Horovod-path alias ``syncdp.tensorflow.keras`` (a re-export
@@ -13,7 +13,9 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "syncdp"
-LAYERS = ["core", "engine", "tensorflow", "data", "checkpoint", "keras"]
+# syncdp/elastic.py is the framework-neutral elastic state and loop; the TensorFlow and Keras
+# states build on it.
+LAYERS = ["core", "engine", "elastic", "tensorflow", "data", "checkpoint", "keras"]
 EXEMPT = {
     "__init__.py",
     "tensorflow/__init__.py",
