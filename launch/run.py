@@ -5,6 +5,7 @@ Usage::
     syncdp-run -np 4 python train.py --epochs 3
     syncdp-run -np 4 -H host1:2,host2:2 python train.py
     syncdp-run -np 8 --hostfile hosts.txt --stall-timeout 120 python train.py
+    syncdp-run -H a:2,b:2 -p 2222 -i ~/.ssh/id_cluster --network-interface eth1 python train.py
 
 The command line is horovodrun's. Every rank runs under a small supervisor
 (:mod:`launch.worker`) that prefixes its output lines with ``[rank]<stdout>:`` or
@@ -14,10 +15,21 @@ rank.
 
 Flags of the launcher itself:
 
-    -np, --num-proc N          number of ranks (mpirun -np)
+    -np, --num-proc N          number of ranks (mpirun -np); under Slurm defaults to the
+                               allocation's task count, with -H to the hosts' slots
     -H, --hosts H:S,...        hosts and slots (mpirun --host)
     --hostfile FILE            "host slots=N" lines (mpirun --hostfile)
+    -p, --ssh-port N           the remote shell's port (ssh -p, for Open MPI's daemons too)
+    -i, --ssh-identity-file F  the remote shell's key (ssh -i)
+    --network-interface IF     NIC name or CIDR subnet for MPI's TCP traffic and Open MPI's
+                               out-of-band channel (and the launcher's report address)
     --mpi-args "ARGS"          extra arguments for mpirun, split like a shell would
+
+With hosts, before anything starts, every remote host is asked over the remote shell (ssh, or
+the agent in --mpi-args "--mca plm_rsh_agent AGENT") for its Python and syncdp versions,
+within 30 s; a host that does not answer or differs is named and nothing starts
+(:mod:`launch.hosts`). Open MPI's daemons then detect a lost launcher by TCP keepalive within
+about 10 s and end, taking their ranks with them.
 
 Every other flag is a row of :data:`syncdp.core.settings.SETTINGS` and sets exactly that row's
 ``SYNCDP_*`` variable on every rank (flags ending in ``-mb`` take MiB; the variable holds
@@ -63,6 +75,7 @@ import types
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from launch import hosts as _hosts
 from launch.elastic import ElasticLog, check_ulfm
 from launch.worker import describe_exit
 from syncdp.core import settings
@@ -80,12 +93,16 @@ __all__ = [
 
 # Seconds between asking mpirun to stop (SIGTERM) and killing it.
 _TERMINATE_GRACE_SECONDS = 10.0
-# Once a rank has reported a failure, mpirun gets this long to end the job by itself.
-_FAILURE_GRACE_SECONDS = 15.0
+# Once a rank has reported a failure, mpirun gets this long to end the job by itself, then as
+# long again after SIGTERM. Short: when a host has vanished, mpirun waits for its daemon in
+# vain, and the job must end within the stall timeout plus 15 s.
+_FAILURE_GRACE_SECONDS = 5.0
 # Beyond the start timeout, left for a rank's own start timeout to end the job before the
 # launcher does. Short: under Open MPI 5 a rank that arrived waits inside MPI_Init itself
 # (which waits for every rank), so its own timeout cannot run, and the launcher must act.
 _START_GRACE_SECONDS = 1.0
+# Every remote host must answer the version check within this long.
+_HOST_CHECK_SECONDS = 30.0
 # Between SIGTERM and SIGKILL when a job that never started is stopped.
 _START_STOP_GRACE_SECONDS = 2.0
 # Report kinds that are failures by themselves; an "exit" report is one when it says so.
@@ -106,6 +123,9 @@ class LaunchConfig:
         settings: The settings given as flags, by setting name (``stall_timeout``), each in
             the flag's unit (MiB for the ``-mb`` flags); settings not given are absent.
         mpi_args: Extra mpirun arguments.
+        ssh_port: The remote shell's port, or None.
+        ssh_identity_file: The remote shell's identity file, or None.
+        network_interface: The NIC name or CIDR subnet for MPI traffic, or None.
     """
 
     num_proc: int
@@ -114,6 +134,14 @@ class LaunchConfig:
     hostfile: str | None = None
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     mpi_args: tuple[str, ...] = ()
+    ssh_port: int | None = None
+    ssh_identity_file: str | None = None
+    network_interface: str | None = None
+
+    @property
+    def multihost(self) -> bool:
+        """Whether hosts were named (the job may span machines)."""
+        return bool(self.hosts or self.hostfile)
 
     @property
     def elastic(self) -> bool:
@@ -145,12 +173,20 @@ def build_parser() -> argparse.ArgumentParser:
         dest="num_proc",
         type=int,
         metavar="N",
-        required=True,
-        help="number of ranks to start",
+        help="number of ranks (default: the Slurm allocation's tasks, or the hosts' slots)",
     )
     where = p.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", help="hosts and slots, e.g. host1:2,host2:2")
     where.add_argument("--hostfile", metavar="FILE", help="file of 'host slots=N' lines")
+    p.add_argument("-p", "--ssh-port", type=int, metavar="N", help="remote shell port (ssh -p)")
+    p.add_argument(
+        "-i", "--ssh-identity-file", metavar="FILE", help="remote shell identity file (ssh -i)"
+    )
+    p.add_argument(
+        "--network-interface",
+        metavar="IF",
+        help="NIC name or CIDR subnet for MPI's TCP and out-of-band traffic, e.g. eth1",
+    )
     p.add_argument("--mpi-args", default="", metavar="ARGS", help="extra mpirun arguments, quoted")
     group = p.add_argument_group(
         "settings", "each sets one SYNCDP_* variable on every rank (syncdp.core.settings)"
@@ -159,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
         if s.type is bool:
             group.add_argument(
                 s.flag, dest=s.name, action="store_true", default=None, help=_setting_help(s)
+            )
+            continue
+        if s.type is str and s.choices:
+            group.add_argument(
+                s.flag, dest=s.name, choices=s.choices, default=None, help=_setting_help(s)
             )
             continue
         if s.type is str:
@@ -188,10 +229,27 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         command = command[1:]
     if not command:
         parser.error("missing the command to run, e.g. syncdp-run -np 2 python train.py")
-    if args.num_proc < 1:
-        parser.error(f"-np must be at least 1; got {args.num_proc}")
     if args.hostfile and not os.path.isfile(args.hostfile):
         parser.error(f"--hostfile {args.hostfile!r} does not exist")
+    try:
+        listed = _hosts.parse_hosts(args.hosts) if args.hosts else None
+        if args.hostfile:
+            listed = _hosts.parse_hostfile(args.hostfile)
+    except _hosts.HostError as e:
+        parser.error(str(e))
+    if args.num_proc is None:
+        if os.environ.get("SLURM_NTASKS", "").isdigit():
+            args.num_proc = int(os.environ["SLURM_NTASKS"])  # the allocation decides
+        elif listed:
+            args.num_proc = sum(h.slots for h in listed)
+        else:
+            parser.error("-np is required outside a Slurm allocation and without hosts")
+    if args.num_proc < 1:
+        parser.error(f"-np must be at least 1; got {args.num_proc}")
+    if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
+        parser.error(f"--ssh-port must be a TCP port (1-65535); got {args.ssh_port}")
+    if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
+        parser.error(f"--ssh-identity-file {args.ssh_identity_file!r} does not exist")
     given = {}
     for s in settings.SETTINGS:
         value = getattr(args, s.name)
@@ -217,6 +275,9 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         hostfile=args.hostfile,
         settings=types.MappingProxyType(given),
         mpi_args=tuple(shlex.split(args.mpi_args)),
+        ssh_port=args.ssh_port,
+        ssh_identity_file=args.ssh_identity_file,
+        network_interface=args.network_interface,
     )
 
 
@@ -286,6 +347,25 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
         cmd += ["--host", config.hosts]
     if config.hostfile:
         cmd += ["--hostfile", config.hostfile]
+    ssh_args = []
+    if config.ssh_port:
+        ssh_args += ["-p", str(config.ssh_port)]
+    if config.ssh_identity_file:
+        ssh_args += ["-i", config.ssh_identity_file]
+    if ssh_args:
+        cmd += ["--mca", "plm_ssh_args", shlex.join(ssh_args)]
+    if config.network_interface:
+        cmd += ["--mca", "btl_tcp_if_include", config.network_interface]
+        cmd += ["--prtemca", "oob_tcp_if_include", config.network_interface]
+    if config.multihost:
+        # A daemon whose launcher became unreachable (its host's link cut) notices by TCP
+        # keepalive within about 10 s and ends, with its ranks, instead of lingering.
+        for param, value in (
+            ("oob_tcp_keepalive_time", "5"),
+            ("oob_tcp_keepalive_intvl", "2"),
+            ("oob_tcp_keepalive_probes", "3"),
+        ):
+            cmd += ["--prtemca", param, value]  # the daemons' (PRRTE's) parameters
     # Ranks on other hosts do not inherit mpirun's environment: export what they need.
     exported = sorted(
         k
@@ -420,6 +500,12 @@ class _Reports:
             return f"{who[0]} ended without a report (its supervisor was killed)"
         return f"{', '.join(who)} ended without a report (their supervisors were killed)"
 
+    def _on_hosts(self, ranks) -> str:
+        """`` (on h3)``: the hosts of ``ranks``, from their ``started`` reports; "" if unknown."""
+        with self._lock:
+            hosts = sorted({self.started[r].get("host") for r in ranks if r in self.started})
+        return f" (on {', '.join(hosts)})" if hosts else ""
+
     def _describe(self, report: Mapping[str, Any]) -> str:
         kind, ranks = report.get("kind"), report.get("ranks") or []
         if kind == "exception":
@@ -434,7 +520,8 @@ class _Reports:
                 return f"rank {report.get('rank')} stalled: {where} ran past {limit}"
             them = "it" if len(ranks) == 1 else "them"
             return (
-                f"{_ranks_text(ranks)} stalled: rank {report.get('rank')} waited for {them} in "
+                f"{_ranks_text(ranks)}{self._on_hosts(ranks)} stalled: rank {report.get('rank')} "
+                f"waited for {them} in "
                 f"{where} past {limit}"
             )
         if kind == "start_timeout":
@@ -464,13 +551,16 @@ class _ReportServer:
     Args:
         public: Listen on every interface and advertise this host's name (ranks on other
             hosts), instead of 127.0.0.1. Defaults to False.
+        advertise: The address to advertise when public, e.g. this host's address on the
+            job's network interface. Defaults to the host's name.
     """
 
-    def __init__(self, *, public: bool = False):
+    def __init__(self, *, public: bool = False, advertise: str | None = None):
         self.reports: _Reports | None = None
         self._sock = socket.create_server(("0.0.0.0" if public else "127.0.0.1", 0))
         port = self._sock.getsockname()[1]
-        self.address = f"{socket.gethostname() if public else '127.0.0.1'}:{port}"
+        host = (advertise or socket.gethostname()) if public else "127.0.0.1"
+        self.address = f"{host}:{port}"
         self._stopping = threading.Event()
         self._readers: list[threading.Thread] = []
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -560,7 +650,23 @@ def _supervise(process: subprocess.Popen, reports: _Reports) -> None:
             deadline = time.monotonic() + _FAILURE_GRACE_SECONDS
             while process.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.2)
-            _stop(process)
+            _stop(process, grace=_FAILURE_GRACE_SECONDS)
+
+
+def _check_hosts(config: LaunchConfig) -> str | None:
+    """Why the job cannot start on its hosts (named), or None when every host is ready."""
+    listed = (
+        _hosts.parse_hostfile(config.hostfile)
+        if config.hostfile
+        else _hosts.parse_hosts(config.hosts)
+    )
+    shell = _hosts.remote_shell(
+        config.mpi_args, ssh_port=config.ssh_port, identity_file=config.ssh_identity_file
+    )
+    problems = _hosts.check_hosts(listed, shell, timeout=_HOST_CHECK_SECONDS)
+    if not problems:
+        return None
+    return "cannot start the job:\n  " + "\n  ".join(problems)
 
 
 def run(config: LaunchConfig) -> int:
@@ -583,7 +689,13 @@ def run(config: LaunchConfig) -> int:
         if problem is not None:
             print(f"syncdp-run: {problem}", file=sys.stderr)
             return 2
-    server = _ReportServer(public=bool(config.hosts or config.hostfile))
+    if config.multihost:
+        problem = _check_hosts(config)
+        if problem is not None:
+            print(f"syncdp-run: {problem}", file=sys.stderr, flush=True)
+            return 1
+    advertise = _hosts.local_address(config.network_interface) if config.network_interface else None
+    server = _ReportServer(public=config.multihost, advertise=advertise)
     env = build_env(config, report_addr=server.address)
     elastic = ElasticLog() if config.elastic else None
     reports = _Reports(
@@ -614,8 +726,11 @@ def run(config: LaunchConfig) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         _supervise(process, reports)
+        # The last lines, once mpirun has ended. Not long after a failure: processes on a host
+        # that vanished may hold the pipes open until they notice, seconds later.
+        deadline = time.monotonic() + (1.0 if reports.failed.is_set() else 5.0)
         for p in pumps:
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

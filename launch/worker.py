@@ -19,6 +19,12 @@ COMMAND...``: their output lines carry ``LABEL`` plus their index among the rank
 together (the original ranks are labelled 0..N-1), and the child finds that label in
 ``SYNCDP_REPLACEMENT``.
 
+On a host other than the launcher's, each supervisor also leaves a lifeline watcher (a small
+detached process): when the launcher's report address stops answering for the stall timeout
+(at least 10 s) while Open MPI's daemon still runs, the watcher kills the daemon, this
+supervisor and so its rank. A host whose link was cut thus ends its part of the job by itself:
+Open MPI's daemons do not notice a launcher that vanished.
+
 Usage (by the launcher, not by hand): ``python -m launch.worker COMMAND [ARGS...]``.
 """
 
@@ -83,6 +89,85 @@ def _send_exit_report(
         pass  # the launcher is gone or unreachable; the stderr line still says it
 
 
+# The lifeline watcher checks the launcher this often, and gives up on it after the stall
+# timeout, but never sooner than this.
+_LIFELINE_POLL_SECONDS = 1.0
+_LIFELINE_MIN_LOST_SECONDS = 10.0
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=_LIFELINE_POLL_SECONDS):
+            return True
+    except OSError:
+        return False
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _daemon_chain(supervisor: int) -> list[int]:
+    """Open MPI's daemon processes above ``supervisor`` (prted, and the shell that ran it)."""
+    chain, pid = [], _parent(supervisor)
+    while pid > 1 and _comm(pid) == "prted":
+        chain.append(pid)
+        pid = _parent(pid)
+    if chain and _comm(pid) == "sh":
+        chain.append(pid)
+    return chain
+
+
+def _start_lifeline(address: str, lost_after: float) -> None:
+    """Leaves a detached watcher that ends this host's part of the job if the launcher at
+    ``address`` stays unreachable for ``lost_after`` seconds (see the module docstring)."""
+    host, _, port = address.rpartition(":")
+    if host in ("127.0.0.1", "localhost") or not port.isdigit():
+        return  # the launcher is on this host: it ends everything itself
+    supervisor = os.getpid()
+    chain = _daemon_chain(supervisor)
+    if not chain:
+        return
+    first = os.fork()
+    if first:
+        os.waitpid(first, 0)
+        return
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    lost_since = None
+    while True:
+        time.sleep(_LIFELINE_POLL_SECONDS)
+        if not os.path.exists(f"/proc/{chain[0]}"):
+            os._exit(0)  # the daemon is gone: the job ended
+        if _reachable(host, int(port)):
+            lost_since = None
+            continue
+        lost_since = lost_since or time.monotonic()
+        if time.monotonic() - lost_since >= lost_after:
+            for pid in (supervisor, *chain):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            os._exit(0)
+
+
 def _pump(source, sink, prefix: bytes) -> None:
     for line in iter(source.readline, b""):
         sink.write(prefix + line)
@@ -116,6 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m launch.worker COMMAND [ARGS...]", file=sys.stderr)
         return 2
     rank = _rank()
+    address = os.environ.get(_REPORT_ADDR)
+    if address:
+        try:
+            stall = float(os.environ.get("SYNCDP_STALL_TIMEOUT", "60") or 60)
+        except ValueError:
+            stall = 60.0
+        _start_lifeline(address, max(_LIFELINE_MIN_LOST_SECONDS, stall))
     env = None
     if argv[0] == "--replacement" and len(argv) > 2:
         rank = str(int(argv[1]) + (int(rank) if rank.isdigit() else 0))

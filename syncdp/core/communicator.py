@@ -8,6 +8,11 @@ point: all ranks must call it, in the same order, with matching shapes and dtype
 Each collective is numbered and announced to the :class:`~syncdp.watchdog.Watchdog` before it
 starts, which is how a rank that never arrives is detected and named.
 
+Across hosts, :meth:`Communicator.allreduce_inplace` can take a topology-aware path
+(:meth:`Communicator.set_hierarchy`): a reduce inside each host, an allreduce among one
+leader per host, and a broadcast back, so each host sends one copy of the data over the network
+instead of one per rank.
+
 Under Open MPI's ULFM (elastic mode) a collective whose peer died fails with
 ``MPI_ERR_PROC_FAILED`` on the ranks that notice, while the others could wait for them forever.
 So the first rank to notice revokes the communicator (every rank's pending and future
@@ -42,6 +47,19 @@ def signature_digest(signature: tuple) -> int:
     return zlib.crc32(repr(signature).encode())
 
 
+def _reduce_by_host(chunk: np.ndarray, op, local, leaders) -> None:
+    """Topology-aware allreduce of ``chunk`` in place: reduce to each host's leader through
+    shared memory, allreduce among the leaders (the only traffic between hosts: one copy per
+    host instead of one per rank), broadcast back inside each host."""
+    MPI = _mpi.load()
+    if leaders is not None:
+        local.Reduce(MPI.IN_PLACE, chunk, op=op, root=0)
+        leaders.Allreduce(MPI.IN_PLACE, chunk, op=op)
+    else:
+        local.Reduce(chunk, None, op=op, root=0)
+    local.Bcast(chunk, root=0)
+
+
 def _as_bytes(array: np.ndarray) -> np.ndarray:
     """A flat uint8 view, so any dtype (bfloat16 included) can be moved without arithmetic."""
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
@@ -71,6 +89,10 @@ class Communicator:
         self.broken = False
         # Communicators to revoke along with this one (a process set's job communicator).
         self._revoke_with = tuple(revoke_with)
+        # Topology-aware allreduce (set_hierarchy): this host's communicator, and the leaders'
+        # (one rank per host) on the host's leader, None elsewhere.
+        self.hierarchy: tuple | None = None
+        self.prefer_hierarchy = False
         self.watchdog = Watchdog(self.mpi, config, job_comm) if self.size > 1 else None
 
     def close(self) -> None:
@@ -86,6 +108,19 @@ class Communicator:
             if not self.broken:
                 self.mpi.Free()
             self.mpi = self._MPI.COMM_NULL
+
+    def set_hierarchy(self, local_comm, cross_comm, use: bool) -> None:
+        """Gives :meth:`allreduce_inplace` the host structure for its topology-aware path.
+
+        Args:
+            local_comm: The ranks on this host (``MPI_Comm_split_type`` shared memory).
+            cross_comm: The ranks with this rank's local rank; on local rank 0 that is one
+                leader per host.
+            use: Whether allreduces take the topology-aware path (``prefer_hierarchy``).
+        """
+        leaders = cross_comm if local_comm.Get_rank() == 0 else None
+        self.hierarchy = (local_comm, leaders)
+        self.prefer_hierarchy = use
 
     def revoke(self) -> None:
         """Marks this group broken and revokes it (ULFM), so no rank waits on it any longer.
@@ -266,13 +301,17 @@ class Communicator:
                     after(lo, hi)
             return buffer
         mpi, in_place, mpi_op = self.mpi, self._MPI.IN_PLACE, self._op(op)
+        hierarchy = self.hierarchy if self.prefer_hierarchy else None
 
         def reduce():
             for lo in range(0, size, step):
                 hi = min(size, lo + step)
                 if before is not None:
                     before(lo, hi)
-                mpi.Allreduce(in_place, buffer[lo:hi], mpi_op)
+                if hierarchy is None:
+                    mpi.Allreduce(in_place, buffer[lo:hi], mpi_op)
+                else:
+                    _reduce_by_host(buffer[lo:hi], mpi_op, *hierarchy)
                 if after is not None:
                     after(lo, hi)
 

@@ -136,7 +136,8 @@ def init(comm=None, process_sets=None, **options) -> None:
         t = _state.topology
         print(
             f"syncdp: rank {world.rank}/{world.size} on {MPI.Get_processor_name()} "
-            f"(local {t.local_rank}/{t.local_size}, cross {t.cross_rank}/{t.cross_size}), "
+            f"(local {t.local_rank}/{t.local_size}, cross {t.cross_rank}/{t.cross_size}, "
+            f"{t.hosts} host(s), topology-aware allreduce {world.prefer_hierarchy}), "
             f"{config}",
             file=sys.stderr,
         )
@@ -150,7 +151,12 @@ def _build(base, config: settings.Config, timeline, plan) -> Communicator:
     """
     private = _arrive(base, config.start_timeout)
     world = Communicator(private, config, timeline, job_comm=private)
-    _state.topology = discover(world.mpi)
+    _state.topology = topo = discover(world.mpi)
+    mode = config.hierarchical_allreduce
+    several_per_host = 1 < topo.hosts < world.size
+    world.set_hierarchy(
+        topo.local_comm, topo.cross_comm, mode == "on" or (mode == "auto" and several_per_host)
+    )
     _state.exit_comm = world.mpi.Dup()
     _state.comm = world
     _state.config = config

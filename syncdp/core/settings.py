@@ -62,6 +62,7 @@ class Setting:
         flag_unit: Bytes per unit of the flag's value (flags take MiB where the variable
             holds bytes); 1 for flags given in the variable's own unit.
         minimum: The smallest valid value, for numbers.
+        choices: The valid values, for a string setting that takes one of a few words.
     """
 
     name: str
@@ -72,6 +73,7 @@ class Setting:
     doc: str
     flag_unit: int = 1
     minimum: float | None = 0
+    choices: tuple[str, ...] = ()
 
     def parse(self, text: str) -> Any:
         """Parses the environment variable's text into a value of the setting's type."""
@@ -169,6 +171,16 @@ SETTINGS: tuple[Setting, ...] = (
         "check every K gradient steps that replicas are bit-identical (0: never)",
     ),
     Setting(
+        "hierarchical_allreduce",
+        "SYNCDP_HIERARCHICAL_ALLREDUCE",
+        "--hierarchical-allreduce",
+        str,
+        "auto",
+        "topology-aware allreduce (reduce in each host, allreduce among hosts, broadcast): "
+        "auto (when the job spans hosts and some host runs several ranks), on or off",
+        choices=("auto", "on", "off"),
+    ),
+    Setting(
         "elastic",
         "SYNCDP_ELASTIC",
         "--elastic",
@@ -260,6 +272,7 @@ class Config:
     stall_warning: float = _default("stall_warning")
     timeline: str = _default("timeline")
     verify_every: int = _default("verify_every")
+    hierarchical_allreduce: str = _default("hierarchical_allreduce")
     elastic: bool = _default("elastic")
     min_np: int = _default("min_np")
     max_np: int = _default("max_np")
@@ -277,6 +290,11 @@ class Config:
             elif s.type is str:
                 if not isinstance(value, str):
                     raise ConfigError(f"{s.name} must be a string; got {value!r}.")
+                if s.choices and value not in s.choices:
+                    raise ConfigError(
+                        f"{s.name} must be one of {', '.join(s.choices)}; got {value!r} "
+                        f"({s.env}, syncdp-run {s.flag})."
+                    )
             else:
                 if isinstance(value, bool) or not isinstance(value, int | float):
                     raise ConfigError(f"{s.name} must be a number; got {value!r}.")
@@ -364,6 +382,8 @@ def markdown_table() -> str:
     for s in SETTINGS:
         unit = " (MiB; the variable holds bytes)" if s.flag_unit == MiB else ""
         arg = _FLAG_ARG[s.type] if s.flag_unit == 1 else " MB"
+        if s.choices:
+            arg = " " + "\\|".join(s.choices)
         lines.append(
             f"| `{s.flag}{arg}` | `{s.env}` | `{s.name}` | {s.default_text()} | {s.doc}{unit} |"
         )

@@ -24,6 +24,7 @@ class Topology:
         cross_size: Ranks with the same local rank (the number of hosts, when every host
             runs the same number of ranks).
         homogeneous: Whether every host runs the same number of ranks.
+        hosts: The number of hosts (groups of ranks that share memory).
         local_comm: The MPI communicator of this host's ranks.
         cross_comm: The MPI communicator of the ranks with this local rank.
     """
@@ -35,6 +36,7 @@ class Topology:
     local_comm: object = None
     cross_comm: object = None
     homogeneous: bool = True
+    hosts: int = 1
 
     def free(self) -> None:
         """Frees the two communicators (not a collective on other hosts' ranks)."""
@@ -53,7 +55,8 @@ def discover(mpi_comm) -> Topology:
     rank = mpi_comm.Get_rank()
     local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     cross = mpi_comm.Split(color=local.Get_rank(), key=rank)
-    local_sizes = set(mpi_comm.allgather(local.Get_size()))
+    places = mpi_comm.allgather((local.Get_rank(), local.Get_size()))
+    local_sizes = {size for _, size in places}
     return Topology(
         local_rank=local.Get_rank(),
         local_size=local.Get_size(),
@@ -62,4 +65,5 @@ def discover(mpi_comm) -> Topology:
         local_comm=local,
         cross_comm=cross,
         homogeneous=len(local_sizes) == 1,
+        hosts=sum(1 for local_rank, _ in places if local_rank == 0),
     )

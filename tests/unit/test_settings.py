@@ -27,6 +27,7 @@ EVERY_VARIABLE = {
     "SYNCDP_STALL_WARNING": ("3", 3.0),
     "SYNCDP_TIMELINE": ("/tmp/t.json", "/tmp/t.json"),
     "SYNCDP_VERIFY_EVERY": ("5", 5),
+    "SYNCDP_HIERARCHICAL_ALLREDUCE": ("on", "on"),
     "SYNCDP_ELASTIC": ("1", True),
     "SYNCDP_MIN_NP": ("2", 2),
     "SYNCDP_MAX_NP": ("4", 4),
@@ -127,13 +128,29 @@ def test_every_setting_has_exactly_one_launcher_flag_documented_by_its_row():
 def test_launcher_only_flags_are_not_settings():
     flags = {s.flag for s in settings.SETTINGS}
     own = {f for f in _flag_actions() if f not in flags}
-    assert own == {"-h", "--help", "-np", "--num-proc", "-H", "--hosts", "--hostfile", "--mpi-args"}
+    assert own == {
+        "-h",
+        "--help",
+        "-np",
+        "--num-proc",
+        "-H",
+        "--hosts",
+        "--hostfile",
+        "-p",
+        "--ssh-port",
+        "-i",
+        "--ssh-identity-file",
+        "--network-interface",
+        "--mpi-args",
+    }
 
 
 def _flag_value(s: settings.Setting) -> tuple[list[str], str]:
     """Arguments that give the flag a non-default value, and the variable's expected text."""
     if s.type is bool:
         return [s.flag], "1"
+    if s.type is str and s.choices:
+        return [s.flag, s.choices[-1]], s.choices[-1]
     if s.type is str:
         return [s.flag, "/tmp/timeline.json"], "/tmp/timeline.json"
     if s.flag_unit == MiB:
@@ -175,3 +192,11 @@ def test_readme_holds_the_generated_settings_table():
         "README.md's settings table differs from syncdp/core/settings.py; paste the output of "
         '`python -c "from syncdp.core import settings; print(settings.markdown_table())"`.'
     )
+
+
+def test_a_setting_with_choices_refuses_other_words(capsys):
+    with pytest.raises(ConfigError, match="hierarchical_allreduce must be one of auto, on, off"):
+        settings.from_env({"SYNCDP_HIERARCHICAL_ALLREDUCE": "maybe"})
+    with pytest.raises(SystemExit):
+        run.parse_args(["-np", "2", "--hierarchical-allreduce", "maybe", "python"])
+    assert "invalid choice: 'maybe'" in capsys.readouterr().err

@@ -1,0 +1,225 @@
+"""Hosts for a multi-host job: parse ``-H``/``--hostfile``, reach hosts, check them before starting.
+
+``syncdp-run -H a:2,b:2`` and ``--hostfile FILE`` (horovodrun's ``host slots=N`` lines) name
+the hosts; Open MPI starts a daemon on each through a remote shell (ssh, or the agent given as
+``--mpi-args "--mca plm_rsh_agent AGENT"``). Before the job starts, :func:`check_hosts` runs
+one small command on every remote host through that same shell, in parallel and within a
+bound: the host must answer, and run the same Python and syncdp versions as the launcher.
+A host that does not is named with the reason, and nothing starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+
+__all__ = [
+    "Host",
+    "HostError",
+    "parse_hosts",
+    "parse_hostfile",
+    "remote_shell",
+    "check_hosts",
+    "is_local",
+    "local_address",
+]
+
+# The command each remote host runs for the check: its Python and syncdp versions.
+_PROBE = "import sys, syncdp; print(sys.version.split()[0], syncdp.__version__)"
+
+
+class HostError(ValueError):
+    """A host list, hostfile or host is not usable; the message names the host or line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """One host of the job and the ranks (slots) it takes."""
+
+    name: str
+    slots: int
+
+
+def _slots(text: str, where: str) -> int:
+    try:
+        slots = int(text)
+    except ValueError:
+        raise HostError(f"{where}: slots must be a whole number; got {text!r}.") from None
+    if slots < 1:
+        raise HostError(f"{where}: slots must be at least 1; got {slots}.")
+    return slots
+
+
+def _unique(hosts: list[Host], where: str) -> list[Host]:
+    seen = set()
+    for h in hosts:
+        if h.name in seen:
+            raise HostError(
+                f"{where}: host {h.name!r} is listed twice; give it once with its slots."
+            )
+        seen.add(h.name)
+    return hosts
+
+
+def parse_hosts(spec: str) -> list[Host]:
+    """Parses ``-H host1:2,host2:2`` (a host without ``:N`` has one slot).
+
+    Raises:
+        HostError: An empty entry, a bad slot count, or a host listed twice.
+    """
+    hosts = []
+    for entry in spec.split(","):
+        entry = entry.strip()
+        name, _, count = entry.partition(":")
+        if not name:
+            raise HostError(f"-H {spec!r}: empty host name in entry {entry!r}.")
+        hosts.append(Host(name, _slots(count, f"-H entry {entry!r}") if count else 1))
+    return _unique(hosts, f"-H {spec!r}")
+
+
+def parse_hostfile(path: str) -> list[Host]:
+    """Parses a hostfile: ``host slots=N`` per line (``host`` alone has one slot; ``#``
+    starts a comment; Open MPI's ``max_slots=`` is accepted and ignored).
+
+    Raises:
+        HostError: The file cannot be read, a line is malformed (named with its number), a
+            slot count is not a positive integer, a host is listed twice, or no host is left.
+    """
+    try:
+        lines = open(path).read().splitlines()
+    except OSError as e:
+        raise HostError(f"hostfile {path!r} cannot be read: {e.strerror}.") from None
+    hosts = []
+    for number, line in enumerate(lines, start=1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        where = f"{path}:{number} ({line.strip()!r})"
+        slots = 1
+        for word in words[1:]:
+            key, eq, value = word.partition("=")
+            if not eq or key not in ("slots", "max_slots", "max-slots"):
+                raise HostError(
+                    f"{where}: expected 'HOST slots=N'; {word!r} is not a slots=N field."
+                )
+            if key == "slots":
+                slots = _slots(value, where)
+        hosts.append(Host(words[0], slots))
+    if not hosts:
+        raise HostError(f"hostfile {path!r} lists no host.")
+    return _unique(hosts, f"hostfile {path!r}")
+
+
+def is_local(name: str) -> bool:
+    """Whether ``name`` is this machine (no remote shell needed to reach it)."""
+    return name in ("localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn())
+
+
+def remote_shell(
+    mpi_args: Sequence[str],
+    environ: Mapping[str, str] | None = None,
+    *,
+    ssh_port: int | None = None,
+    identity_file: str | None = None,
+    connect_timeout: float = 10.0,
+) -> list[str]:
+    """The command that runs a command on a host: ``[*shell, HOST, COMMAND]``.
+
+    The agent Open MPI will use (``--mca plm_rsh_agent X`` or ``--prtemca plm_ssh_agent X``
+    in ``mpi_args``, else ``PRTE_MCA_plm_ssh_agent``), otherwise ssh with the port and
+    identity file, in batch mode (no password prompt can hang the check).
+    """
+    environ = os.environ if environ is None else environ
+    agent = None
+    args = list(mpi_args)
+    for i, arg in enumerate(args[:-2]):
+        if arg in ("--mca", "--prtemca", "-mca") and args[i + 1] in (
+            "plm_rsh_agent",
+            "plm_ssh_agent",
+        ):
+            agent = args[i + 2]
+    agent = agent or environ.get("PRTE_MCA_plm_ssh_agent")
+    if agent:
+        return shlex.split(agent)
+    cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(connect_timeout)}"]
+    if ssh_port:
+        cmd += ["-p", str(ssh_port)]
+    if identity_file:
+        cmd += ["-i", identity_file]
+    return cmd
+
+
+def _probe(shell: list[str], host: str, timeout: float) -> tuple[str | None, str]:
+    """Runs the version probe on ``host``; returns (its output or None, why it failed)."""
+    command = f"{shlex.quote(sys.executable)} -c {shlex.quote(_PROBE)}"
+    try:
+        out = subprocess.run(
+            [*shell, host, command], capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"did not answer over the remote shell within {timeout:g} s"
+    except OSError as e:
+        return None, f"the remote shell {shell[0]!r} could not run: {e.strerror}"
+    if out.returncode != 0:
+        detail = (out.stderr.strip().splitlines() or ["no message"])[-1]
+        return None, f"the check command failed there (exit {out.returncode}): {detail}"
+    return out.stdout.strip(), ""
+
+
+def check_hosts(hosts: Sequence[Host], shell: list[str], timeout: float = 30.0) -> list[str]:
+    """Checks every remote host in parallel; returns one problem per bad host (empty: all good).
+
+    A host must be resolvable, answer over the remote shell within ``timeout`` seconds, and
+    run the same Python and syncdp versions as this launcher (at the same interpreter path).
+    """
+    import syncdp
+
+    mine = f"{sys.version.split()[0]} {syncdp.__version__}"
+    problems: dict[str, str] = {}
+    remote = [h.name for h in hosts if not is_local(h.name)]
+
+    def check(host: str) -> None:
+        output, why = _probe(shell, host, timeout)
+        if output is None:
+            problems[host] = why
+        elif output.splitlines()[-1] != mine:
+            theirs = output.splitlines()[-1]
+            problems[host] = (
+                f"runs Python/syncdp {theirs} at {sys.executable}, but the launcher runs {mine}; "
+                "install the same versions on every host"
+            )
+
+    threads = [threading.Thread(target=check, args=(h,), daemon=True) for h in remote]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 5)
+    return [f"host {h}: {problems[h]}" for h in remote if h in problems]
+
+
+def local_address(interface: str) -> str | None:
+    """This machine's IPv4 address on ``interface`` (a NIC name, or a CIDR subnet such as
+    ``10.0.0.0/24``); None when it has none."""
+    import ipaddress
+
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True)
+    for line in out.stdout.splitlines():
+        words = line.split()
+        if len(words) < 4:
+            continue
+        name, cidr = words[1], words[3]
+        address = cidr.split("/")[0]
+        if name == interface:
+            return address
+        try:
+            if ipaddress.ip_address(address) in ipaddress.ip_network(interface, strict=False):
+                return address
+        except ValueError:
+            continue
+    return None

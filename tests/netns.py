@@ -1,0 +1,126 @@
+"""Separate hosts on one machine for tests: network namespaces joined by a bridge.
+
+:class:`NamespaceHosts` makes ``k`` namespaces, each with its own address on a private test
+subnet (a veth pair into a bridge in the root namespace, which gets ``.1``), and an agent
+script Open MPI uses as its remote shell (``--mca plm_rsh_agent AGENT``): ``AGENT HOST CMD``
+runs CMD in HOST's namespace under its own UTS hostname, so every host reports its own name.
+Everything it made is removed on exit, also when the test fails; traffic stays on the test
+subnet and loopback. Where namespaces cannot be made (not root, no ``ip``) it raises
+:class:`Unavailable` with the reason (tests skip with it; ``benchmarks/multihost.py`` says it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+
+class Unavailable(RuntimeError):
+    """Namespace hosts cannot be made on this machine; the message says why."""
+
+
+_AGENT = """#!/bin/sh
+# Open MPI's remote shell for namespace hosts: AGENT HOST COMMAND...
+host="$1"; shift
+exec ip netns exec "{prefix}$host" unshare --uts \\
+    sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
+"""
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+class NamespaceHosts:
+    """``with NamespaceHosts(tmp_path, ["h1", "h2"]) as hosts:`` -> hosts.agent, hosts.subnet.
+
+    Args:
+        workdir: Where the agent script is written.
+        names: The hosts' names (short, letters and digits).
+        subnet: The first three octets of the test subnet. Defaults to ``"10.213.7"``.
+    """
+
+    def __init__(self, workdir: Path, names: list[str], subnet: str = "10.213.7"):
+        self.names = list(names)
+        self.prefix = "sdp-"
+        self.bridge = "sdpbr0"
+        self.subnet = f"{subnet}.0/24"
+        self.gateway = f"{subnet}.1"
+        self.address = {n: f"{subnet}.{11 + i}" for i, n in enumerate(self.names)}
+        self.agent = str(Path(workdir) / "netns-agent.sh")
+        self._made: list[tuple[str, str]] = []
+
+    def __enter__(self) -> NamespaceHosts:
+        if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
+            raise Unavailable("namespace hosts need root, iproute2's ip and unshare")
+        try:
+            self._build()
+        except subprocess.CalledProcessError as e:
+            self.__exit__(None, None, None)
+            raise Unavailable(
+                f"cannot make namespace hosts here: {' '.join(e.cmd)}: {e.stderr.strip()}"
+            ) from None
+        Path(self.agent).write_text(_AGENT.format(prefix=self.prefix))
+        os.chmod(self.agent, 0o755)
+        return self
+
+    def _build(self) -> None:
+        self._cleanup()  # leftovers of an earlier run that was killed
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self._made.append(("link", self.bridge))
+        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for i, name in enumerate(self.names):
+            ns, outside, inside = self.prefix + name, f"sdpv{i}", f"sdpe{i}"
+            _ip("netns", "add", ns)
+            self._made.append(("netns", ns))
+            _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+            self._made.append(("link", outside))
+            _ip("link", "set", inside, "netns", ns)
+            _ip("link", "set", outside, "master", self.bridge)
+            _ip("link", "set", outside, "up")
+            _ip("netns", "exec", ns, "ip", "addr", "add", f"{self.address[name]}/24", "dev", inside)
+            _ip("netns", "exec", ns, "ip", "link", "set", inside, "up")
+            _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+
+    def outside_link(self, name: str) -> str:
+        return f"sdpv{self.names.index(name)}"
+
+    def cut(self, name: str) -> None:
+        """Cuts ``name``'s link: it can no longer reach or be reached by any other host."""
+        _ip("link", "set", self.outside_link(name), "down")
+
+    def limit(self, rate: str) -> None:
+        """Limits every host's link to ``rate`` (e.g. ``"1gbit"``) each way, with tbf."""
+        for i, name in enumerate(self.names):
+            shape = ["root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"]
+            inside = ["ip", "netns", "exec", self.prefix + name]
+            for cmd in (
+                ["tc", "qdisc", "replace", "dev", f"sdpv{i}", *shape],
+                [*inside, "tc", "qdisc", "replace", "dev", f"sdpe{i}", *shape],
+            ):
+                subprocess.run(cmd, capture_output=True, text=True, check=True)
+
+    def pids(self, name: str) -> list[int]:
+        """The processes running in ``name``'s namespace."""
+        out = _ip("netns", "pids", self.prefix + name, check=False).stdout
+        return [int(p) for p in out.split()]
+
+    def _cleanup(self) -> None:
+        for name in self.names:
+            for pid in self.pids(name):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            _ip("netns", "del", self.prefix + name, check=False)
+        for i in range(len(self.names)):
+            _ip("link", "del", f"sdpv{i}", check=False)
+        _ip("link", "del", self.bridge, check=False)
+
+    def __exit__(self, *exc) -> None:
+        self._cleanup()
+        self._made.clear()

@@ -1,0 +1,117 @@
+"""Host lists, hostfiles and the pre-start host check, without starting a job."""
+
+import sys
+
+import pytest
+
+from launch import hosts, run
+from launch.hosts import Host, HostError
+
+
+def test_host_list_with_and_without_slots():
+    assert hosts.parse_hosts("a:2,b:3,c") == [Host("a", 2), Host("b", 3), Host("c", 1)]
+
+
+def test_hostfile_in_horovods_format(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("# the cluster\nnode1 slots=4\n\nnode2 slots=2 max_slots=8  # big\nnode3\n")
+    assert hosts.parse_hostfile(str(path)) == [Host("node1", 4), Host("node2", 2), Host("node3", 1)]
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("node1 slots=0\n", "slots must be at least 1; got 0"),
+        ("node1 slots=two\n", "slots must be a whole number; got 'two'"),
+        ("node1 slots 4\n", "expected 'HOST slots=N'"),
+        ("node1 cpus=4\n", "'cpus=4' is not a slots=N field"),
+        ("node1 slots=2\nnode1 slots=2\n", "host 'node1' is listed twice"),
+        ("# nothing\n\n", "lists no host"),
+    ],
+)
+def test_bad_hostfiles_name_the_line_and_the_fix(tmp_path, text, words):
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    with pytest.raises(HostError) as e:
+        hosts.parse_hostfile(str(path))
+    assert words in str(e.value)
+    if "slots" in text and "twice" not in words:
+        assert f"{path}:1" in str(e.value)  # the line is named
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [("a:0", "at least 1"), ("a:x", "whole number"), ("a:2,,b", "empty host"), ("a,a", "twice")],
+)
+def test_bad_host_lists(spec, words):
+    with pytest.raises(HostError, match=words):
+        hosts.parse_hosts(spec)
+
+
+def test_bad_hosts_are_usage_errors(tmp_path, capsys):
+    path = tmp_path / "hosts"
+    path.write_text("node1 slots=-1\n")
+    with pytest.raises(SystemExit):
+        run.parse_args(["-np", "2", "--hostfile", str(path), "python"])
+    assert "slots must be at least 1" in capsys.readouterr().err
+
+
+def test_np_defaults_to_the_slurm_allocation_then_to_the_hosts_slots(monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_NTASKS", "6")
+    assert run.parse_args(["python", "x.py"]).num_proc == 6
+    monkeypatch.delenv("SLURM_NTASKS")
+    assert run.parse_args(["-H", "a:2,b:3", "python", "x.py"]).num_proc == 5
+    with pytest.raises(SystemExit):
+        run.parse_args(["python", "x.py"])
+    assert "-np is required outside a Slurm allocation" in capsys.readouterr().err
+
+
+def test_ssh_flags_and_interface_reach_open_mpi(tmp_path):
+    key = tmp_path / "id"
+    key.write_text("key")
+    c = run.parse_args(
+        ["-H", "a:2,b:2", "-p", "2222", "-i", str(key), "--network-interface", "eth1", "python"]
+    )
+    cmd = run.build_command(c, run.build_env(c, environ={}))
+    assert cmd[cmd.index("plm_ssh_args") + 1] == f"-p 2222 -i {key}"
+    assert cmd[cmd.index("btl_tcp_if_include") + 1] == "eth1"
+    assert cmd[cmd.index("oob_tcp_if_include") + 1] == "eth1"
+    assert "oob_tcp_keepalive_time" in cmd  # a daemon that loses its launcher ends
+
+
+def test_remote_shell_is_the_agent_from_mpi_args_else_ssh(tmp_path):
+    assert hosts.remote_shell(["--mca", "plm_rsh_agent", "/x/agent.sh"], {}) == ["/x/agent.sh"]
+    shell = hosts.remote_shell([], {}, ssh_port=2222, identity_file="/k")
+    assert shell[0] == "ssh" and "BatchMode=yes" in shell
+    assert shell[-4:] == ["-p", "2222", "-i", "/k"]
+
+
+def _shell(tmp_path, body: str) -> list[str]:
+    """A fake remote shell: ``SHELL HOST COMMAND`` runs ``body`` with $1 = HOST."""
+    path = tmp_path / "shell.sh"
+    path.write_text(f'#!/bin/sh\nhost="$1"; shift\n{body}\n')
+    path.chmod(0o755)
+    return [str(path)]
+
+
+def test_check_names_each_bad_host_and_why(tmp_path):
+    import syncdp
+
+    mine = f"{sys.version.split()[0]} {syncdp.__version__}"
+    shell = _shell(
+        tmp_path,
+        'case "$host" in\n'
+        f'  good) echo "{mine}" ;;\n'
+        '  old) echo "3.8.1 0.0.1" ;;\n'
+        "  slow) sleep 30 ;;\n"
+        '  gone) echo "ssh: Could not resolve hostname gone" >&2; exit 255 ;;\n'
+        "esac",
+    )
+    listed = [Host(n, 1) for n in ("good", "old", "slow", "gone", "localhost")]
+    problems = hosts.check_hosts(listed, shell, timeout=2)
+    assert len(problems) == 3
+    old, slow, gone = problems
+    assert old.startswith("host old: runs Python/syncdp 3.8.1 0.0.1")
+    assert slow == "host slow: did not answer over the remote shell within 2 s"
+    assert gone.startswith("host gone: the check command failed there (exit 255)")
+    assert "Could not resolve hostname gone" in gone
