@@ -99,6 +99,7 @@ def main() -> None:
     p.add_argument("--ranks-per-host", type=int, default=2)
     p.add_argument("--rate", default="1gbit", help="tbf rate of every link, each way")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--mpi-args", default="", help="more mpirun arguments")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -134,7 +135,7 @@ def main() -> None:
                 "--network-interface",
                 cluster.subnet,
                 "--mpi-args",
-                f"--mca plm_rsh_agent {cluster.agent} --mca mpi_yield_when_idle 1",
+                f"--mca plm_rsh_agent {cluster.agent} --mca mpi_yield_when_idle 1 {args.mpi_args}",
                 sys.executable,
                 __file__,
                 "--worker",

@@ -28,8 +28,9 @@ Flags of the launcher itself:
 With hosts, before anything starts, every remote host is asked over the remote shell (ssh, or
 the agent in --mpi-args "--mca plm_rsh_agent AGENT") for its Python and syncdp versions,
 within 30 s; a host that does not answer or differs is named and nothing starts
-(:mod:`launch.hosts`). Open MPI's daemons then detect a lost launcher by TCP keepalive within
-about 10 s and end, taking their ranks with them.
+(:mod:`launch.hosts`). If a host vanishes later, the ranks waiting for it name it at the stall
+timeout and the job ends; on that host, the supervisors' lifeline watchers end Open MPI's
+daemon and the ranks (:mod:`launch.worker`).
 
 Every other flag is a row of :data:`syncdp.core.settings.SETTINGS` and sets exactly that row's
 ``SYNCDP_*`` variable on every rank (flags ending in ``-mb`` take MiB; the variable holds
@@ -357,15 +358,6 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
     if config.network_interface:
         cmd += ["--mca", "btl_tcp_if_include", config.network_interface]
         cmd += ["--prtemca", "oob_tcp_if_include", config.network_interface]
-    if config.multihost:
-        # A daemon whose launcher became unreachable (its host's link cut) notices by TCP
-        # keepalive within about 10 s and ends, with its ranks, instead of lingering.
-        for param, value in (
-            ("oob_tcp_keepalive_time", "5"),
-            ("oob_tcp_keepalive_intvl", "2"),
-            ("oob_tcp_keepalive_probes", "3"),
-        ):
-            cmd += ["--prtemca", param, value]  # the daemons' (PRRTE's) parameters
     # Ranks on other hosts do not inherit mpirun's environment: export what they need.
     exported = sorted(
         k

@@ -9,9 +9,9 @@ Each collective is numbered and announced to the :class:`~syncdp.watchdog.Watchd
 starts, which is how a rank that never arrives is detected and named.
 
 Across hosts, :meth:`Communicator.allreduce_inplace` can take a topology-aware path
-(:meth:`Communicator.set_hierarchy`): a reduce inside each host, an allreduce among one
-leader per host, and a broadcast back, so each host sends one copy of the data over the network
-instead of one per rank.
+(:meth:`Communicator.set_hierarchy`): a reduce-scatter inside each host, a ring allreduce
+of each segment among the hosts, and an allgather back, so each host sends one copy of the data
+over the network instead of one per rank.
 
 Under Open MPI's ULFM (elastic mode) a collective whose peer died fails with
 ``MPI_ERR_PROC_FAILED`` on the ranks that notice, while the others could wait for them forever.
@@ -40,6 +40,7 @@ _JOIN_TAG = 7301  # the only point-to-point message on syncdp's private communic
 
 # The reductions MPI does for syncdp; Average is a sum followed by a division (engine).
 OPS = ("sum", "min", "max", "prod")
+_UFUNC = {"sum": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
 
 
 def signature_digest(signature: tuple) -> int:
@@ -47,17 +48,56 @@ def signature_digest(signature: tuple) -> int:
     return zlib.crc32(repr(signature).encode())
 
 
-def _reduce_by_host(chunk: np.ndarray, op, local, leaders) -> None:
-    """Topology-aware allreduce of ``chunk`` in place: reduce to each host's leader through
-    shared memory, allreduce among the leaders (the only traffic between hosts: one copy per
-    host instead of one per rank), broadcast back inside each host."""
+def _reduce_by_host(chunk: np.ndarray, op, ufunc, local, cross, even: bool) -> None:
+    """Topology-aware allreduce of ``chunk`` in place.
+
+    When every host runs the same number of ranks (``even``): a reduce-scatter inside each
+    host (shared memory) leaves local rank ``i`` with segment ``i`` summed over its host; the
+    ranks with local rank ``i`` (one per host, ``cross``) allreduce that segment in a ring, so
+    every rank carries an equal share of the traffic between hosts, in parallel; an allgather
+    inside each host puts the segments together. Otherwise each host reduces to its local
+    rank 0, those leaders allreduce in a ring, and each host broadcasts from its leader.
+    Either way every byte crosses between hosts once per host, not once per rank.
+    """
     MPI = _mpi.load()
-    if leaders is not None:
-        local.Reduce(MPI.IN_PLACE, chunk, op=op, root=0)
-        leaders.Allreduce(MPI.IN_PLACE, chunk, op=op)
-    else:
-        local.Reduce(chunk, None, op=op, root=0)
+    if even:
+        n, k, me = chunk.size, local.Get_size(), local.Get_rank()
+        counts = [n // k + (1 if i < n % k else 0) for i in range(k)]
+        displs = [sum(counts[:i]) for i in range(k)]
+        mine = np.empty(counts[me], chunk.dtype)
+        local.Reduce_scatter(chunk, mine, counts, op=op)
+        _ring_allreduce(cross, mine, ufunc)
+        local.Allgatherv(mine, [chunk, (counts, displs)])
+        return
+    leader = local.Get_rank() == 0
+    local.Reduce(MPI.IN_PLACE if leader else chunk, chunk if leader else None, op=op, root=0)
+    if leader:
+        _ring_allreduce(cross, chunk, ufunc)
     local.Bcast(chunk, root=0)
+
+
+def _ring_allreduce(comm, chunk: np.ndarray, ufunc) -> None:
+    """Ring allreduce (reduce-scatter, then allgather) of ``chunk`` in place.
+
+    Every link carries ``2 (h - 1) / h`` of the data, both ways at once, whatever Open MPI
+    would pick: its allreduce (and reduce-scatter) of two ranks reduces one way and sends the
+    result back, twice the time on a slow link. Every rank receives each reduced segment from
+    the one rank that owns it, so all hold the same bits.
+    """
+    h, me = comm.Get_size(), comm.Get_rank()
+    if h == 1:
+        return
+    edges = [chunk.size * i // h for i in range(h + 1)]
+    segment = [chunk[edges[i] : edges[i + 1]] for i in range(h)]
+    right, left = (me + 1) % h, (me - 1) % h
+    incoming = np.empty(max(s.size for s in segment), chunk.dtype)
+    for step in range(h - 1):  # afterwards this rank owns segment (me + 1) % h, reduced
+        out, into = segment[(me - step) % h], segment[(me - step - 1) % h]
+        comm.Sendrecv(out, dest=right, recvbuf=incoming[: into.size], source=left)
+        ufunc(into, incoming[: into.size], out=into)
+    for step in range(h - 1):
+        out, into = segment[(me + 1 - step) % h], segment[(me - step) % h]
+        comm.Sendrecv(out, dest=right, recvbuf=into, source=left)
 
 
 def _as_bytes(array: np.ndarray) -> np.ndarray:
@@ -89,8 +129,8 @@ class Communicator:
         self.broken = False
         # Communicators to revoke along with this one (a process set's job communicator).
         self._revoke_with = tuple(revoke_with)
-        # Topology-aware allreduce (set_hierarchy): this host's communicator, and the leaders'
-        # (one rank per host) on the host's leader, None elsewhere.
+        # Topology-aware allreduce (set_hierarchy): this host's communicator, the one of the
+        # ranks with this local rank, and whether every host runs as many ranks.
         self.hierarchy: tuple | None = None
         self.prefer_hierarchy = False
         self.watchdog = Watchdog(self.mpi, config, job_comm) if self.size > 1 else None
@@ -109,17 +149,16 @@ class Communicator:
                 self.mpi.Free()
             self.mpi = self._MPI.COMM_NULL
 
-    def set_hierarchy(self, local_comm, cross_comm, use: bool) -> None:
+    def set_hierarchy(self, local_comm, cross_comm, use: bool, even: bool = True) -> None:
         """Gives :meth:`allreduce_inplace` the host structure for its topology-aware path.
 
         Args:
             local_comm: The ranks on this host (``MPI_Comm_split_type`` shared memory).
-            cross_comm: The ranks with this rank's local rank; on local rank 0 that is one
-                leader per host.
+            cross_comm: The ranks with this rank's local rank (one per host, when even).
             use: Whether allreduces take the topology-aware path (``prefer_hierarchy``).
+            even: Whether every host runs the same number of ranks. Defaults to True.
         """
-        leaders = cross_comm if local_comm.Get_rank() == 0 else None
-        self.hierarchy = (local_comm, leaders)
+        self.hierarchy = (local_comm, cross_comm, even)
         self.prefer_hierarchy = use
 
     def revoke(self) -> None:
@@ -311,7 +350,7 @@ class Communicator:
                 if hierarchy is None:
                     mpi.Allreduce(in_place, buffer[lo:hi], mpi_op)
                 else:
-                    _reduce_by_host(buffer[lo:hi], mpi_op, *hierarchy)
+                    _reduce_by_host(buffer[lo:hi], mpi_op, _UFUNC[op], *hierarchy)
                 if after is not None:
                     after(lo, hi)
 

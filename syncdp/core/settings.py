@@ -176,8 +176,8 @@ SETTINGS: tuple[Setting, ...] = (
         "--hierarchical-allreduce",
         str,
         "auto",
-        "topology-aware allreduce (reduce in each host, allreduce among hosts, broadcast): "
-        "auto (when the job spans hosts and some host runs several ranks), on or off",
+        "topology-aware allreduce (reduce-scatter in each host, ring among hosts, allgather): "
+        "on, off, or auto (on across 3 or more hosts when some host runs several ranks)",
         choices=("auto", "on", "off"),
     ),
     Setting(

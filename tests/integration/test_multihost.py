@@ -163,7 +163,7 @@ def test_a_host_whose_link_is_cut_ends_the_job_and_leaves_nothing_running(cluste
 
 def test_a_host_that_cannot_be_reached_is_named_before_anything_starts(cluster, tmp_path):
     flags = list(_flags(cluster))
-    flags[1] = "h1:2,h9:2"  # no such host: the remote shell cannot reach it
+    flags[flags.index("-H") + 1] = "h1:2,h9:2"  # no such host: the remote shell cannot reach it
     result = launch(4, "python", "-c", "pass", launcher_args=tuple(flags), timeout=120)
     assert result.returncode != 0
     assert "cannot start the job" in result.stderr and "host h9:" in result.stderr, result.stderr
