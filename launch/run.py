@@ -493,10 +493,12 @@ class _Reports:
         return f"{', '.join(who)} ended without a report (their supervisors were killed)"
 
     def _on_hosts(self, ranks) -> str:
-        """`` (on h3)``: the hosts of ``ranks``, from their ``started`` reports; "" if unknown."""
+        """`` (on h3)``: the hosts of ``ranks``, from their ``started`` reports; "" when unknown
+        or when the whole job runs on one host."""
         with self._lock:
+            every = {report.get("host") for report in self.started.values()}
             hosts = sorted({self.started[r].get("host") for r in ranks if r in self.started})
-        return f" (on {', '.join(hosts)})" if hosts else ""
+        return f" (on {', '.join(hosts)})" if hosts and len(every) > 1 else ""
 
     def _describe(self, report: Mapping[str, Any]) -> str:
         kind, ranks = report.get("kind"), report.get("ranks") or []
@@ -687,7 +689,11 @@ def run(config: LaunchConfig) -> int:
             print(f"syncdp-run: {problem}", file=sys.stderr, flush=True)
             return 1
     advertise = _hosts.local_address(config.network_interface) if config.network_interface else None
-    server = _ReportServer(public=config.multihost, advertise=advertise)
+    # Ranks on other hosts report over the network: named hosts, or a Slurm allocation of
+    # several nodes (mpirun reads it).
+    nodes = os.environ.get("SLURM_JOB_NUM_NODES", "1")
+    public = config.multihost or (nodes.isdigit() and int(nodes) > 1)
+    server = _ReportServer(public=public, advertise=advertise)
     env = build_env(config, report_addr=server.address)
     elastic = ElasticLog() if config.elastic else None
     reports = _Reports(

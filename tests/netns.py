@@ -41,12 +41,15 @@ class NamespaceHosts:
         workdir: Where the agent script is written.
         names: The hosts' names (short, letters and digits).
         subnet: The first three octets of the test subnet. Defaults to ``"10.213.7"``.
+        tag: Prefix of every name it makes (namespaces, bridge, links), so that two sets of
+            hosts can exist at once. Defaults to ``"sdp"``.
     """
 
-    def __init__(self, workdir: Path, names: list[str], subnet: str = "10.213.7"):
+    def __init__(self, workdir: Path, names: list[str], subnet: str = "10.213.7", tag: str = "sdp"):
         self.names = list(names)
-        self.prefix = "sdp-"
-        self.bridge = "sdpbr0"
+        self.tag = tag
+        self.prefix = f"{tag}-"
+        self.bridge = f"{tag}br0"
         self.subnet = f"{subnet}.0/24"
         self.gateway = f"{subnet}.1"
         self.address = {n: f"{subnet}.{11 + i}" for i, n in enumerate(self.names)}
@@ -74,7 +77,7 @@ class NamespaceHosts:
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for i, name in enumerate(self.names):
-            ns, outside, inside = self.prefix + name, f"sdpv{i}", f"sdpe{i}"
+            ns, outside, inside = self.prefix + name, f"{self.tag}v{i}", f"{self.tag}e{i}"
             _ip("netns", "add", ns)
             self._made.append(("netns", ns))
             _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
@@ -87,7 +90,7 @@ class NamespaceHosts:
             _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
 
     def outside_link(self, name: str) -> str:
-        return f"sdpv{self.names.index(name)}"
+        return f"{self.tag}v{self.names.index(name)}"
 
     def cut(self, name: str) -> None:
         """Cuts ``name``'s link: it can no longer reach or be reached by any other host."""
@@ -99,8 +102,8 @@ class NamespaceHosts:
             shape = ["root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"]
             inside = ["ip", "netns", "exec", self.prefix + name]
             for cmd in (
-                ["tc", "qdisc", "replace", "dev", f"sdpv{i}", *shape],
-                [*inside, "tc", "qdisc", "replace", "dev", f"sdpe{i}", *shape],
+                ["tc", "qdisc", "replace", "dev", f"{self.tag}v{i}", *shape],
+                [*inside, "tc", "qdisc", "replace", "dev", f"{self.tag}e{i}", *shape],
             ):
                 subprocess.run(cmd, capture_output=True, text=True, check=True)
 
@@ -118,7 +121,7 @@ class NamespaceHosts:
                     pass
             _ip("netns", "del", self.prefix + name, check=False)
         for i in range(len(self.names)):
-            _ip("link", "del", f"sdpv{i}", check=False)
+            _ip("link", "del", f"{self.tag}v{i}", check=False)
         _ip("link", "del", self.bridge, check=False)
 
     def __exit__(self, *exc) -> None:

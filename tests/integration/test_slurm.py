@@ -1,0 +1,203 @@
+"""A real Slurm cluster on namespace hosts: sbatch with syncdp-run, and srun --mpi=pmix.
+
+slurmctld runs in the root namespace, one slurmd per namespace host (tests/netns.py), with a
+private munged. Checked, in one allocation of 2 nodes x 2 tasks: ``syncdp-run`` without ``-np``
+takes the allocation's 4 tasks and places 2 ranks on each node, and Slurm's own direct launch
+(``srun --mpi=pmix``, no mpirun) runs the same program. Skips, saying why, where Slurm
+(Debian's slurm-wlm, munge, libpmix-dev; .ci/run installs them) or namespaces are missing;
+stops every daemon and removes everything it made, also on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launcher import ROOT, rank_env
+from tests.netns import NamespaceHosts, Unavailable
+
+NODES = ["n1", "n2"]
+SUBNET = "10.213.9"
+
+_CONF = """ClusterName=syncdptest
+SlurmctldHost={controller}({gateway})
+AuthType=auth/munge
+AuthInfo=socket={d}/munge.socket
+CredType=cred/munge
+SlurmUser=root
+SlurmdUser=root
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SwitchType=switch/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+StateSaveLocation={d}/state
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdPidFile={d}/slurmd-%n.pid
+SlurmdLogFile={d}/slurmd-%n.log
+SlurmdSpoolDir={d}/spool-%n
+TmpFS={d}/tmp-%n
+SlurmctldPort=6917
+SlurmdPort=6918
+JobCompType=jobcomp/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+{nodes}
+PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+def _kill_pidfile(path: Path) -> None:
+    try:
+        os.kill(int(path.read_text().strip()), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+
+
+@pytest.fixture
+def slurm(tmp_path):
+    missing = [
+        t for t in ("slurmctld", "slurmd", "munged", "sbatch", "nsenter") if not shutil.which(t)
+    ]
+    if missing:
+        pytest.skip(f"Slurm is not installed here (no {', '.join(missing)}); .ci/run installs it")
+    # Not under tmp_path: munged wants every directory above its socket searchable by all,
+    # and pytest's are private.
+    d = Path(tempfile.mkdtemp(prefix="syncdp-slurm-"))
+    d.chmod(0o755)
+    env = {**rank_env(), "SLURM_CONF": str(d / "slurm.conf")}
+    try:
+        hosts = NamespaceHosts(tmp_path, NODES, subnet=SUBNET, tag="sls")
+        hosts.__enter__()
+    except Unavailable as e:
+        pytest.skip(str(e))
+    try:
+        key = d / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        subprocess.run(
+            [
+                "munged",
+                f"--socket={d}/munge.socket",
+                f"--key-file={key}",
+                f"--pid-file={d}/munged.pid",
+                f"--log-file={d}/munged.log",
+                f"--seed-file={d}/seed",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        nodes = "\n".join(
+            f"NodeName={n} NodeAddr={hosts.address[n]} CPUs=2 State=UNKNOWN" for n in NODES
+        )
+        controller = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout
+        (d / "slurm.conf").write_text(
+            _CONF.format(controller=controller.strip(), gateway=hosts.gateway, d=d, nodes=nodes)
+        )
+        for n in NODES:
+            (d / f"spool-{n}").mkdir()
+            (d / f"tmp-{n}").mkdir()
+        (d / "state").mkdir()
+        subprocess.run(["slurmctld", "-f", str(d / "slurm.conf")], check=True, env=env, timeout=30)
+        for n in NODES:
+            # Not under `ip netns exec`: slurmd would not see /sys/fs/cgroup and not start.
+            subprocess.run(
+                [
+                    "nsenter",
+                    f"--net=/var/run/netns/{hosts.prefix}{n}",
+                    "unshare",
+                    "--uts",
+                    "sh",
+                    "-c",
+                    f"hostname {n} && exec slurmd -N {n} -f {d}/slurm.conf",
+                ],
+                check=True,
+                env=env,
+                timeout=30,
+            )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            out = subprocess.run(
+                ["sinfo", "-h", "-o", "%T %D"], capture_output=True, text=True, env=env
+            ).stdout.split()
+            if out[:2] == ["idle", str(len(NODES))]:
+                break
+            time.sleep(0.5)
+        else:
+            log = (d / "slurmctld.log").read_text()[-2000:]
+            pytest.fail(f"the Slurm nodes never became idle: {out}\n{log}")
+        yield d, env, hosts
+    finally:
+        subprocess.run(["scancel", "--full", "-u", "root"], env=env, capture_output=True)
+        for n in NODES:
+            _kill_pidfile(d / f"slurmd-{n}.pid")
+        _kill_pidfile(d / "slurmctld.pid")
+        _kill_pidfile(d / "munged.pid")
+        hosts.__exit__(None, None, None)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+JOB = """
+import socket
+import tensorflow as tf
+import syncdp
+syncdp.init()
+r, n = syncdp.rank(), syncdp.size()
+total = int(syncdp.allreduce(tf.constant(r + 1), op=syncdp.Sum))
+hosts = syncdp.allgather_object(socket.gethostname())
+print(f"{{MODE}} rank {r}/{n} on {socket.gethostname()} local {syncdp.local_rank()}/"
+      f"{syncdp.local_size()} cross {syncdp.cross_rank()}/{syncdp.cross_size()} sum {total} "
+      f"hosts {','.join(hosts)}", flush=True)
+"""
+
+
+def test_sbatch_with_syncdp_run_and_srun_direct_launch(slurm, tmp_path):
+    d, env, hosts = slurm
+    for mode in ("launcher", "direct"):
+        (tmp_path / f"{mode}.py").write_text(JOB.replace("{{MODE}}", mode))
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"cd {ROOT}\n"
+        # No -np: the allocation's task count. The report address on the nodes' subnet.
+        f"syncdp-run --network-interface {hosts.subnet} python {tmp_path}/launcher.py\n"
+        'echo "syncdp-run exit $?"\n'
+        f"srun --mpi=pmix python {tmp_path}/direct.py\n"
+        'echo "srun exit $?"\n'
+    )
+    out = tmp_path / "job.out"
+    subprocess.run(
+        ["sbatch", "--wait", "-N", "2", "-n", "4", "-o", str(out), str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    text = out.read_text()
+    assert "syncdp-run exit 0" in text and "srun exit 0" in text, text[-4000:]
+    for mode in ("launcher", "direct"):
+        lines = re.findall(
+            rf"{mode} rank (\d)/4 on (n\d) local (\d)/2 cross (\d)/2 sum 10 "
+            rf"hosts n1,n1,n2,n2",
+            text,
+        )
+        assert sorted(lines) == [
+            ("0", "n1", "0", "0"),
+            ("1", "n1", "1", "0"),
+            ("2", "n2", "0", "1"),
+            ("3", "n2", "1", "1"),
+        ], text[-4000:]
+    # Through the launcher every line carries its rank.
+    assert re.search(r"\[2\]<stdout>:launcher rank 2/4 on n2", text), text[-4000:]
