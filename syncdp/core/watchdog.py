@@ -75,6 +75,7 @@ class Watchdog:
         # abort, but cannot say where the other ranks are.
         self._can_ask = self._MPI.Query_thread() == self._MPI.THREAD_MULTIPLE
         self._side = comm.Dup() if self._can_ask else None
+        self._queries: list = []  # this rank's questions still in flight (see ask_others)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="syncdp-watchdog", daemon=True)
         self._thread.start()
@@ -168,9 +169,12 @@ class Watchdog:
         """
         others = [r for r in range(self.size) if r != self.rank]
         for r in others:
-            self._side.isend(None, dest=r, tag=_QUERY)
+            # The request holds the pickled message: dropped, its buffer could be freed while
+            # MPI still sends it (the other rank then reads a truncated pickle). Kept until done.
+            self._queries.append(self._side.isend(None, dest=r, tag=_QUERY))
         replies = {}
         deadline = time.monotonic() + grace
+        self._queries = [q for q in self._queries if not q.Test()]
         MPI = self._MPI
         status = MPI.Status()
         while len(replies) < len(others) and time.monotonic() < deadline:
