@@ -29,15 +29,28 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, machine, median, plot_lines, write_markdown  # noqa: E402
+from common import RESULTS, alternate, machine, median, plot_lines, write_markdown  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES_MB = (1, 4, 16, 64)
+
+
+def _both_ways(comm, run, repeats: int) -> dict[str, float]:
+    """Median seconds of ``run()`` flat and topology-aware, alternating in one job."""
+
+    def way(hierarchical: bool):
+        def go():
+            comm.prefer_hierarchy = hierarchical
+            run()
+
+        return go
+
+    times = alternate({"flat": way(False), "topology": way(True)}, repeats, sync=comm.mpi.Barrier)
+    return {name: median(t) for name, t in times.items()}
 
 
 def _worker(repeats: int) -> None:
@@ -49,18 +62,12 @@ def _worker(repeats: int) -> None:
 
     hvd.init()
     comm = runtime.communicator()
-    out = {"hierarchical_available": comm.hierarchy is not None, "allreduce": {}, "train": {}}
+    out = {"allreduce": {}}
     for mb in SIZES_MB:
         buf = np.ones(mb * (1 << 20) // 4, np.float32)
-        times = {"flat": [], "topology": []}
-        for _ in range(repeats):
-            for mode in ("flat", "topology"):
-                comm.prefer_hierarchy = mode == "topology"
-                comm.mpi.Barrier()
-                start = time.perf_counter()
-                comm.allreduce_inplace(buf, name=f"bench{mb}")
-                times[mode].append(time.perf_counter() - start)
-        out["allreduce"][mb] = {k: median(v) for k, v in times.items()}
+        out["allreduce"][mb] = _both_ways(
+            comm, lambda b=buf, m=mb: comm.allreduce_inplace(b, name=f"bench{m}"), repeats
+        )
     model = tf.keras.Sequential(
         [
             tf.keras.Input((1024,)),
@@ -78,16 +85,8 @@ def _worker(repeats: int) -> None:
         for v, g in zip(model.trainable_variables, grads):
             v.assign_sub(1e-4 * g)
 
-    step()
-    times = {"flat": [], "topology": []}
-    for _ in range(repeats):
-        for mode in ("flat", "topology"):
-            comm.prefer_hierarchy = mode == "topology"
-            comm.mpi.Barrier()
-            start = time.perf_counter()
-            step()
-            times[mode].append(time.perf_counter() - start)
-    out["train"] = {k: median(v) for k, v in times.items()}
+    step()  # traced outside the timing
+    out["train"] = _both_ways(comm, step, repeats)
     out["params"] = int(sum(np.prod(v.shape) for v in model.trainable_variables))
     if hvd.rank() == 0:
         print("RESULT " + json.dumps(out), flush=True)

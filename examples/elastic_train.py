@@ -34,7 +34,12 @@ import syncdp.keras as hvd
 from syncdp.core import membership
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train import build_model, parse, write_digits  # noqa: E402 - the same data and model
+from train import (  # noqa: E402 - the same data, model and evaluation
+    build_model,
+    held_out_accuracy,
+    parse,
+    write_digits,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -136,15 +141,7 @@ def main(argv=None) -> int:
     }
     print("RESULT " + json.dumps(result), flush=True)
     if hvd.rank() == 0:
-        test = sorted(tf.io.gfile.glob(os.path.join(args.data_dir, "test", "*.tfrecord")))
-        count = sum(syncdp.data.count_records(f) for f in test)
-        held_out = (
-            tf.data.TFRecordDataset(test)
-            .map(parse)
-            .apply(tf.data.experimental.assert_cardinality(count))
-            .batch(256)
-        )
-        _, accuracy = model.evaluate(held_out, verbose=0)
+        accuracy = held_out_accuracy(model, args.data_dir)
         print(f"held-out accuracy: {accuracy:.4f} ({hvd.size()} ranks at the end)", flush=True)
     return 0
 

@@ -77,6 +77,20 @@ def parse(record):
     return features["image"], features["label"]
 
 
+def held_out_accuracy(model: keras.Model, data_dir: str) -> float:
+    """The model's accuracy on every held-out record (one process, no collective)."""
+    files = sorted(tf.io.gfile.glob(os.path.join(data_dir, "test", "*.tfrecord")))
+    count = sum(syncdp.data.count_records(f) for f in files)
+    held_out = (
+        tf.data.TFRecordDataset(files)
+        .map(parse)
+        .apply(tf.data.experimental.assert_cardinality(count))
+        .batch(256)
+    )
+    _, accuracy = model.evaluate(held_out, verbose=0)
+    return accuracy
+
+
 def build_model() -> keras.Model:
     return keras.Sequential(
         [
@@ -165,15 +179,7 @@ def main(argv=None) -> None:
     )
 
     if hvd.rank() == 0:  # syncdp: the whole held-out set, evaluated once
-        files = sorted(tf.io.gfile.glob(os.path.join(args.data_dir, "test", "*.tfrecord")))
-        count = sum(syncdp.data.count_records(f) for f in files)
-        held_out = (
-            tf.data.TFRecordDataset(files)
-            .map(parse)
-            .apply(tf.data.experimental.assert_cardinality(count))
-            .batch(256)
-        )
-        _, accuracy = model.evaluate(held_out, verbose=0)
+        accuracy = held_out_accuracy(model, args.data_dir)
         print(
             f"held-out accuracy: {accuracy:.4f} ({hvd.size()} ranks, global batch "
             f"{hvd.size() * args.batch_size}, {args.epochs} epochs)"

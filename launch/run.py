@@ -109,7 +109,7 @@ _START_STOP_GRACE_SECONDS = 2.0
 # Report kinds that are failures by themselves; an "exit" report is one when it says so.
 _FAILURE_KINDS = frozenset({"exception", "stall", "start_timeout", "exit_early", "elastic_abort"})
 # The settings that switch elastic mode on.
-_ELASTIC_SETTINGS = ("elastic", "min_np", "max_np", "host_discovery_script")
+_ELASTIC_SETTINGS = ("elastic", *settings.ELASTIC_IMPLIED_BY)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,10 +6,10 @@ which rank it was and how it ended (exit code or signal) before exiting non-zero
 makes mpirun end every other rank. The child is started with a parent-death signal, so it can
 never outlive this supervisor.
 
-However the child ends, the supervisor sends the launcher an ``exit`` report (see
-:mod:`syncdp.core.report`; the same one-JSON-line format, written here directly because
-importing syncdp would import TensorFlow, seconds per rank): ``code`` or ``signal``, and
-``requested`` when the child was stopped because the job was ending.
+However the child ends, the supervisor sends the launcher an ``exit`` report
+(:mod:`syncdp.core.report`, which like :mod:`syncdp.core.settings` loads neither TensorFlow nor
+MPI): ``code`` or ``signal``, and ``requested`` when the child was stopped because the job was
+ending.
 
 In elastic mode (``SYNCDP_ELASTIC=1``, or ``SYNCDP_MIN_NP`` and the like set) a child that fails
 takes the supervisor with it by SIGKILL: Open MPI's ULFM treats a process killed by a signal as
@@ -31,7 +31,6 @@ Usage (by the launcher, not by hand): ``python -m launch.worker COMMAND [ARGS...
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import socket
@@ -40,13 +39,11 @@ import sys
 import threading
 import time
 
+from syncdp.core import report, settings  # neither imports TensorFlow or MPI
+
 __all__ = ["main", "describe_exit"]
 
 _PR_SET_PDEATHSIG = 1
-# syncdp.core.report's address variable and connect timeout: a report must never hold up a
-# rank that is about to end the job.
-_REPORT_ADDR = "SYNCDP_REPORT_ADDR"
-_CONNECT_SECONDS = 2.0
 
 
 def _rank() -> str:
@@ -67,26 +64,15 @@ def _send_exit_report(
     rank: str, pid: int | None, returncode: int, requested: bool, message: str
 ) -> None:
     """Tells the launcher how the child ended, if there is a launcher; never raises."""
-    address = os.environ.get(_REPORT_ADDR)
-    if not address:
-        return
-    report = {
-        "kind": "exit",
-        "rank": int(rank) if rank.isdigit() else None,
-        "host": socket.gethostname(),
-        "pid": pid,
-        "time": time.time(),
-        "message": message,
-        "code": returncode if returncode >= 0 else None,
-        "signal": -returncode if returncode < 0 else None,
-        "requested": requested,
-    }
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=_CONNECT_SECONDS) as s:
-            s.sendall((json.dumps(report) + "\n").encode())
-    except (OSError, ValueError):
-        pass  # the launcher is gone or unreachable; the stderr line still says it
+    report.send(
+        "exit",
+        int(rank) if rank.isdigit() else None,
+        message,
+        pid=pid,
+        code=returncode if returncode >= 0 else None,
+        signal=-returncode if returncode < 0 else None,
+        requested=requested,
+    )
 
 
 # The lifeline watcher checks the launcher this often, and gives up on it after the stall
@@ -201,23 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m launch.worker COMMAND [ARGS...]", file=sys.stderr)
         return 2
     rank = _rank()
-    address = os.environ.get(_REPORT_ADDR)
+    config = settings.from_env_or_default()
+    address = os.environ.get(report.ADDRESS_VAR)
     if address:
-        try:
-            stall = float(os.environ.get("SYNCDP_STALL_TIMEOUT", "60") or 60)
-        except ValueError:
-            stall = 60.0
-        _start_lifeline(address, max(_LIFELINE_MIN_LOST_SECONDS, stall))
+        _start_lifeline(address, max(_LIFELINE_MIN_LOST_SECONDS, config.stall_timeout))
     env = None
     if argv[0] == "--replacement" and len(argv) > 2:
         rank = str(int(argv[1]) + (int(rank) if rank.isdigit() else 0))
         argv = argv[2:]
         env = {**os.environ, "SYNCDP_REPLACEMENT": rank}
-    # syncdp.core.settings: --elastic, or any of the flags that imply it.
-    elastic = os.environ.get("SYNCDP_ELASTIC", "").lower() in ("1", "true", "yes", "on") or any(
-        os.environ.get(k, "0") not in ("", "0")
-        for k in ("SYNCDP_MIN_NP", "SYNCDP_MAX_NP", "SYNCDP_HOST_DISCOVERY_SCRIPT")
-    )
+    elastic = config.elastic
     try:
         child = subprocess.Popen(
             argv,

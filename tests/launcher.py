@@ -29,6 +29,30 @@ def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def start(
+    np: int,
+    *command: str,
+    env: dict[str, str] | None = None,
+    launcher_args: tuple[str, ...] = (),
+    cwd: str | os.PathLike | None = None,
+) -> subprocess.Popen:
+    """Starts ``syncdp-run -np NP [launcher_args] COMMAND`` in its own session, text pipes.
+
+    For tests that act while the job runs (kill a rank, cut a link); the caller must end it
+    (``os.killpg(proc.pid, SIGKILL)``) if it outlives the test.
+    """
+    cmd = [sys.executable, "-m", "launch", "-np", str(np), *launcher_args, *command]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=rank_env(env),
+        cwd=cwd or ROOT,
+        start_new_session=True,
+    )
+
+
 def launch(
     np: int,
     *command: str,
@@ -44,18 +68,10 @@ def launch(
     compare with times the ranks print). Fails the test (after killing every process of the job)
     when the job outlives ``timeout``.
     """
-    cmd = [sys.executable, "-m", "launch", "-np", str(np), *launcher_args, *command]
     started_at = time.time()
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=rank_env(env),
-        cwd=cwd or ROOT,
-        start_new_session=True,
-    )
+    began = time.monotonic()
+    proc = start(np, *command, env=env, launcher_args=launcher_args, cwd=cwd)
+    cmd = proc.args
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -66,7 +82,7 @@ def launch(
             f"--- stdout ---\n{out[-5000:]}\n--- stderr ---\n{err[-5000:]}"
         )
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    result.elapsed = time.monotonic() - start
+    result.elapsed = time.monotonic() - began
     result.started_at, result.ended_at = started_at, time.time()
     return result
 

@@ -54,7 +54,6 @@ class NamespaceHosts:
         self.gateway = f"{subnet}.1"
         self.address = {n: f"{subnet}.{11 + i}" for i, n in enumerate(self.names)}
         self.agent = str(Path(workdir) / "netns-agent.sh")
-        self._made: list[tuple[str, str]] = []
 
     def __enter__(self) -> NamespaceHosts:
         if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
@@ -73,15 +72,12 @@ class NamespaceHosts:
     def _build(self) -> None:
         self._cleanup()  # leftovers of an earlier run that was killed
         _ip("link", "add", self.bridge, "type", "bridge")
-        self._made.append(("link", self.bridge))
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for i, name in enumerate(self.names):
             ns, outside, inside = self.prefix + name, f"{self.tag}v{i}", f"{self.tag}e{i}"
             _ip("netns", "add", ns)
-            self._made.append(("netns", ns))
             _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
-            self._made.append(("link", outside))
             _ip("link", "set", inside, "netns", ns)
             _ip("link", "set", outside, "master", self.bridge)
             _ip("link", "set", outside, "up")
@@ -126,4 +122,3 @@ class NamespaceHosts:
 
     def __exit__(self, *exc) -> None:
         self._cleanup()
-        self._made.clear()

@@ -31,10 +31,13 @@ import sys
 import time
 
 from syncdp.core import mpi
+from syncdp.core.errors import ElasticAbortError
 
 __all__ = ["Member", "Plan", "me", "join_parent", "recover", "grow", "discover_slots"]
 
 REPLACEMENT_VAR = "SYNCDP_REPLACEMENT"
+# Recovery attempts in a row before the job ends instead (each one follows a new failure).
+RECOVERY_ATTEMPTS = 5
 # A host discovery script that does not answer within this long is treated as listing nothing.
 _DISCOVERY_TIMEOUT_SECONDS = 30.0
 # The fewest seconds between two runs of the discovery script to look for new slots.
@@ -206,7 +209,7 @@ def _decide(comm, plan: Plan, alive: list[Member], want: int) -> tuple[Plan, int
     return comm.bcast(decision, root=0)
 
 
-def recover(base, plan: Plan, lost_at: float) -> tuple[object, Plan, dict]:
+def recover(base, plan: Plan) -> tuple[object, Plan, dict]:
     """Heals the job after a rank failure: shrink, spawn replacements, merge.
 
     A collective of the survivors: every one of them must call it with the job's (revoked)
@@ -215,11 +218,14 @@ def recover(base, plan: Plan, lost_at: float) -> tuple[object, Plan, dict]:
     Args:
         base: The job's MPI communicator, in which a rank failed.
         plan: This rank's plan.
-        lost_at: ``time.monotonic()`` when the failure was noticed.
 
     Returns:
         ``(merged communicator, rank 0's plan, what changed)``; the change has ``survivors``
         (how many ranks shrank to) and ``spawned`` (replacements started).
+
+    Raises:
+        ElasticAbortError: :data:`RECOVERY_ATTEMPTS` attempts in a row failed (replacements
+            that cannot start, say), instead of trying forever.
     """
     MPI = mpi.load()
     attempts = 0
@@ -240,6 +246,11 @@ def recover(base, plan: Plan, lost_at: float) -> tuple[object, Plan, dict]:
         except MPI.Exception as e:
             # Another rank (a survivor or a replacement) was lost meanwhile: start over from
             # the communicator that is left.
+            if attempts >= RECOVERY_ATTEMPTS:
+                raise ElasticAbortError(
+                    f"elastic recovery failed {attempts} times in a row (last: {e}); ending the "
+                    "job."
+                ) from None
             print(
                 f"syncdp: elastic recovery attempt {attempts} failed ({e}); retrying.",
                 file=sys.stderr,

@@ -200,7 +200,12 @@ def reset(grow: bool = False) -> dict:
     if grow:
         merged, plan, change = membership.grow(base, plan)
     else:
-        merged, plan, change = membership.recover(base, plan, started)
+        try:
+            merged, plan, change = membership.recover(base, plan)
+        except ElasticAbortError as e:
+            print(f"syncdp: elastic: {e}", file=sys.stderr, flush=True)
+            report.send("elastic_abort", comm.rank, str(e))
+            raise
     _drop(broken=not grow)
     plan.resets += 1
     world = _build(merged, config, comm.timeline, plan)

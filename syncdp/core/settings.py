@@ -34,6 +34,7 @@ __all__ = [
     "markdown_table",
     "INTERNAL_VARS",
     "ELASTIC_IMPLIED_BY",
+    "from_env_or_default",
 ]
 
 MiB = 1024 * 1024
@@ -347,6 +348,15 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides) -> Config:
     if any(values.get(name) for name in ELASTIC_IMPLIED_BY):
         values["elastic"] = True
     return Config(**values)
+
+
+def from_env_or_default(environ: Mapping[str, str] | None = None) -> Config:
+    """:func:`from_env`, or the defaults when the environment is malformed (for the launcher's
+    helpers, which must not fail where the ranks will report the error themselves)."""
+    try:
+        return from_env(environ)
+    except ConfigError:
+        return Config()
 
 
 def launcher_env(flag_values: Mapping[str, Any]) -> dict[str, str]:

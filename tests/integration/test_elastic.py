@@ -16,13 +16,12 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from tests.launcher import ROOT, launch, rank_env
+from tests.launcher import ROOT, launch, start
 
 EXAMPLE = "examples/elastic_custom_loop.py"
 EPOCHS, RECORDS, GLOBAL_BATCH, LR = 2, 600, 60, 0.05
@@ -163,14 +162,8 @@ def test_stalled_rank_is_removed_and_replaced(tmp_path):
 def test_keras_example_survives_a_random_kill(tmp_path):
     """The issue's acceptance run: any one rank SIGKILLed at a random moment of training."""
     data = str(tmp_path / "digits")
-    cmd = [
-        sys.executable,
-        "-m",
-        "launch",
-        "-np",
-        "3",
-        "--min-np",
-        "2",
+    proc = start(
+        3,
         "python",
         "examples/elastic_train.py",
         "--data-dir",
@@ -181,15 +174,7 @@ def test_keras_example_survives_a_random_kill(tmp_path):
         "0.05",
         "--verbose",
         "2",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=rank_env(),
-        cwd=ROOT,
-        start_new_session=True,
+        launcher_args=("--min-np", "2"),
     )
     rng = random.Random()
     victim = None

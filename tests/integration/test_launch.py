@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.launcher import ROOT, check, launch, python_script, rank_env
+from tests.launcher import ROOT, check, launch, python_script, rank_env, start
 
 HELLO = "import syncdp; syncdp.init(); print('hello', syncdp.rank(), syncdp.size())"
 
@@ -121,15 +121,7 @@ while True:  # {marker}
 """,
         name=f"{marker}.py",
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launch", "-np", "2", "python", script],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=rank_env(),
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    proc = start(2, "python", script)
     try:
         ready = 0
         deadline = time.monotonic() + 120

@@ -15,12 +15,11 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.launcher import ROOT, check, launch, python_script, rank_env
+from tests.launcher import check, launch, python_script, start
 from tests.netns import NamespaceHosts, Unavailable
 
 HOSTS = ["h1", "h2", "h3"]
@@ -116,25 +115,7 @@ for step in range(100000):
 def test_a_host_whose_link_is_cut_ends_the_job_and_leaves_nothing_running(cluster, tmp_path):
     stall = 5.0
     script = python_script(tmp_path, LOOP)
-    cmd = [
-        sys.executable,
-        "-m",
-        "launch",
-        "-np",
-        "6",
-        *_flags(cluster, "--stall-timeout", str(stall)),
-        "python",
-        script,
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=rank_env(),
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    proc = start(6, "python", script, launcher_args=_flags(cluster, "--stall-timeout", str(stall)))
     try:
         for line in proc.stdout:
             if "training" in line:

@@ -5,6 +5,7 @@ tests/integration/test_elastic.py.
 """
 
 import os
+import time
 
 import pytest
 
@@ -39,21 +40,6 @@ def test_without_elastic_flags_nothing_changes():
     assert not c.elastic
     cmd = run.build_command(c, run.build_env(c, environ={}))
     assert "--with-ft" not in cmd
-
-
-@pytest.mark.parametrize(
-    "argv, words",
-    [
-        (["-np", "2", "--min-np", "3", "python"], "--min-np (3) must not exceed -np (2)"),
-        (["-np", "3", "--max-np", "2", "python"], "--max-np (2) must be at least -np (3)"),
-        (["-np", "2", "--min-np", "-1", "python"], "--min-np must be at least 0"),
-    ],
-)
-def test_bad_elastic_command_lines(argv, words, capsys):
-    with pytest.raises(SystemExit) as e:
-        run.parse_args(argv)
-    assert e.value.code == 2
-    assert words in capsys.readouterr().err
 
 
 def _fake_mpi(tmp_path, extensions: str) -> str:
@@ -131,11 +117,8 @@ def test_a_stall_report_kills_the_stalled_process(monkeypatch):
     monkeypatch.setattr(elastic, "_kill", lambda host, pid: killed.append((host, pid)))
     log = elastic.ElasticLog()
     assert log.handle({"kind": "stall", "elastic": True, "ranks": [2], "pids": [["h", 77]]})
-    for _ in range(100):
-        if killed:
-            break
-        import time
-
+    deadline = time.monotonic() + 5
+    while not killed and time.monotonic() < deadline:  # the kill runs on its own thread
         time.sleep(0.01)
     assert killed == [("h", 77)]
 

@@ -49,6 +49,9 @@ def test_settings_flags_are_kept_by_name_in_the_flags_unit():
         (["-np", "2", "--chunk-mb", "0.0001", "python"], "--chunk-mb must be at least"),
         (["-np", "2", "--verify-every", "2.5", "python"], "--verify-every"),
         (["-np", "2", "--hostfile", "/nonexistent/hosts", "python"], "does not exist"),
+        (["-np", "2", "--min-np", "3", "python"], "--min-np (3) must not exceed -np (2)"),
+        (["-np", "3", "--max-np", "2", "python"], "--max-np (2) must be at least -np (3)"),
+        (["-np", "2", "--min-np", "-1", "python"], "--min-np must be at least 0"),
     ],
 )
 def test_bad_command_lines_exit_with_usage(argv, words, capsys):
