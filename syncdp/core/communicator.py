@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from syncdp.core import mpi as _mpi
+from syncdp.core import shm as _shm
 from syncdp.core.errors import MismatchError, RankFailureError
 from syncdp.core.settings import Config
 from syncdp.core.watchdog import Watchdog
@@ -133,6 +134,9 @@ class Communicator:
         # ranks with this local rank, and whether every host runs as many ranks.
         self.hierarchy: tuple | None = None
         self.prefer_hierarchy = False
+        # The intra-host shared-memory plane (syncdp.core.shm), opened by the first allreduce
+        # that can use it; False until then, None when this group cannot have one.
+        self._plane: _shm.SharedPlane | None | bool = False
         self.watchdog = Watchdog(self.mpi, config, job_comm) if self.size > 1 else None
 
     def close(self) -> None:
@@ -144,6 +148,9 @@ class Communicator:
         if self.watchdog is not None:
             self.watchdog.stop(free=not self.broken)
             self.watchdog = None
+        if self._plane:
+            self._plane.close(collective=not self.broken)
+        self._plane = False
         if self.mpi != self._MPI.COMM_NULL:
             if not self.broken:
                 self.mpi.Free()
@@ -285,8 +292,8 @@ class Communicator:
         send = np.ascontiguousarray(array).reshape(-1)
         out = np.empty_like(send)
 
-        def copy(lo, hi):
-            out[lo:hi] = send[lo:hi]
+        def copy(lo, hi, dst):
+            dst[...] = send[lo:hi]
 
         self.allreduce_inplace(out, op, name=name, before=copy)
         return out.reshape(np.shape(array))
@@ -302,24 +309,30 @@ class Communicator:
         info: dict | None = None,
         nbytes: int | None = None,
     ) -> np.ndarray:
-        """Reduces a writable 1-D ``buffer`` over all ranks, in place, one chunk at a time.
+        """Reduces a writable 1-D ``buffer`` over all ranks, in place, one piece at a time.
 
-        The buffer goes to MPI in pieces of ``config.chunk_bytes`` with ``MPI.IN_PLACE``: Open
-        MPI is several times faster on a few MiB that stay in cache than on one large message,
-        and in place it skips its own copy of the send buffer. ``before(lo, hi)`` fills
-        elements ``[lo, hi)`` just before they are sent and ``after(lo, hi)`` finishes them
-        just after, so packing, scaling and unpacking touch each chunk while it is still in
-        cache instead of making passes of their own over the whole buffer.
+        When every rank of this group shares one host (and ``config.shared_memory`` allows
+        it), the bytes move through a shared-memory window where each rank reduces its own
+        slice (:mod:`syncdp.core.shm`), in segments of about 1 MiB. Otherwise the buffer goes
+        to MPI in chunks of ``config.chunk_bytes`` with ``MPI.IN_PLACE`` (Open MPI is several
+        times faster on a few MiB that stay in cache than on one large message, and in place
+        it skips its own copy of the send buffer), or through the topology-aware path across
+        hosts. ``before(lo, hi, dst)`` writes elements ``[lo, hi)`` into ``dst`` just before
+        they are reduced (``dst`` is ``buffer[lo:hi]``, or this rank's shared slot) and
+        ``after(lo, hi)`` finishes ``buffer[lo:hi]`` just after, so packing, scaling and
+        unpacking touch each piece while it is still in cache instead of making passes of
+        their own over the whole buffer.
 
         A synchronization point: all ranks must call it in the same order with buffers of the
         same size and dtype. It is one collective for the watchdog and the timeline, however
-        many chunks it takes.
+        many pieces it takes.
 
         Args:
             buffer: A contiguous, writable 1-D array.
             op: "sum", "min" or "max". Defaults to "sum".
             name: What the timeline and stall reports call this collective.
-            before: Optional ``fn(lo, hi)`` that writes ``buffer[lo:hi]``. Defaults to None.
+            before: Optional ``fn(lo, hi, dst)`` that writes elements ``[lo, hi)`` into
+                ``dst``. Defaults to None (``buffer`` already holds them).
             after: Optional ``fn(lo, hi)`` that post-processes ``buffer[lo:hi]``. Defaults to
                 None.
             info: Extra fields for the timeline event. Defaults to None.
@@ -335,7 +348,7 @@ class Communicator:
             for lo in range(0, size, step):
                 hi = min(size, lo + step)
                 if before is not None:
-                    before(lo, hi)
+                    before(lo, hi, buffer[lo:hi])
                 if after is not None:
                     after(lo, hi)
             return buffer
@@ -343,10 +356,14 @@ class Communicator:
         hierarchy = self.hierarchy if self.prefer_hierarchy else None
 
         def reduce():
+            plane = self._shared_plane() if hierarchy is None else None
+            if plane is not None:
+                plane.allreduce(buffer, op, before=before, after=after)
+                return
             for lo in range(0, size, step):
                 hi = min(size, lo + step)
                 if before is not None:
-                    before(lo, hi)
+                    before(lo, hi, buffer[lo:hi])
                 if hierarchy is None:
                     mpi.Allreduce(in_place, buffer[lo:hi], mpi_op)
                 else:
@@ -357,6 +374,14 @@ class Communicator:
         nbytes = buffer.nbytes if nbytes is None else nbytes
         self._run(name, reduce, nbytes=nbytes, dtype=str(buffer.dtype), info=info)
         return buffer
+
+    def _shared_plane(self) -> _shm.SharedPlane | None:
+        """The intra-host plane, opened on first use (a collective: every rank is in the same
+        allreduce when it happens); None when the ranks span hosts or it is switched off."""
+        if self._plane is False:
+            use = self.config.shared_memory != "off"
+            self._plane = _shm.open_plane(self.mpi) if use else None
+        return self._plane
 
     def broadcast(
         self, array: np.ndarray, root: int = 0, *, name: str = "broadcast", in_place: bool = False

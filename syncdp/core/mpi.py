@@ -9,6 +9,7 @@ aborts, without asking the other ranks where they are).
 
 from __future__ import annotations
 
+import os
 import sys
 
 __all__ = ["load", "loaded"]
@@ -23,6 +24,12 @@ def load():
     """Returns mpi4py's ``MPI`` module, initializing MPI on the first call."""
     if not loaded():
         import mpi4py
+
+        if not os.path.isdir("/sys/class/infiniband"):
+            # Without an RDMA device Open MPI's UCX one-sided component fails its query and
+            # prints an error for every window (the shared-memory plane makes one); its
+            # shared-memory component serves instead. A user's own setting wins.
+            os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 
         mpi4py.rc.thread_level = "multiple"
     from mpi4py import MPI

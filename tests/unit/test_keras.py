@@ -261,3 +261,20 @@ def test_schedule_needs_initial_lr_and_known_steps():
     callback.set_params({"epochs": 1, "steps": None})
     with pytest.raises(ValueError, match="Pass steps_per_epoch="):
         callback.on_train_begin()
+
+
+def test_fp16_sends_float16_only_across_hosts(monkeypatch):
+    import tensorflow as tf
+
+    from syncdp.tensorflow import compression
+
+    x = tf.constant([1.0, 2.0 / 3.0])
+    monkeypatch.setattr(compression, "_across_hosts", lambda: True)
+    sent, ctx = compression.Compression.fp16.compress(x)
+    assert sent.dtype == tf.float16 and ctx == tf.float32
+    assert compression.Compression.fp16.decompress(sent, ctx).numpy()[1] == np.float32(
+        np.float16(2.0 / 3.0)
+    )
+    monkeypatch.setattr(compression, "_across_hosts", lambda: False)
+    sent, ctx = compression.Compression.fp16.compress(x)
+    assert sent.dtype == tf.float32
