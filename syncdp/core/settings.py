@@ -182,6 +182,16 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("auto", "on", "off"),
     ),
     Setting(
+        "shared_memory",
+        "SYNCDP_SHARED_MEMORY",
+        "--shared-memory",
+        str,
+        "auto",
+        "allreduce through an MPI-3 shared-memory window where every rank reduces its slice, "
+        "when all ranks of a group share one host: auto (= on) or off (Open MPI's allreduce)",
+        choices=("auto", "on", "off"),
+    ),
+    Setting(
         "elastic",
         "SYNCDP_ELASTIC",
         "--elastic",
@@ -274,6 +284,7 @@ class Config:
     timeline: str = _default("timeline")
     verify_every: int = _default("verify_every")
     hierarchical_allreduce: str = _default("hierarchical_allreduce")
+    shared_memory: str = _default("shared_memory")
     elastic: bool = _default("elastic")
     min_np: int = _default("min_np")
     max_np: int = _default("max_np")

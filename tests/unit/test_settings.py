@@ -28,6 +28,7 @@ EVERY_VARIABLE = {
     "SYNCDP_TIMELINE": ("/tmp/t.json", "/tmp/t.json"),
     "SYNCDP_VERIFY_EVERY": ("5", 5),
     "SYNCDP_HIERARCHICAL_ALLREDUCE": ("on", "on"),
+    "SYNCDP_SHARED_MEMORY": ("off", "off"),
     "SYNCDP_ELASTIC": ("1", True),
     "SYNCDP_MIN_NP": ("2", 2),
     "SYNCDP_MAX_NP": ("4", 4),
