@@ -31,6 +31,7 @@ import numpy as np
 
 from syncdp.core import mpi as _mpi
 from syncdp.core import shm as _shm
+from syncdp.core import stats as _stats
 from syncdp.core.errors import MismatchError, RankFailureError
 from syncdp.core.settings import Config
 from syncdp.core.watchdog import Watchdog
@@ -206,11 +207,12 @@ class Communicator:
         timeout=None,
         info: dict | None = None,
         record: bool = True,
+        phase: str = "move",
     ):
         self.seq += 1
         if self.watchdog is not None:
             self.watchdog.enter(self.seq, name, timeout)
-        start = time.perf_counter()
+        start = began = time.perf_counter()
         if record and self._checked_at is not None:
             # The argument check just before belongs to this collective in the timeline: it
             # is where a rank waits for the others to arrive.
@@ -225,12 +227,12 @@ class Communicator:
                 raise
             raise failure from None
         finally:
+            end = time.perf_counter()
             if self.watchdog is not None:
                 self.watchdog.leave(self.seq)
+            _stats.RECORDER.add(phase, end - began, nbytes)
             if self.timeline is not None and record:
-                self.timeline.record(
-                    name, nbytes, dtype, start, time.perf_counter(), **(info or {})
-                )
+                self.timeline.record(name, nbytes, dtype, start, end, **(info or {}))
 
     def _op(self, op: str):
         if op not in OPS:
@@ -258,7 +260,9 @@ class Communicator:
         checked_at = time.perf_counter()
         mine = np.array([signature_digest(signature) if digest is None else digest], dtype=np.int64)
         digests = np.empty(self.size, dtype=np.int64)
-        self._run(f"{name}.check", lambda: self.mpi.Allgather(mine, digests), record=False)
+        self._run(
+            f"{name}.check", lambda: self.mpi.Allgather(mine, digests), record=False, phase="wait"
+        )
         if (digests == digests[0]).all():
             self._checked_at = checked_at
             return
@@ -523,7 +527,7 @@ class Communicator:
     def barrier(self, *, name: str = "barrier", timeout=None) -> None:
         """Returns once every rank has called it."""
         if self.size > 1:
-            self._run(name, self.mpi.Barrier, timeout=timeout)
+            self._run(name, self.mpi.Barrier, timeout=timeout, phase="wait")
 
     def join(self, *, name: str = "join") -> int:
         """Waits for every rank; returns the rank that arrived last, the same on every rank.

@@ -29,7 +29,7 @@ import sys
 import time
 import traceback
 
-from syncdp.core import membership, mpi, report, settings
+from syncdp.core import membership, mpi, report, settings, stats
 from syncdp.core.communicator import Communicator
 from syncdp.core.errors import ElasticAbortError, NotInitializedError
 from syncdp.core.timeline import Timeline
@@ -52,6 +52,7 @@ __all__ = [
     "communicator",
     "get_config",
     "topology",
+    "timing",
     "reset",
     "on_reset",
     "members",
@@ -109,6 +110,7 @@ def init(comm=None, process_sets=None, **options) -> None:
         _register(process_sets, only_new=True)  # Horovod programs may call init() again
         return
     config = settings.from_env(**options)
+    stats.RECORDER.reset()
     replacement = os.environ.get(membership.REPLACEMENT_VAR)
     # Announce this rank before MPI starts: Open MPI's MPI_Init itself waits for every rank,
     # so a rank that is late to start would otherwise keep the others from ever reporting.
@@ -403,6 +405,8 @@ def _at_exit() -> None:
                     report.send("exit_early", comm.rank, message, ranks=[other])
                     mpi.load().COMM_WORLD.Abort(1)
             time.sleep(0.2)
+    if comm is not None:
+        stats.RECORDER.send(comm.rank)  # "where the time went", printed by the launcher
     shutdown()
 
 
@@ -421,6 +425,18 @@ def shutdown() -> None:
         timeline.gather_and_write(comm.mpi)
     _drop(broken=comm.broken)
     _state.config = None
+
+
+def timing() -> dict:
+    """Where this rank's time went so far: per-step time, and the shares spent computing,
+    waiting for other ranks and moving bytes, with the bandwidth achieved (see
+    :meth:`syncdp.core.stats.Recorder.summary`). Not a collective.
+
+    Example:
+        >>> t = syncdp.timing()
+        >>> print(f"{t['waiting']:.0%} of each step waiting for the slowest rank")
+    """
+    return stats.RECORDER.summary()
 
 
 def is_initialized() -> bool:

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from syncdp.core import stats as _stats
 from syncdp.engine import steps as _steps
 from syncdp.engine.buffers import BufferPool, Layout
 
@@ -109,6 +110,8 @@ class BucketReducer:
         Raises:
             StepMismatchError: The bucket carries the step and the ranks' steps differ.
         """
+        if self.carry_step:  # one gradient reduction per training step
+            _stats.RECORDER.step(comm.rank)
         flats = [np.asarray(a).reshape(-1) for a in arrays]
         sizes = tuple(f.size for f in flats)
         step_elems = comm.size * _steps.limbs_for(self.dtype) if self.carry_step else 0

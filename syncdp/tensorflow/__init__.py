@@ -52,6 +52,7 @@ from syncdp.core.runtime import (
     size,
     start_timeline,
     stop_timeline,
+    timing,
 )
 from syncdp.tensorflow import elastic  # noqa: F401 - hvd.elastic, a module (not in __all__)
 from syncdp.tensorflow.collectives import (
@@ -116,6 +117,7 @@ __all__ = [
     "init",
     "shutdown",
     "is_initialized",
+    "timing",
     "rank",
     "size",
     "local_rank",

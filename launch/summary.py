@@ -1,0 +1,83 @@
+"""'Where the time went': the launcher's per-rank table of step time and its shares.
+
+Every rank sends a ``timing`` report at exit (and every 20 s while it trains, so that
+``kill -USR1 <syncdp-run>`` can print the figures so far): its step time and the shares spent
+computing, waiting for the other ranks and moving bytes, and the bandwidth it achieved (see
+``syncdp.core.stats``). :func:`format_table` turns the latest report of each rank into a short
+table and names the slowest rank: the one that waits least, since every other rank waits
+for it.
+
+Example output::
+
+    syncdp-run: where the time went (per rank, over 480 steps):
+      rank  host   step ms  computing  waiting  moving   GB/s
+         0  vm       105.2        81%      12%      7%   2.10
+         1  vm       104.9        90%       3%      7%   2.03
+    syncdp-run: slowest: rank 1 (waits 3% of its step; the others wait 12% on average)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+__all__ = ["format_table", "latest_by_rank"]
+
+# Below this much waiting between the slowest rank and the others, no rank is singled out.
+_STRAGGLER_GAP = 0.02
+
+
+def latest_by_rank(reports: Iterable[Mapping]) -> dict[int, Mapping]:
+    """The last ``timing`` report of each rank, by rank."""
+    latest: dict[int, Mapping] = {}
+    for r in reports:
+        if r.get("kind") == "timing" and isinstance(r.get("rank"), int):
+            latest[r["rank"]] = r
+    return latest
+
+
+def _share(value) -> str:
+    return f"{value:.0%}" if isinstance(value, int | float) else "-"
+
+
+def format_table(reports: Iterable[Mapping], *, prefix: str = "syncdp-run: ") -> str:
+    """The summary lines for the latest ``timing`` report of each rank ('' if none).
+
+    Args:
+        reports: Reports as the launcher received them (any kinds; others are skipped).
+        prefix: Put before the heading and the verdict lines.
+    """
+    latest = latest_by_rank(reports)
+    if not latest:
+        return ""
+    steps = min(int(r.get("steps") or 0) for r in latest.values())
+    what = f"over {steps} steps" if steps >= 2 else "no training steps: whole run"
+    lines = [
+        f"{prefix}where the time went (per rank, {what}):",
+        f"  {'rank':>4}  {'host':<12}{'step ms':>8}{'computing':>11}{'waiting':>9}"
+        f"{'moving':>8}{'GB/s':>7}",
+    ]
+    for rank in sorted(latest):
+        r = latest[rank]
+        step = r.get("step_s")
+        gbps = r.get("gbps")
+        lines.append(
+            f"  {rank:>4}  {str(r.get('host', '?'))[:11]:<12}"
+            f"{step * 1e3 if step else float('nan'):>8.1f}"
+            f"{_share(r.get('computing')):>11}{_share(r.get('waiting')):>9}"
+            f"{_share(r.get('moving')):>8}"
+            f"{gbps if gbps else float('nan'):>7.2f}"
+        )
+    if len(latest) >= 2:
+        waits = {rank: float(r.get("waiting") or 0.0) for rank, r in latest.items()}
+        slowest = min(waits, key=waits.get)
+        others = [w for rank, w in waits.items() if rank != slowest]
+        mean_other = sum(others) / len(others)
+        if mean_other - waits[slowest] >= _STRAGGLER_GAP:
+            host = latest[slowest].get("host", "?")
+            lines.append(
+                f"{prefix}slowest: rank {slowest} on {host} (waits {waits[slowest]:.0%} of its "
+                f"step; the others wait {mean_other:.0%} on average)"
+            )
+        else:
+            lines.append(f"{prefix}no straggler: the ranks wait about equally")
+    return "\n".join(lines)
