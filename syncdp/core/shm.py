@@ -43,7 +43,7 @@ SEGMENT_BYTES = 1 << 20
 _UFUNC = {"sum": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
 
 
-def open_plane(mpi_comm, *, segment_bytes: int = SEGMENT_BYTES, shm_dir: str = "/dev/shm"):
+def open_plane(mpi_comm, *, segment_bytes: int | None = None, shm_dir: str = "/dev/shm"):
     """A :class:`SharedPlane` over ``mpi_comm`` when all its ranks share a host; else None.
 
     A collective of every rank of ``mpi_comm``; every rank gets the same answer. The window
@@ -52,6 +52,7 @@ def open_plane(mpi_comm, *, segment_bytes: int = SEGMENT_BYTES, shm_dir: str = "
     at allocation but kill the rank with SIGBUS when touched.
     """
     MPI = _mpi.load()
+    segment_bytes = segment_bytes or SEGMENT_BYTES
     size = mpi_comm.Get_size()
     if size < 2:
         return None
