@@ -21,6 +21,11 @@ class CheckpointCallback(keras.callbacks.Callback):
     ``BackupAndRestore``: a restarted job that calls the same ``fit`` resumes where it stopped.
     Saves are synchronization points; every rank must use the callback.
 
+    A damaged checkpoint is moved aside and ``fit`` resumes from the newest intact one (every
+    rank warns); when every checkpoint is damaged, ``fit`` raises
+    :class:`~syncdp.core.errors.CheckpointError` on every rank unless ``allow_fresh`` is True
+    (see :class:`~syncdp.checkpoint.CheckpointManager`).
+
     Resume is exact for checkpoints written at the end of an epoch. A checkpoint written every
     ``save_freq`` batches resumes at the start of the epoch it was written in, with the weights
     it saved, because ``fit`` cannot skip the batches already seen.
@@ -30,7 +35,13 @@ class CheckpointCallback(keras.callbacks.Callback):
         save_freq: "epoch" to save at the end of every ``every`` epochs, or an int N to save
             every N batches. Defaults to "epoch".
         every: With ``save_freq="epoch"``, save every this many epochs. Defaults to 1.
-        max_to_keep: How many checkpoints to keep. Defaults to 3.
+        max_to_keep: How many intact checkpoints to keep. Defaults to 3.
+        allow_fresh: When checkpoints exist but every one is damaged, train from epoch 0
+            (moving them aside) instead of raising. Defaults to False.
+
+    Raises:
+        CheckpointError: From ``fit``, on every rank, when no checkpoint can be restored
+            (see ``CheckpointManager.restore``).
 
     Attributes:
         initial_epoch: The epoch ``fit`` resumed at (0 without a checkpoint).
@@ -48,6 +59,7 @@ class CheckpointCallback(keras.callbacks.Callback):
         save_freq: str | int = "epoch",
         every: int = 1,
         max_to_keep: int | None = 3,
+        allow_fresh: bool = False,
     ):
         super().__init__()
         if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq > 0):
@@ -60,6 +72,7 @@ class CheckpointCallback(keras.callbacks.Callback):
         self.save_freq = save_freq
         self.every = every
         self.max_to_keep = max_to_keep
+        self.allow_fresh = allow_fresh
         self.manager: CheckpointManager | None = None
         self.initial_epoch = 0
         self._epoch = 0
@@ -70,7 +83,7 @@ class CheckpointCallback(keras.callbacks.Callback):
         if getattr(self.model, "optimizer", None) is not None:
             trackables["optimizer"] = self.model.optimizer
         self.manager = CheckpointManager(self.directory, max_to_keep=self.max_to_keep, **trackables)
-        self.manager.restore()
+        self.manager.restore(allow_fresh=self.allow_fresh)
         self.initial_epoch = int(self.manager.metadata.get("epoch", 0))
         self._epoch = self.initial_epoch
         if self.initial_epoch:

@@ -1,5 +1,5 @@
 """Crash and resume through CheckpointManager and CheckpointCallback, end to end at np=2;
-restore failures raised on every rank.
+restore failures raised, and damaged checkpoints reported, on every rank.
 
 Expected values come from an uninterrupted run of the same training, done in the same job
 after the resumed one (same initial weights, same per-step data), never from stored outputs.
@@ -187,6 +187,139 @@ def test_an_unreadable_checkpoint_raises_on_every_rank(tmp_path, np_):
         # Every rank holds what rank 0 saved at step 5, not a fallback taken silently earlier.
         assert f"{prefix}RESTORED moved rank {rank} step 5 v [1.0, 2.0, 3.0]" in out, out[-3000:]
     assert "RESTORED eio" not in out and "RESTORED eisdir" not in out
+
+
+DAMAGED = r"""
+import os
+import numpy as np
+import tensorflow as tf
+import keras
+import syncdp
+from syncdp.checkpoint import MANIFEST, CheckpointManager, list_checkpoints
+from syncdp.core.errors import CheckpointError
+from syncdp.keras import CheckpointCallback
+
+syncdp.init()
+rank = syncdp.rank()
+root = os.environ["CKPT_DIR"]
+
+def flip(checkpoint):  # rank 0 alone touches the directory
+    with open(os.path.join(checkpoint, "ckpt.data-00000-of-00001"), "r+b") as f:
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+def restore(case, call):
+    try:
+        step = call()
+    except CheckpointError as e:
+        print(f"CAUGHT {case} rank {rank}: {e}", flush=True)
+    else:
+        print(f"RESTORED {case} rank {rank} step {step} v {v.numpy().tolist()}", flush=True)
+
+# 1. An intact step 1 and a damaged newest step 3, restored with max_to_keep=1.
+directory = os.path.join(root, "manager")
+v = tf.Variable([0.0, 0.0, 0.0])
+writer = CheckpointManager(directory, max_to_keep=None, v=v)
+for step in (1, 3):
+    v.assign([float(step)] * 3)
+    writer.save(step)
+if rank == 0:
+    flip(os.path.join(directory, "ckpt-00000003"))
+v.assign([-1.0 - rank] * 3)  # different on every rank: each must get rank 0's step 1
+manager = CheckpointManager(directory, max_to_keep=1, v=v)
+restore("damaged", manager.restore)
+v.assign([2.0] * 3)
+manager.save(2)
+if rank == 0:
+    print("LEFT", sorted(os.listdir(directory)), flush=True)
+
+# 2. The only checkpoint damaged: an error on every rank, then a fresh start when asked for.
+if rank == 0:
+    os.remove(os.path.join(directory, "ckpt-00000002", MANIFEST))
+v.assign([10.0 + rank] * 3)
+restore("none-intact", manager.restore)
+restore("fresh", lambda: manager.restore(allow_fresh=True))
+
+# 3. model.fit: epoch 3's checkpoint damaged resumes at epoch 2; all damaged raises.
+class Probe(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.begin = [w.numpy() for w in self.model.weights]
+        self.step = int(self.model.optimizer.iterations.numpy())
+        self.epochs = {}
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs[epoch] = [w.numpy() for w in self.model.weights]
+
+def fit(epochs=3):
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    callback, probe = CheckpointCallback(os.path.join(root, "fit"), max_to_keep=3), Probe()
+    model.fit(x, x.sum(axis=1, keepdims=True), batch_size=16, epochs=epochs, shuffle=False,
+              verbose=0, callbacks=[callback, probe])
+    return callback, probe
+
+_, first = fit()  # checkpoints of steps 2, 4, 6 (2 batches an epoch)
+if rank == 0:
+    flip(os.path.join(root, "fit", "ckpt-00000006"))
+callback, probe = fit()
+same = all(np.array_equal(a, b) for a, b in zip(probe.begin, first.epochs[1]))
+print(f"KERAS resumed rank {rank} at epoch {callback.initial_epoch} step {probe.step} "
+      f"with epoch 2's weights {same}", flush=True)
+if rank == 0:
+    for _, path in list_checkpoints(os.path.join(root, "fit")):
+        flip(path)
+try:
+    fit()
+except CheckpointError as e:
+    print(f"KERAS CAUGHT rank {rank}: {e}", flush=True)
+"""
+
+
+def test_damaged_checkpoints_are_reported_and_raised_on_every_rank(tmp_path):
+    script = python_script(tmp_path, DAMAGED)
+    directory = tmp_path / "ckpt" / "manager"
+    fit = tmp_path / "ckpt" / "fit"
+    done = check(launch(2, "python", script, env={"CKPT_DIR": str(tmp_path / "ckpt")}, timeout=300))
+    out, err = done.stdout, done.stderr
+    seen = out[-3000:] + err[-3000:]
+    data = "ckpt.data-00000-of-00001"
+    for rank in range(2):
+        say, warn = f"[{rank}]<stdout>:", f"[{rank}]<stderr>:syncdp: warning: checkpoint "
+        # 1. Every rank warns, and holds rank 0's step 1.
+        line = (
+            f"{warn}{directory}/ckpt-00000003 is damaged ({directory}/ckpt-00000003/{data} does "
+            f"not match its SHA-256 in syncdp-checkpoint.json); rank 0 moved it to "
+            f"{directory}/ckpt-00000003.damaged, kept for inspection"
+        )
+        assert line in err, seen
+        assert f"{say}RESTORED damaged rank {rank} step 1 v [1.0, 1.0, 1.0]\n" in out, seen
+        # 2. Every rank raises, naming the checkpoint and its damage; then starts fresh.
+        caught = (
+            f"{say}CAUGHT none-intact rank {rank}: restore() resumes only from an intact "
+            f"checkpoint, and the only checkpoint (ckpt-00000002) in {directory} is damaged: "
+            f"{directory}/ckpt-00000002 has no syncdp-checkpoint.json. Nothing was moved or "
+            "deleted."
+        )
+        assert caught in out, seen
+        assert f"{warn}{directory}/ckpt-00000002 is damaged (" in err, seen
+        assert f"{say}RESTORED fresh rank {rank} step 0 v [10.0, 10.0, 10.0]\n" in out, seen
+        # 3. model.fit resumes at epoch 2 with what step 4 holds, or raises on every rank.
+        assert (
+            f"{say}KERAS resumed rank {rank} at epoch 2 step 4 with epoch 2's weights True" in out
+        )
+        assert f"{warn}{fit}/ckpt-00000006 is damaged (" in err, seen
+        assert f"{say}KERAS CAUGHT rank {rank}: restore() resumes only from an intact " in out
+    assert "[0]<stdout>:LEFT ['ckpt-00000002', 'ckpt-00000003.damaged']\n" in out, seen
+    assert "RESTORED none-intact" not in out
+    assert sorted(os.listdir(directory)) == ["ckpt-00000002.damaged", "ckpt-00000003.damaged"]
+    assert sorted(os.listdir(fit)) == [
+        "ckpt-00000002",
+        "ckpt-00000004",
+        "ckpt-00000006",
+        "ckpt-00000006.damaged",
+    ]
 
 
 def _rank0(result, word: str) -> str:
