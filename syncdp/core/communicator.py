@@ -32,7 +32,7 @@ import numpy as np
 from syncdp.core import mpi as _mpi
 from syncdp.core import shm as _shm
 from syncdp.core import stats as _stats
-from syncdp.core.errors import MismatchError, RankFailureError
+from syncdp.core.errors import CollectiveError, MismatchError, RankFailureError
 from syncdp.core.settings import Config
 from syncdp.core.watchdog import Watchdog
 
@@ -572,13 +572,60 @@ class Communicator:
         return self._run(name, lambda: self.mpi.allreduce(flag, op=self._MPI.BAND))
 
     def broadcast_object(self, obj: Any, root: int = 0, *, name: str = "broadcast_object"):
-        """Returns rank ``root``'s picklable ``obj`` on every rank."""
+        """Returns rank ``root``'s picklable ``obj`` on every rank.
+
+        The root pickles first and tells everyone whether it could: an object that cannot be
+        pickled raises :class:`~syncdp.core.errors.CollectiveError` on every rank, naming the
+        root and the cause, instead of leaving the others waiting for bytes that never come.
+        """
+        payload, problem = None, None
+        if self.rank == root:
+            payload, problem = _pickled(obj)
         if self.size == 1:
-            return pickle.loads(pickle.dumps(obj))
-        return self._run(name, lambda: self.mpi.bcast(obj, root=root))
+            _raise_if_failed(name, {root: problem})
+            return pickle.loads(payload)
+
+        def run():
+            head = self.mpi.bcast((problem, len(payload) if payload else 0), root=root)
+            if head[0] is not None:
+                return head
+            raw = payload if self.rank == root else bytearray(head[1])
+            self.mpi.Bcast([raw, self._MPI.BYTE], root=root)
+            return None, raw
+
+        failed, raw = self._run(name, run)
+        _raise_if_failed(name, {root: failed})
+        return pickle.loads(raw)
 
     def allgather_object(self, obj: Any, *, name: str = "allgather_object", timeout=None):
-        """Returns the list of every rank's picklable ``obj``, in rank order."""
+        """Returns the list of every rank's picklable ``obj``, in rank order.
+
+        A rank whose object cannot be pickled still takes part: every rank then raises
+        :class:`~syncdp.core.errors.CollectiveError` naming it and the cause.
+        """
+        payload, problem = _pickled(obj)
         if self.size == 1:
-            return [pickle.loads(pickle.dumps(obj))]
-        return self._run(name, lambda: self.mpi.allgather(obj), timeout=timeout)
+            _raise_if_failed(name, {0: problem})
+            return [pickle.loads(payload)]
+        everyone = self._run(name, lambda: self.mpi.allgather(problem or payload), timeout=timeout)
+        _raise_if_failed(name, {r: p for r, p in enumerate(everyone) if isinstance(p, str)})
+        return [pickle.loads(p) for p in everyone]
+
+
+def _pickled(obj: Any) -> tuple[bytes | None, str | None]:
+    """``(pickle of obj, None)``, or ``(None, why not)`` when it cannot be pickled."""
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
+    except Exception as e:  # noqa: BLE001 - any pickling failure must reach every rank
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _raise_if_failed(name: str, problems: dict) -> None:
+    """Raises CollectiveError naming every rank whose input could not be sent."""
+    failed = {r: p for r, p in problems.items() if p is not None}
+    if failed:
+        who = "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items()))
+        raise CollectiveError(
+            f"{name}: could not send the object of {who}. Every rank's object must be "
+            "picklable; the collective was abandoned on every rank and the job goes on."
+        )

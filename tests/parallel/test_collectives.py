@@ -180,3 +180,22 @@ def test_bad_arguments_raise(hvd):
         hvd.allreduce(tf.ones(1), op="mean")
     with pytest.raises(TypeError, match="cannot reduce bool"):
         hvd.allreduce(tf.constant([True]))
+
+
+def test_an_object_one_rank_cannot_pickle_fails_on_every_rank_and_the_job_goes_on(hvd):
+    from syncdp.core.errors import CollectiveError
+
+    n, r = hvd.size(), hvd.rank()
+    root = n - 1
+    started = time.monotonic()
+    with pytest.raises(CollectiveError, match=f"rank {root}: PicklingError|rank {root}: .*lambda"):
+        hvd.broadcast_object((lambda: 1) if r == root else None, root_rank=root)
+    mine = (lambda: r) if r == 0 else r
+    with pytest.raises(CollectiveError, match="rank 0: "):
+        hvd.allgather_object(mine)
+    assert time.monotonic() - started < 10  # at once, not at a stall timeout
+    # The job goes on: the next collectives work on every rank.
+    assert hvd.broadcast_object({"from": root} if r == root else None, root_rank=root) == {
+        "from": root
+    }
+    assert hvd.allgather_object(r * 2) == [2 * i for i in range(n)]
