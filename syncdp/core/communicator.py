@@ -34,6 +34,7 @@ from syncdp.core import shm as _shm
 from syncdp.core import stats as _stats
 from syncdp.core.errors import CollectiveError, MismatchError, RankFailureError
 from syncdp.core.settings import Config
+from syncdp.core.waiting import wait_politely
 from syncdp.core.watchdog import Watchdog
 
 __all__ = ["Communicator", "OPS", "signature_digest"]
@@ -261,7 +262,10 @@ class Communicator:
         mine = np.array([signature_digest(signature) if digest is None else digest], dtype=np.int64)
         digests = np.empty(self.size, dtype=np.int64)
         self._run(
-            f"{name}.check", lambda: self.mpi.Allgather(mine, digests), record=False, phase="wait"
+            f"{name}.check",
+            lambda: wait_politely(self.mpi.Iallgather(mine, digests)),
+            record=False,
+            phase="wait",
         )
         if (digests == digests[0]).all():
             self._checked_at = checked_at
@@ -527,7 +531,9 @@ class Communicator:
     def barrier(self, *, name: str = "barrier", timeout=None) -> None:
         """Returns once every rank has called it."""
         if self.size > 1:
-            self._run(name, self.mpi.Barrier, timeout=timeout, phase="wait")
+            self._run(
+                name, lambda: wait_politely(self.mpi.Ibarrier()), timeout=timeout, phase="wait"
+            )
 
     def join(self, *, name: str = "join") -> int:
         """Waits for every rank; returns the rank that arrived last, the same on every rank.

@@ -19,7 +19,8 @@ Two sets of slots alternate between segments: the barrier that ends step 2 of se
 is only passed once every rank has finished copying segment ``k`` out, so writing segment
 ``k+2`` into the first set again is safe with two barriers per segment.
 
-The barriers are MPI barriers on the communicator, so a rank that never arrives is seen by
+The barriers are MPI barriers on the communicator (waited for politely, see
+:mod:`syncdp.core.waiting`), so a rank that never arrives is seen by
 the stall watchdog and a rank that dies raises ``MPI_ERR_PROC_FAILED`` under ULFM, exactly as
 for any other collective. ``MPI_Win_sync`` around each barrier orders the memory accesses as
 MPI's unified memory model asks.
@@ -32,6 +33,7 @@ import os
 import numpy as np
 
 from syncdp.core import mpi as _mpi
+from syncdp.core.waiting import wait_politely
 
 __all__ = ["SharedPlane", "SEGMENT_BYTES", "open_plane"]
 
@@ -131,7 +133,11 @@ class SharedPlane:
         ufunc = _UFUNC[op]
         step = max(1, self.segment_bytes // buffer.itemsize)
         n, me = self.size, self.rank
-        sync, barrier = self.win.Sync, self.comm.Barrier
+        sync, comm = self.win.Sync, self.comm
+
+        def barrier():
+            wait_politely(comm.Ibarrier())
+
         for lo in range(0, buffer.size, step):
             hi = min(buffer.size, lo + step)
             count = hi - lo
