@@ -28,6 +28,7 @@ __all__ = [
     "check_hosts",
     "is_local",
     "local_address",
+    "job_address",
 ]
 
 # The command each remote host runs for the check: its Python and syncdp versions.
@@ -223,3 +224,67 @@ def local_address(interface: str) -> str | None:
         except ValueError:
             continue
     return None
+
+
+def _route_source(host: str) -> str | None:
+    """This machine's address on the way to ``host`` (no packet is sent); None when unknown."""
+    try:
+        infos = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(infos[0][4])
+            return probe.getsockname()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _slurm_nodes(environ: Mapping[str, str]) -> list[str]:
+    """The allocation's node names (``scontrol show hostnames``); empty when unknown."""
+    nodes = environ.get("SLURM_JOB_NODELIST")
+    if not nodes:
+        return []
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return out.stdout.split() if out.returncode == 0 else []
+
+
+def job_address(
+    hosts: Sequence[Host] = (),
+    *,
+    network_interface: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[str, str]:
+    """Where the launcher listens for its ranks: only on the interface the job uses.
+
+    Loopback for a job on this host alone; with ``network_interface``, this machine's address
+    there; otherwise the address this machine reaches the first remote host from (a listed
+    host, or a node of a Slurm allocation of several). Every interface, under this host's name,
+    only when none of that can be told.
+
+    Args:
+        hosts: The job's hosts (``-H``/``--hostfile``). Defaults to none.
+        network_interface: ``--network-interface``'s NIC name or CIDR subnet, or None.
+        environ: The environment (for Slurm's). Defaults to ``os.environ``.
+
+    Returns:
+        ``(address to listen on, address the ranks are told)``.
+    """
+    environ = os.environ if environ is None else environ
+    remote = [h.name for h in hosts if not is_local(h.name)]
+    nodes = environ.get("SLURM_JOB_NUM_NODES", "1")
+    if not hosts and nodes.isdigit() and int(nodes) > 1:
+        remote = [n for n in _slurm_nodes(environ) if not is_local(n)] or ["?"]
+    if not remote:
+        return "127.0.0.1", "127.0.0.1"
+    if network_interface:
+        address = local_address(network_interface)
+        if address:
+            return address, address
+    for name in remote:
+        address = _route_source(name) if name != "?" else None
+        if address:
+            return address, address
+    return "0.0.0.0", socket.gethostname()

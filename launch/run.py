@@ -10,8 +10,14 @@ Usage::
 The command line is horovodrun's. Every rank runs under a small supervisor
 (:mod:`launch.worker`) that prefixes its output lines with ``[rank]<stdout>:`` or
 ``[rank]<stderr>:`` and makes mpirun end all the other ranks when its rank dies or exits
-non-zero. ``syncdp-run`` returns non-zero if any rank failed, and Ctrl-C or SIGTERM stops every
-rank.
+non-zero. Ctrl-C, SIGTERM or SIGHUP stops every rank.
+
+The pipeline, each step testable without starting a process: :func:`build_parser` ->
+:func:`parse_args` -> :class:`LaunchConfig` -> :func:`build_env` and :func:`build_command` ->
+:func:`run` -> :func:`main`. The concerns :func:`run` ties together have their own modules:
+:mod:`launch.report_server` (the authenticated report channel), :mod:`launch.lifeline` (the job
+ends with the launcher), :mod:`launch.verdict` (success or failure, from the reports) and
+:mod:`launch.supervision` (mpirun as a child process).
 
 Flags of the launcher itself:
 
@@ -22,25 +28,32 @@ Flags of the launcher itself:
     -p, --ssh-port N           the remote shell's port (ssh -p, for Open MPI's daemons too)
     -i, --ssh-identity-file F  the remote shell's key (ssh -i)
     --network-interface IF     NIC name or CIDR subnet for MPI's TCP traffic and Open MPI's
-                               out-of-band channel (and the launcher's report address)
+                               out-of-band channel (and the launcher's own addresses)
     --mpi-args "ARGS"          extra arguments for mpirun, split like a shell would
 
 With hosts, before anything starts, every remote host is asked over the remote shell (ssh, or
 the agent in --mpi-args "--mca plm_rsh_agent AGENT") for its Python and syncdp versions,
 within 30 s; a host that does not answer or differs is named and nothing starts
 (:mod:`launch.hosts`). If a host vanishes later, the ranks waiting for it name it at the stall
-timeout and the job ends; on that host, the supervisors' lifeline watchers end Open MPI's
-daemon and the ranks (:mod:`launch.worker`).
+timeout and the job ends; on that host, the supervisors end Open MPI's daemon and the ranks
+once the launcher has been silent and unreachable that long (:mod:`launch.lifeline`).
 
 Every other flag is a row of :data:`syncdp.core.settings.SETTINGS` and sets exactly that row's
 ``SYNCDP_*`` variable on every rank (flags ending in ``-mb`` take MiB; the variable holds
-bytes). ``syncdp-run --help`` lists them with their defaults.
+bytes). ``syncdp-run --help`` lists them with their defaults. Every value, given as a flag or
+as a ``SYNCDP_*`` variable in the launcher's environment, is checked before anything starts
+(:func:`syncdp.core.settings.validate`, the check ``init()`` also runs): NaN, infinity, text
+where a number belongs, a value below the minimum, or an unknown ``SYNCDP_*`` name exits 2
+with one line naming it, the value and what is allowed.
 
 Also set on every rank: SYNCDP_LAUNCHER=1; SYNCDP_REPORT_ADDR=host:port, where the launcher
-listens for the ranks' reports; OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (so
-root works without Open MPI's flags); PYTHONUNBUFFERED=1 (so lines arrive as they are printed);
-and TF_CPP_MIN_LOG_LEVEL=1 unless already set (hides TensorFlow's info logs). mpirun runs with
---oversubscribe (more ranks than cores works, just slower) and --bind-to none.
+listens for the ranks' reports; SYNCDP_LIFELINE_ADDR=host:port, the launcher's lifeline;
+SYNCDP_JOB_ID and SYNCDP_REPORT_SECRET, the job's id and the key its reports are signed with
+(new for every job; exported to other hosts by name, so never on a command line);
+OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (so root works without Open MPI's
+flags); PYTHONUNBUFFERED=1 (so lines arrive as they are printed); and TF_CPP_MIN_LOG_LEVEL=1
+unless already set (hides TensorFlow's info logs). mpirun runs with --oversubscribe (more ranks
+than cores works, just slower) and --bind-to none.
 
 Elastic mode: ``--min-np M``, ``--max-np K``, ``--elastic`` or ``--host-discovery-script``
 (horovodrun's flags) run mpirun with ``--with-ft ulfm`` (checked first: an MPI without ULFM is an
@@ -48,39 +61,44 @@ error before anything starts); a lost or stalled rank is replaced while training
 the launcher logs each membership change (:mod:`launch.elastic`). ``--min-np`` defaults to
 ``-np`` and may not exceed it; ``--max-np`` may not be below it.
 
-Failures arrive as data, not as text to parse: ranks and their supervisors send one JSON report
-per event to SYNCDP_REPORT_ADDR (:mod:`syncdp.core.report`). The launcher's last line, on
-failure, is built from the earliest failure report. It also bounds start-up: once the first
-rank has reached ``syncdp.init()``, every rank must follow within the start timeout (plus 5 s),
-or the launcher ends the job and names the ranks that never arrived. A program that never calls
-``syncdp.init()`` is never stopped for this.
+Failures arrive as data, not as text to parse: ranks and their supervisors send one signed JSON
+report per event to SYNCDP_REPORT_ADDR (:mod:`syncdp.core.report`); the launcher listens only on
+the interface the job uses (loopback for a job on one host), drops reports that do not prove
+they are this job's and says how many it dropped. The verdict comes from the reports, never
+from mpirun's exit code (:mod:`launch.verdict`): the job succeeded only if every rank's
+supervisor reported a clean exit; otherwise the last line names the first failure, and the
+ranks that never reported are named with their hosts and why. The launcher also bounds
+start-up: once the first rank has reached ``syncdp.init()``, every rank must follow within the
+start timeout (plus 1 s), or the launcher ends the job and names the ranks that never arrived.
+A program that never calls ``syncdp.init()`` is never stopped for this.
+
+Nothing of a job outlives the launcher, however it ends (SIGKILL included): mpirun gets SIGTERM
+when the launcher dies, and every supervisor, on every host, ends its rank and Open MPI's
+daemon when its lifeline to the launcher closes (:mod:`launch.lifeline`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
 import os
-import select
 import shlex
 import shutil
 import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from launch import hosts as _hosts
+from launch import supervision
 from launch.elastic import ElasticLog, check_ulfm
-from launch.worker import describe_exit
-from syncdp.core import settings
-from syncdp.core.report import ADDRESS_VAR
+from launch.lifeline import LIFELINE_VAR, LifelineServer
+from launch.report_server import ReportServer, describe_rejected
+from launch.verdict import Verdict
+from syncdp.core import report, settings
+from syncdp.core.errors import ConfigError
 
 __all__ = [
     "LaunchConfig",
@@ -92,22 +110,11 @@ __all__ = [
     "main",
 ]
 
-# Seconds between asking mpirun to stop (SIGTERM) and killing it.
-_TERMINATE_GRACE_SECONDS = 10.0
-# Once a rank has reported a failure, mpirun gets this long to end the job by itself, then as
-# long again after SIGTERM. Short: when a host has vanished, mpirun waits for its daemon in
-# vain, and the job must end within the stall timeout plus 15 s.
-_FAILURE_GRACE_SECONDS = 5.0
-# Beyond the start timeout, left for a rank's own start timeout to end the job before the
-# launcher does. Short: under Open MPI 5 a rank that arrived waits inside MPI_Init itself
-# (which waits for every rank), so its own timeout cannot run, and the launcher must act.
-_START_GRACE_SECONDS = 1.0
 # Every remote host must answer the version check within this long.
 _HOST_CHECK_SECONDS = 30.0
-# Between SIGTERM and SIGKILL when a job that never started is stopped.
-_START_STOP_GRACE_SECONDS = 2.0
-# Report kinds that are failures by themselves; an "exit" report is one when it says so.
-_FAILURE_KINDS = frozenset({"exception", "stall", "start_timeout", "exit_early", "elastic_abort"})
+# After mpirun ends, a rank whose supervisor is still connected and heard from gets this long
+# to deliver its exit report.
+_LAST_REPORTS_SECONDS = 2.0
 # The settings that switch elastic mode on.
 _ELASTIC_SETTINGS = ("elastic", *settings.ELASTIC_IMPLIED_BY)
 
@@ -198,31 +205,66 @@ def build_parser() -> argparse.ArgumentParser:
                 s.flag, dest=s.name, action="store_true", default=None, help=_setting_help(s)
             )
             continue
-        if s.type is str and s.choices:
-            group.add_argument(
-                s.flag, dest=s.name, choices=s.choices, default=None, help=_setting_help(s)
-            )
-            continue
-        if s.type is str:
-            kind, metavar = str, "STR"
+        # Kept as text: parse_args checks every value with settings.validate, the one check
+        # init() also uses, and names the flag, the value and what is allowed.
+        if s.choices:
+            metavar = "{" + ",".join(s.choices) + "}"
+        elif s.type is str:
+            metavar = "STR"
         elif s.flag_unit == settings.MiB:
-            kind, metavar = float, "MiB"  # fractions of a MiB are fine: the variable is bytes
+            metavar = "MiB"  # fractions of a MiB are fine: the variable is bytes
         else:
-            kind, metavar = s.type, s.type.__name__.upper()
-        group.add_argument(s.flag, dest=s.name, type=kind, metavar=metavar, help=_setting_help(s))
+            metavar = s.type.__name__.upper()
+        group.add_argument(s.flag, dest=s.name, metavar=metavar, help=_setting_help(s))
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> LaunchConfig:
-    """Parses the command line into a LaunchConfig; exits with usage on a bad one.
+def _setting_error(message: str) -> None:
+    """Exits 2 with one line: a setting's value is not allowed."""
+    print(f"syncdp-run: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _check_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
+    """Every setting's value, from its flag and from the caller's ``SYNCDP_*`` variables,
+    checked before anything starts; exits 2 naming the first one not allowed.
+
+    Returns:
+        The settings given as flags, by name, in the flag's unit.
+    """
+    given = {}
+    try:
+        for s in settings.SETTINGS:
+            value = getattr(args, s.name)
+            if value is not None:
+                given[s.name] = settings.validate(s, value, source="flag")
+        # The variables the ranks inherit, except those a flag replaces: unknown names and bad
+        # values are found here, not by every rank after it has loaded TensorFlow.
+        flagged = {s.env for s in settings.SETTINGS if s.name in given}
+        settings.from_env({k: v for k, v in environ.items() if k not in flagged})
+    except ConfigError as e:
+        _setting_error(str(e))
+    return given
+
+
+def parse_args(
+    argv: list[str] | None = None, *, environ: Mapping[str, str] | None = None
+) -> LaunchConfig:
+    """Parses the command line into a LaunchConfig; exits 2 with a message on a bad one.
+
+    Every setting is checked here, flags and ``SYNCDP_*`` variables alike (NaN, infinity,
+    text where a number belongs, values below the minimum, unknown variable names), before
+    anything starts.
 
     Args:
         argv: The arguments after the program name. Defaults to ``sys.argv[1:]``.
+        environ: The environment the ranks will inherit. Defaults to ``os.environ``.
 
     Returns:
         The LaunchConfig.
     """
+    environ = os.environ if environ is None else environ
     parser = build_parser()
     args = parser.parse_args(argv)
     command = list(args.command)
@@ -239,8 +281,8 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
     except _hosts.HostError as e:
         parser.error(str(e))
     if args.num_proc is None:
-        if os.environ.get("SLURM_NTASKS", "").isdigit():
-            args.num_proc = int(os.environ["SLURM_NTASKS"])  # the allocation decides
+        if environ.get("SLURM_NTASKS", "").isdigit():
+            args.num_proc = int(environ["SLURM_NTASKS"])  # the allocation decides
         elif listed:
             args.num_proc = sum(h.slots for h in listed)
         else:
@@ -251,19 +293,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         parser.error(f"--ssh-port must be a TCP port (1-65535); got {args.ssh_port}")
     if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
         parser.error(f"--ssh-identity-file {args.ssh_identity_file!r} does not exist")
-    given = {}
-    for s in settings.SETTINGS:
-        value = getattr(args, s.name)
-        if value is None:
-            continue
-        # The row's minimum is in the variable's unit (bytes for the -mb flags).
-        if s.minimum is not None and s.type is not bool and s.type is not str:
-            if value * s.flag_unit < s.minimum:
-                least = f"{s.minimum:g}"
-                if s.flag_unit == settings.MiB:
-                    least = f"{s.minimum / s.flag_unit:g} MiB ({s.minimum:g} bytes)"
-                parser.error(f"{s.flag} must be at least {least}; got {value:g}")
-        given[s.name] = value
+    given = _check_settings(args, environ)
     # Each flag sets only its own variable; the ranks read -np's defaults from the job's size.
     if (given.get("min_np") or 0) > args.num_proc:
         parser.error(f"--min-np ({given['min_np']}) must not exceed -np ({args.num_proc})")
@@ -287,6 +317,8 @@ def build_env(
     environ: Mapping[str, str] | None = None,
     *,
     report_addr: str | None = None,
+    lifeline_addr: str | None = None,
+    job: report.Job | None = None,
 ) -> dict[str, str]:
     """The environment every rank gets: the caller's, plus one SYNCDP_* variable per flag.
 
@@ -295,29 +327,30 @@ def build_env(
         environ: The caller's environment. Defaults to ``os.environ``.
         report_addr: ``host:port`` where the launcher listens for reports, or None to set
             no ``SYNCDP_REPORT_ADDR``. Defaults to None.
+        lifeline_addr: ``host:port`` of the launcher's lifeline, or None to set no
+            ``SYNCDP_LIFELINE_ADDR``. Defaults to None.
+        job: The job's id and secret (``SYNCDP_JOB_ID``, ``SYNCDP_REPORT_SECRET``), or None
+            to set neither. Defaults to None.
 
     Returns:
         The environment, a new dict.
     """
     env = dict(os.environ if environ is None else environ)
+    for name in (report.ADDRESS_VAR, LIFELINE_VAR, report.JOB_VAR, report.SECRET_VAR):
+        env.pop(name, None)  # an enclosing job's: never this one's
     env.update(settings.launcher_env(config.settings))
     if report_addr is not None:
-        env[ADDRESS_VAR] = report_addr
+        env[report.ADDRESS_VAR] = report_addr
+    if lifeline_addr is not None:
+        env[LIFELINE_VAR] = lifeline_addr
+    if job is not None:
+        env.update(job.env())
     env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
     env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     env["SYNCDP_LAUNCHER"] = "1"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     return env
-
-
-def _setting_value(env: Mapping[str, str], name: str) -> Any:
-    """A setting as the ranks will read it from ``env``; the default if unset or malformed."""
-    s = next(s for s in settings.SETTINGS if s.name == name)
-    try:
-        return s.parse(env[s.env])
-    except (KeyError, ValueError):  # a malformed value is the ranks' error to report
-        return s.default
 
 
 def _find_mpirun() -> str:
@@ -372,399 +405,118 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
     return cmd
 
 
-def _ranks_text(ranks: Iterable[int]) -> str:
-    ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def _who(report: Mapping[str, Any]) -> str:
-    """``rank 1 (pid 4242 on node3)``, from a report's fields."""
-    where = ""
-    if report.get("pid") is not None and report.get("host"):
-        where = f" (pid {report['pid']} on {report['host']})"
-    return f"rank {report.get('rank', '?')}{where}"
-
-
-def _report_time(report: Mapping[str, Any]) -> float:
-    try:
-        return float(report["time"])
-    except (KeyError, TypeError, ValueError):
-        return math.inf
-
-
-class _Reports:
-    """What the ranks reported, and the launcher's verdict on the job from it.
-
-    Thread-safe: the report server adds, the launcher's main loop asks.
-
-    Args:
-        num_proc: The number of ranks.
-        start_timeout: Seconds every rank has to reach ``init()`` after the first did; 0 for
-            no limit.
-        stall_timeout: The stall timeout, for the words of a stall.
-    """
-
-    def __init__(
-        self,
-        num_proc: int,
-        start_timeout: float,
-        stall_timeout: float = 0.0,
-        elastic: ElasticLog | None = None,
-    ):
-        self.num_proc = num_proc
-        self.elastic = elastic
-        self.start_timeout = start_timeout
-        self.stall_timeout = stall_timeout
-        self.started: dict[int, dict] = {}
-        self.exits: dict[int, dict] = {}
-        self.failed = threading.Event()
-        self._failures: list[dict] = []
-        self._first_start: float | None = None  # time.monotonic() of the first "started"
-        self._lock = threading.Lock()
-
-    def add(self, report: dict) -> None:
-        """Records one report; sets :attr:`failed` when it is a failure."""
-        kind = report.get("kind")
-        if self.elastic is not None and self.elastic.handle(report):
-            return
-        with self._lock:
-            if kind == "started":
-                if self._first_start is None:
-                    self._first_start = time.monotonic()
-                self.started.setdefault(report.get("rank"), report)
-                return
-            if kind == "exit":
-                self.exits[report.get("rank")] = report
-                failure = bool(report.get("code") or report.get("signal"))
-                failure = failure and not report.get("requested")
-            else:
-                failure = kind in _FAILURE_KINDS
-            if failure:
-                self._failures.append(report)
-        if failure:
-            self.failed.set()
-
-    def _not_started(self) -> list[int]:
-        return [r for r in range(self.num_proc) if r not in self.started]
-
-    def check_start(self, now: float | None = None) -> bool:
-        """Records a start timeout if the ranks have not all arrived in time.
-
-        Args:
-            now: ``time.monotonic()``'s value. Defaults to now.
-
-        Returns:
-            Whether this call found the start timeout exceeded (the launcher then ends the job).
-        """
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            if self.start_timeout <= 0 or self._first_start is None or self._failures:
-                return False
-            missing = self._not_started()
-            if not missing or now < self._first_start + self.start_timeout + _START_GRACE_SECONDS:
-                return False
-            self._failures.append(
-                {"kind": "start_timeout", "rank": None, "ranks": missing, "time": time.time()}
-            )
-        self.failed.set()
-        return True
-
-    def first_failure(self) -> dict | None:
-        """The earliest failure report, by the time it was sent; None if there was none."""
-        with self._lock:
-            if not self._failures:
-                return None
-            order = range(len(self._failures))
-            first = min(order, key=lambda i: (_report_time(self._failures[i]), i))
-            return self._failures[first]
-
-    def cause(self) -> str:
-        """The first failure, in words, for the launcher's last line."""
-        first = self.first_failure()
-        if first is not None:
-            return self._describe(first)
-        with self._lock:
-            silent = [r for r in range(self.num_proc) if r not in self.exits]
-            if not silent or not (self.exits or self.started):
-                return "see the output above"
-            who = [_who(self.started.get(r, {"rank": r})) for r in silent]
-        if len(who) == 1:
-            return f"{who[0]} ended without a report (its supervisor was killed)"
-        return f"{', '.join(who)} ended without a report (their supervisors were killed)"
-
-    def _on_hosts(self, ranks) -> str:
-        """`` (on h3)``: the hosts of ``ranks``, from their ``started`` reports; "" when unknown
-        or when the whole job runs on one host."""
-        with self._lock:
-            every = {report.get("host") for report in self.started.values()}
-            hosts = sorted({self.started[r].get("host") for r in ranks if r in self.started})
-        return f" (on {', '.join(hosts)})" if hosts and len(every) > 1 else ""
-
-    def _describe(self, report: Mapping[str, Any]) -> str:
-        kind, ranks = report.get("kind"), report.get("ranks") or []
-        if kind == "exception":
-            # The message's first line is the exception's "Type: text"; a last line has no room
-            # for the rest.
-            text = (report.get("message") or "").strip().splitlines()
-            return f"{_who(report)} failed with {text[0] if text else report.get('type')}"
-        if kind == "stall":
-            where = f"collective #{report.get('seq')} {report.get('collective')}"
-            limit = f"the stall timeout ({self.stall_timeout:g} s)"
-            if not ranks:
-                return f"rank {report.get('rank')} stalled: {where} ran past {limit}"
-            them = "it" if len(ranks) == 1 else "them"
-            return (
-                f"{_ranks_text(ranks)}{self._on_hosts(ranks)} stalled: rank {report.get('rank')} "
-                f"waited for {them} in "
-                f"{where} past {limit}"
-            )
-        if kind == "start_timeout":
-            with self._lock:
-                missing = ranks or self._not_started()
-            limit = f"the start timeout ({self.start_timeout:g} s)"
-            if not missing:
-                return f"{_who(report)} timed out in syncdp.init() after {limit}"
-            return f"{_ranks_text(missing)} never reached syncdp.init() within {limit}"
-        if kind == "elastic_abort":
-            return f"elastic mode could not go on: {report.get('message')}"
-        if kind == "exit_early":
-            waiting = "other ranks wait"
-            if ranks:
-                waiting = f"{_ranks_text(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
-            return f"{_who(report)} finished its program while {waiting} for it"
-        code = -report["signal"] if report.get("signal") else report.get("code") or 0
-        return f"{_who(report)} {describe_exit(code)}"
-
-
-class _ReportServer:
-    """Listens on a TCP port and feeds every JSON line it receives to a :class:`_Reports`.
-
-    The address exists from construction, so it can go into the ranks' environment before
-    :meth:`start`.
-
-    Args:
-        public: Listen on every interface and advertise this host's name (ranks on other
-            hosts), instead of 127.0.0.1. Defaults to False.
-        advertise: The address to advertise when public, e.g. this host's address on the
-            job's network interface. Defaults to the host's name.
-    """
-
-    def __init__(self, *, public: bool = False, advertise: str | None = None):
-        self.reports: _Reports | None = None
-        self._sock = socket.create_server(("0.0.0.0" if public else "127.0.0.1", 0))
-        port = self._sock.getsockname()[1]
-        host = (advertise or socket.gethostname()) if public else "127.0.0.1"
-        self.address = f"{host}:{port}"
-        self._stopping = threading.Event()
-        self._readers: list[threading.Thread] = []
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-
-    def start(self, reports: _Reports) -> _ReportServer:
-        """Starts feeding the reports that arrive to ``reports``; returns self."""
-        self.reports = reports
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        """Reads every report already sent, then stops listening."""
-        self._stopping.set()
-        self._thread.join()
-        for reader in self._readers:
-            reader.join(timeout=2)
-        self._sock.close()
-
-    def _serve(self) -> None:
-        while True:
-            ready, _, _ = select.select([self._sock], [], [], 0.1)
-            if ready:
-                conn, _ = self._sock.accept()
-                reader = threading.Thread(target=self._read, args=(conn,), daemon=True)
-                reader.start()
-                self._readers.append(reader)
-            elif self._stopping.is_set():
-                # Only once nothing waits to be accepted: every process of the job has ended,
-                # so whatever it sent is already queued.
-                return
-
-    def _read(self, conn: socket.socket) -> None:
-        conn.settimeout(5.0)  # a sender never holds its connection open for long
-        with conn, conn.makefile("rb") as lines:
-            try:
-                for line in lines:
-                    try:
-                        report = json.loads(line)
-                    except ValueError:
-                        continue  # not a report: ignored, the launcher must not fail on it
-                    if isinstance(report, dict) and "kind" in report:
-                        self.reports.add(report)
-            except OSError:
-                pass
-
-
-def _pump(source, sink) -> None:
-    """Copies one of mpirun's output streams through unchanged."""
-    for raw in iter(source.readline, b""):
-        sink.write(raw)
-        sink.flush()
-    source.close()
-
-
-def _stop(
-    process: subprocess.Popen,
-    signum: int = signal.SIGTERM,
-    grace: float = _TERMINATE_GRACE_SECONDS,
-) -> None:
-    """Asks mpirun (and through it every rank) to stop, then, after ``grace`` seconds, kills
-    whatever is left."""
-    if process.poll() is not None:
-        return
-    try:
-        os.killpg(process.pid, signum)
-    except ProcessLookupError:
-        return
-    try:
-        process.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
-
-
-def _supervise(process: subprocess.Popen, reports: _Reports) -> None:
-    """Waits for mpirun; ends the job on a failure report or a start timeout."""
-    while process.poll() is None:
-        if reports.check_start():
-            # The ranks' own start timeout did not end the job: nothing will. Training never
-            # began, so there is nothing to let the ranks finish: a short grace.
-            _stop(process, grace=_START_STOP_GRACE_SECONDS)
-        elif reports.failed.wait(timeout=0.5):
-            # mpirun normally ends the job at once; make sure nothing is left waiting.
-            deadline = time.monotonic() + _FAILURE_GRACE_SECONDS
-            while process.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.2)
-            _stop(process, grace=_FAILURE_GRACE_SECONDS)
-
-
 def _check_hosts(config: LaunchConfig) -> str | None:
     """Why the job cannot start on its hosts (named), or None when every host is ready."""
-    listed = (
-        _hosts.parse_hostfile(config.hostfile)
-        if config.hostfile
-        else _hosts.parse_hosts(config.hosts)
-    )
     shell = _hosts.remote_shell(
         config.mpi_args, ssh_port=config.ssh_port, identity_file=config.ssh_identity_file
     )
-    problems = _hosts.check_hosts(listed, shell, timeout=_HOST_CHECK_SECONDS)
+    problems = _hosts.check_hosts(_listed_hosts(config), shell, timeout=_HOST_CHECK_SECONDS)
     if not problems:
         return None
     return "cannot start the job:\n  " + "\n  ".join(problems)
 
 
+def _listed_hosts(config: LaunchConfig) -> list[_hosts.Host]:
+    if config.hostfile:
+        return _hosts.parse_hostfile(config.hostfile)
+    return _hosts.parse_hosts(config.hosts) if config.hosts else []
+
+
+def _await_last_reports(verdict: Verdict, lifeline: LifelineServer) -> None:
+    """Gives ranks still connected and heard from a moment to deliver their exit reports."""
+    deadline = time.monotonic() + _LAST_REPORTS_SECONDS
+    while time.monotonic() < deadline:
+        links = lifeline.links()
+        waiting = [
+            r
+            for r in verdict.unreported()
+            if r in links and links[r].closed is None and not links[r].silent()
+        ]
+        if not waiting:
+            return
+        time.sleep(0.1)
+
+
+def _say(line: str) -> None:
+    print(f"syncdp-run: {line}", file=sys.stderr, flush=True)
+
+
 def run(config: LaunchConfig) -> int:
-    """Starts the job, copies its output, and returns its exit code (non-zero on failure).
+    """Starts the job, copies its output, and returns the launcher's exit status.
 
     Args:
         config: The parsed command line.
 
     Returns:
-        0 when every rank succeeded; otherwise mpirun's exit code (1 if it had none), or
-        128 + the signal number when the launcher was stopped by SIGINT or SIGTERM.
+        0 when every rank reported a clean exit (:mod:`launch.verdict`); otherwise the first
+        failure's exit status (1 when it has none), 128 + the signal number when the launcher
+        was stopped by SIGINT, SIGTERM or SIGHUP, 2 when the settings are not allowed.
     """
     try:
         mpirun = _find_mpirun()
     except FileNotFoundError as e:
-        print(f"syncdp-run: {e}", file=sys.stderr)
+        _say(str(e))
         return 127
     if config.elastic:
         problem = check_ulfm(mpirun)
         if problem is not None:
-            print(f"syncdp-run: {problem}", file=sys.stderr)
+            _say(problem)
             return 2
     if config.multihost:
         problem = _check_hosts(config)
         if problem is not None:
-            print(f"syncdp-run: {problem}", file=sys.stderr, flush=True)
+            _say(problem)
             return 1
-    advertise = _hosts.local_address(config.network_interface) if config.network_interface else None
-    # Ranks on other hosts report over the network: named hosts, or a Slurm allocation of
-    # several nodes (mpirun reads it).
-    nodes = os.environ.get("SLURM_JOB_NUM_NODES", "1")
-    public = config.multihost or (nodes.isdigit() and int(nodes) > 1)
-    server = _ReportServer(public=public, advertise=advertise)
-    env = build_env(config, report_addr=server.address)
-    elastic = ElasticLog() if config.elastic else None
-    reports = _Reports(
-        config.num_proc,
-        start_timeout=_setting_value(env, "start_timeout"),
-        stall_timeout=_setting_value(env, "stall_timeout"),
-        elastic=elastic,
+    host, advertise = _hosts.job_address(
+        _listed_hosts(config), network_interface=config.network_interface
     )
-    server.start(reports)
+    job = report.Job.new()
+    server = ReportServer(
+        job, host=host, advertise=advertise, max_connections=64 + 2 * config.num_proc
+    )
+    lifeline = LifelineServer(job, host=host, advertise=advertise)
+    env = build_env(config, report_addr=server.address, lifeline_addr=lifeline.address, job=job)
+    try:
+        ranks_config = settings.from_env(env)
+    except ConfigError as e:  # a LaunchConfig made without parse_args
+        _say(f"error: {e}")
+        return 2
+    verdict = Verdict(
+        config.num_proc,
+        start_timeout=ranks_config.start_timeout,
+        stall_timeout=ranks_config.stall_timeout,
+        elastic=ElasticLog() if config.elastic else None,
+    )
+    server.start(verdict.add)
+    lifeline.start()
     cmd = build_command(config, env, mpirun)
     if config.settings.get("verbose"):
-        print("syncdp-run: " + shlex.join(cmd), file=sys.stderr, flush=True)
-    process = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
-    pumps = [
-        threading.Thread(target=_pump, args=(process.stdout, sys.stdout.buffer), daemon=True),
-        threading.Thread(target=_pump, args=(process.stderr, sys.stderr.buffer), daemon=True),
-    ]
-    for p in pumps:
-        p.start()
-    interrupted = []
-
-    def on_signal(signum, frame):
-        interrupted.append(signum)
-        threading.Thread(target=_stop, args=(process,), daemon=True).start()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        _say(shlex.join(cmd))  # the secret is exported by name (-x), never on a command line
+    process = supervision.start_mpirun(cmd, env)
+    pumps = supervision.copy_output(process)
     try:
-        _supervise(process, reports)
-        # The last lines, once mpirun has ended. Not long after a failure: processes on a host
-        # that vanished may hold the pipes open until they notice, seconds later.
-        deadline = time.monotonic() + (1.0 if reports.failed.is_set() else 5.0)
-        for p in pumps:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        with supervision.StopOnSignals(process) as signals:
+            supervision.supervise(process, verdict)
+            _await_last_reports(verdict, lifeline)
+            # The last lines, once mpirun has ended. Not long after a failure: processes on a
+            # host that vanished may hold the pipes open until they notice, seconds later.
+            deadline = time.monotonic() + (1.0 if verdict.failed.is_set() else 5.0)
+            for p in pumps:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
         server.close()
-    code = process.returncode
-    if elastic is not None and not interrupted and not reports.failed.is_set():
-        lost = elastic.unexplained()
-        if lost:
-            print(
-                "syncdp-run: the job failed: no recovery followed the loss of "
-                + ", ".join(reports._describe(r) for r in lost),
-                file=sys.stderr,
-                flush=True,
-            )
-            return 1
-        if elastic.finished(config.num_proc):
-            print(f"syncdp-run: elastic: {elastic.summary()}", file=sys.stderr, flush=True)
-            return 0
-    if elastic is not None and code == 0 and reports.failed.is_set():
-        code = 1  # under ULFM mpirun may exit 0 after ranks failed: the reports decide
-    if interrupted:
-        print(
-            f"syncdp-run: stopped by {signal.Signals(interrupted[0]).name}; every rank was ended.",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 128 + interrupted[0]
-    if code != 0:
-        print(
-            f"syncdp-run: the job failed (mpirun exit code {code}); first failure: "
-            f"{reports.cause()}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return code if code > 0 else 1
-    return 0
+        outcome = verdict.decide(lifeline.links(), mpirun_code=process.returncode)
+        lifeline.close()  # supervisors still running (a lost daemon's) now end their ranks
+    rejected = describe_rejected(server.rejected + lifeline.rejected)
+    if rejected:
+        _say(rejected)
+    if signals.received:
+        name = signal.Signals(signals.received[0]).name
+        _say(f"stopped by {name}; every rank was ended.")
+        return 128 + signals.received[0]
+    for line in outcome.lines:
+        _say(line)
+    return outcome.code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,11 +19,13 @@ COMMAND...``: their output lines carry ``LABEL`` plus their index among the rank
 together (the original ranks are labelled 0..N-1), and the child finds that label in
 ``SYNCDP_REPLACEMENT``.
 
-On a host other than the launcher's, each supervisor also leaves a lifeline watcher (a small
-detached process): when the launcher's report address stops answering for the stall timeout
-(at least 10 s) while Open MPI's daemon still runs, the watcher kills the daemon, this
-supervisor and so its rank. A host whose link was cut thus ends its part of the job by itself:
-Open MPI's daemons do not notice a launcher that vanished.
+Before it starts its rank, the supervisor connects to the launcher's lifeline
+(``SYNCDP_LIFELINE_ADDR``, :mod:`launch.lifeline`); when the launcher cannot be reached it
+starts nothing. The rank runs in its own process group. When the launcher is gone (its
+lifeline closed: it ended, however it was killed; or silent past the stall timeout, at least
+10 s, with its address refusing connections: a cut link), the supervisor ends the rank's process
+group (SIGTERM, then SIGKILL 2 s later), then Open MPI's daemon above it (prterun or prted),
+then itself: nothing of a job outlives its launcher by more than a few seconds, on any host.
 
 Usage (by the launcher, not by hand): ``python -m launch.worker COMMAND [ARGS...]``.
 """
@@ -39,6 +41,7 @@ import sys
 import threading
 import time
 
+from launch.lifeline import LIFELINE_VAR, Lifeline
 from syncdp.core import report, settings  # neither imports TensorFlow or MPI
 
 __all__ = ["main", "describe_exit"]
@@ -53,10 +56,13 @@ def _rank() -> str:
     return "?"
 
 
-def _die_with_parent() -> None:
+def _start_rank() -> None:
+    """In the rank's process before exec: its own process group (so that it and whatever it
+    starts can be ended together), and death with this supervisor."""
+    os.setpgid(0, 0)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux: the launcher's own cleanup still ends the job
+    except OSError:  # not Linux: the lifeline and the launcher's own cleanup still end the job
         pass
 
 
@@ -75,18 +81,12 @@ def _send_exit_report(
     )
 
 
-# The lifeline watcher checks the launcher this often, and gives up on it after the stall
-# timeout, but never sooner than this.
-_LIFELINE_POLL_SECONDS = 1.0
-_LIFELINE_MIN_LOST_SECONDS = 10.0
-
-
-def _reachable(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=_LIFELINE_POLL_SECONDS):
-            return True
-    except OSError:
-        return False
+# Open MPI's processes that may sit above a supervisor: the launcher's prterun on its own host,
+# a daemon elsewhere.
+_DAEMONS = frozenset({"prted", "prterun", "mpirun", "orted"})
+# After SIGTERM, the rank's process group gets this long before SIGKILL.
+_END_GRACE_SECONDS = 2.0
+_LOST_MIN_SECONDS = 10.0
 
 
 def _comm(pid: int) -> str:
@@ -106,52 +106,48 @@ def _parent(pid: int) -> int:
 
 
 def _daemon_chain(supervisor: int) -> list[int]:
-    """Open MPI's daemon processes above ``supervisor`` (prted, and the shell that ran it)."""
+    """Open MPI's processes above ``supervisor`` (prted or prterun, and the remote shell's
+    ``sh`` that ran a daemon)."""
     chain, pid = [], _parent(supervisor)
-    while pid > 1 and _comm(pid) == "prted":
+    while pid > 1 and _comm(pid) in _DAEMONS:
         chain.append(pid)
         pid = _parent(pid)
-    if chain and _comm(pid) == "sh":
+    if chain and _comm(chain[-1]) == "prted" and _comm(pid) == "sh":
         chain.append(pid)
     return chain
 
 
-def _start_lifeline(address: str, lost_after: float) -> None:
-    """Leaves a detached watcher that ends this host's part of the job if the launcher at
-    ``address`` stays unreachable for ``lost_after`` seconds (see the module docstring)."""
-    host, _, port = address.rpartition(":")
-    if host in ("127.0.0.1", "localhost") or not port.isdigit():
-        return  # the launcher is on this host: it ends everything itself
-    supervisor = os.getpid()
-    chain = _daemon_chain(supervisor)
-    if not chain:
-        return
-    first = os.fork()
-    if first:
-        os.waitpid(first, 0)
-        return
-    os.setsid()
-    if os.fork():
-        os._exit(0)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
-    lost_since = None
-    while True:
-        time.sleep(_LIFELINE_POLL_SECONDS)
-        if not os.path.exists(f"/proc/{chain[0]}"):
-            os._exit(0)  # the daemon is gone: the job ended
-        if _reachable(host, int(port)):
-            lost_since = None
-            continue
-        lost_since = lost_since or time.monotonic()
-        if time.monotonic() - lost_since >= lost_after:
-            for pid in (supervisor, *chain):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            os._exit(0)
+def _signal_group(pgid: int, signum: int) -> bool:
+    """Sends ``signum`` to a process group; False when the group is empty."""
+    try:
+        os.killpg(pgid, signum)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _end_here(rank: str, child: subprocess.Popen, why: str) -> None:
+    """The launcher is gone: ends this rank's process group, Open MPI above it, and this
+    supervisor (never returns)."""
+    print(
+        f"syncdp-run: rank {rank} on {socket.gethostname()}: {why}; ending the rank.",
+        file=sys.stderr,
+        flush=True,
+    )
+    chain = _daemon_chain(os.getpid())
+    deadline = time.monotonic() + _END_GRACE_SECONDS
+    if _signal_group(child.pid, signal.SIGTERM):
+        while time.monotonic() < deadline and _signal_group(child.pid, 0):
+            time.sleep(0.05)
+        _signal_group(child.pid, signal.SIGKILL)
+    for pid in chain:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    os._exit(1)
 
 
 def _pump(source, sink, prefix: bytes) -> None:
@@ -159,6 +155,25 @@ def _pump(source, sink, prefix: bytes) -> None:
         sink.write(prefix + line)
         sink.flush()
     source.close()
+
+
+def _connect_lifeline(rank: str) -> Lifeline | None | bool:
+    """The lifeline to the launcher; None without a launcher; False (after saying why) when
+    there is one but it cannot be reached, so that nothing starts."""
+    address = os.environ.get(LIFELINE_VAR)
+    job = report.Job.from_env()
+    if not address or job is None:
+        return None
+    try:
+        return Lifeline.connect(address, job)
+    except (OSError, ValueError) as e:
+        print(
+            f"syncdp-run: rank {rank}: the launcher's lifeline at {address} cannot be reached "
+            f"({e}); the launcher is gone, so the program is not started.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
 
 
 def describe_exit(returncode: int) -> str:
@@ -188,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank = _rank()
     config = settings.from_env_or_default()
-    address = os.environ.get(report.ADDRESS_VAR)
-    if address:
-        _start_lifeline(address, max(_LIFELINE_MIN_LOST_SECONDS, config.stall_timeout))
+    lifeline = _connect_lifeline(rank)
+    if lifeline is False:
+        return 1
     env = None
     if argv[0] == "--replacement" and len(argv) > 2:
         rank = str(int(argv[1]) + (int(rank) if rank.isdigit() else 0))
@@ -202,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_start_rank,
             env=env,
         )
     except OSError as e:
@@ -210,6 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"syncdp-run: {message}", file=sys.stderr, flush=True)
         _send_exit_report(rank, None, 127, False, message)
         return 127
+    if lifeline is not None:
+        lifeline.start(
+            int(rank) if rank.isdigit() else None,
+            child.pid,
+            lost_after=max(_LOST_MIN_SECONDS, config.stall_timeout),
+            on_lost=lambda why: _end_here(rank, child, why),
+        )
 
     forwarded: list[int] = []
 
@@ -231,8 +253,6 @@ def main(argv: list[str] | None = None) -> int:
     for p in pumps:
         p.start()
     returncode = child.wait()
-    for p in pumps:
-        p.join(timeout=5)
     where = f"(pid {child.pid} on {socket.gethostname()})"
     if returncode != 0 and forwarded:
         # Stopped on request (mpirun ending the job because another rank failed, or Ctrl-C):
@@ -244,9 +264,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         message = f"rank {rank} {where} {describe_exit(returncode)}."
-    if returncode != 0:
-        print(f"syncdp-run: {message}", file=sys.stderr, flush=True)
+    # The report first: when the job is ending, mpirun may kill this supervisor at any moment,
+    # and its output pipes may already be gone.
     _send_exit_report(rank, child.pid, returncode, bool(forwarded), message)
+    for p in pumps:
+        p.join(timeout=5)
+    if returncode != 0:
+        try:
+            print(f"syncdp-run: {message}", file=sys.stderr, flush=True)
+        except OSError:  # mpirun is gone: nobody reads this any more
+            pass
     if elastic and returncode != 0 and not forwarded:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,4 +1,4 @@
-"""The failure channel: ranks tell the launcher what happened, as data.
+"""The failure channel: ranks tell the launcher what happened, as data, and prove who they are.
 
 Under ``syncdp-run`` every rank finds ``SYNCDP_REPORT_ADDR=host:port`` in its environment: the
 launcher listens there. A report is one JSON object on one line::
@@ -18,6 +18,17 @@ Its ``kind`` says what happened; the launcher reads the fields and never parses 
     exit           written by the rank's supervisor (``launch.worker``): the program ended;
                    ``code`` (exit status) or ``signal`` (number); ``requested`` is true when
                    it was stopped because the job was ending
+    lifeline       written by the supervisor on its lifeline connection (``launch.lifeline``):
+                   this rank's program started with ``pid``
+
+Every report proves it comes from this job. The launcher makes a random secret and a job id for
+each job and gives them only to the job's processes, in their environment
+(``SYNCDP_REPORT_SECRET``, ``SYNCDP_JOB_ID``; never on a command line or in a file). A report
+carries the job id and a random nonce, and travels as ``MAC JSON`` where MAC is the hex
+HMAC-SHA256 of the job id and the JSON text under the secret. The launcher drops (and counts) a
+line whose MAC does not check, that names another job, that repeats a nonce, or that is longer
+than :data:`MAX_LINE_BYTES`; it answers ``ok`` to each report it took, so :func:`send` knows it
+was delivered.
 
 Without the launcher (plain ``mpirun``) there is no address and :func:`send` only returns; the
 same words are printed to stderr by the caller either way.
@@ -25,16 +36,85 @@ same words are printed to stderr by the caller either way.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
 import json
 import os
+import secrets
 import socket
 import time
+from collections.abc import Mapping
 
-__all__ = ["ADDRESS_VAR", "send", "make"]
+__all__ = [
+    "ADDRESS_VAR",
+    "SECRET_VAR",
+    "JOB_VAR",
+    "MAX_LINE_BYTES",
+    "ACK",
+    "Job",
+    "Rejected",
+    "make",
+    "encode",
+    "decode",
+    "send",
+]
 
 ADDRESS_VAR = "SYNCDP_REPORT_ADDR"
+SECRET_VAR = "SYNCDP_REPORT_SECRET"
+JOB_VAR = "SYNCDP_JOB_ID"
+# The longest line the launcher reads; a report's message is cut to fit well within it.
+MAX_LINE_BYTES = 64 * 1024
+_MAX_MESSAGE_CHARS = 16 * 1024
 # A report must never hold up a rank that is about to end the job.
 _CONNECT_SECONDS = 2.0
+_REPLY_SECONDS = 3.0
+# What the launcher answers to each report it took.
+ACK = b"ok\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What makes one job's reports its own: its id (not secret) and its secret.
+
+    Attributes:
+        id: Random text naming the job; bound into every report's MAC.
+        secret: The HMAC key, random per job; only the job's processes have it.
+    """
+
+    id: str
+    secret: str = dataclasses.field(repr=False)
+
+    @classmethod
+    def new(cls) -> Job:
+        """A fresh job: a new id and a new 256-bit secret."""
+        return cls(secrets.token_hex(8), secrets.token_hex(32))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Job | None:
+        """The job this process belongs to, from its environment; None without a launcher."""
+        environ = os.environ if environ is None else environ
+        if JOB_VAR not in environ or SECRET_VAR not in environ:
+            return None
+        return cls(environ[JOB_VAR], environ[SECRET_VAR])
+
+    def env(self) -> dict[str, str]:
+        """The variables that give a process this job (for the launcher to set)."""
+        return {JOB_VAR: self.id, SECRET_VAR: self.secret}
+
+    def mac(self, body: bytes) -> str:
+        """The hex HMAC-SHA256 of this job's id and ``body``."""
+        return hmac.new(
+            self.secret.encode(), self.id.encode() + b"\n" + body, hashlib.sha256
+        ).hexdigest()
+
+
+class Rejected(ValueError):
+    """A line is not a report of this job; ``reason`` says why in a few words."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 def make(kind: str, rank: int | None, message: str = "", **fields) -> dict:
@@ -50,6 +130,54 @@ def make(kind: str, rank: int | None, message: str = "", **fields) -> dict:
     }
 
 
+def encode(report: Mapping, job: Job) -> bytes:
+    """One report as its signed line: ``MAC JSON\\n``, with the job id and a nonce added.
+
+    The message is cut to 16,000 characters (with a note), so that every report fits the
+    launcher's line limit.
+    """
+    body = dict(report)
+    message = body.get("message")
+    if isinstance(message, str) and len(message) > _MAX_MESSAGE_CHARS:
+        body["message"] = message[:_MAX_MESSAGE_CHARS] + "\n[... cut: the report was too long]"
+    body["job"] = job.id
+    body["nonce"] = secrets.token_hex(12)
+    text = json.dumps(body, default=str).encode()
+    return job.mac(text).encode() + b" " + text + b"\n"
+
+
+def decode(line: bytes, job: Job) -> dict:
+    """The report in a line that ``job``'s processes signed (:func:`encode`).
+
+    Args:
+        line: One line as received, with or without its newline.
+        job: The job whose secret must have signed it.
+
+    Returns:
+        The report, a dict with at least ``kind`` and ``nonce``.
+
+    Raises:
+        Rejected: The line is too long, not ``MAC JSON``, its MAC does not check (forged, or
+            from another job), it names another job, or it is not a report.
+    """
+    if len(line) > MAX_LINE_BYTES:
+        raise Rejected("too long")
+    mac, _, text = line.rstrip(b"\r\n").partition(b" ")
+    if not text or len(mac) != 64 or mac.strip(b"0123456789abcdef"):
+        raise Rejected("malformed")  # not "MAC JSON" at all
+    if not hmac.compare_digest(mac, job.mac(text).encode()):
+        raise Rejected("bad signature")
+    try:
+        report = json.loads(text)
+    except ValueError:
+        raise Rejected("malformed") from None
+    if not isinstance(report, dict) or "kind" not in report or "nonce" not in report:
+        raise Rejected("malformed")
+    if report.get("job") != job.id:
+        raise Rejected("another job")
+    return report
+
+
 def send(kind: str, rank: int | None, message: str = "", **fields) -> bool:
     """Sends one report to the launcher, if there is one; never raises.
 
@@ -60,16 +188,25 @@ def send(kind: str, rank: int | None, message: str = "", **fields) -> bool:
         **fields: Extra data for that kind (``ranks``, ``code``, ``signal``...).
 
     Returns:
-        Whether the report was delivered.
+        Whether the launcher took the report (it answered that it did).
     """
     address = os.environ.get(ADDRESS_VAR)
-    if not address:
+    job = Job.from_env()
+    if not address or job is None:
         return False
     host, _, port = address.rpartition(":")
-    line = json.dumps(make(kind, rank, message, **fields)) + "\n"
     try:
+        line = encode(make(kind, rank, message, **fields), job)
         with socket.create_connection((host, int(port)), timeout=_CONNECT_SECONDS) as s:
-            s.sendall(line.encode())
-        return True
+            s.sendall(line)
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(_REPLY_SECONDS)
+            reply = b""
+            while len(reply) < len(ACK):
+                chunk = s.recv(len(ACK) - len(reply))
+                if not chunk:
+                    break
+                reply += chunk
+        return reply == ACK
     except (OSError, ValueError):
         return False

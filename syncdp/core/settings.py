@@ -19,8 +19,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from syncdp.core.errors import ConfigError
@@ -35,6 +36,7 @@ __all__ = [
     "INTERNAL_VARS",
     "ELASTIC_IMPLIED_BY",
     "from_env_or_default",
+    "validate",
 ]
 
 MiB = 1024 * 1024
@@ -77,9 +79,8 @@ class Setting:
     choices: tuple[str, ...] = ()
 
     def parse(self, text: str) -> Any:
-        """Parses the environment variable's text into a value of the setting's type."""
-        parser: Callable[[str], Any] = _bool if self.type is bool else self.type
-        return parser(text)
+        """Parses the environment variable's text into a checked value (see :func:`validate`)."""
+        return validate(self, text, source="env")
 
     def env_text(self, flag_value: Any) -> str:
         """The environment variable's text for a value given on the launcher's flag."""
@@ -252,11 +253,137 @@ SETTINGS: tuple[Setting, ...] = (
 _BY_ENV = {s.env: s for s in SETTINGS}
 _BY_NAME = {s.name: s for s in SETTINGS}
 
+# How each source of a value names it in an error: the launcher's flag, the variable, or the
+# init() keyword (which also names the other two, so a reader finds where it came from).
+_SOURCES = ("flag", "env", "keyword")
+_BOOL_WORDS = "1, true, yes, on, or 0, false, no, off"
+
+
+def _allowed(s: Setting, unit: int) -> str:
+    """What ``s`` accepts, in words, for a value given in ``unit`` (bytes per unit)."""
+    if s.type is bool:
+        return f"a boolean ({_BOOL_WORDS})"
+    if s.choices:
+        return "one of " + ", ".join(s.choices)
+    if s.type is str:
+        return "text"
+    if unit == MiB:
+        what = "a finite number of MiB"
+    elif s.type is int:
+        what = "a whole number" + (" of bytes" if s.flag_unit == MiB else "")
+    else:
+        what = "a finite number of seconds"
+    if s.minimum is not None:
+        what += f", at least {s.minimum / unit:g}"
+        if unit != 1 and s.minimum:
+            what += f" ({s.minimum:g} bytes)"
+    return what
+
+
+def _parse_text(s: Setting, text: str, unit: int) -> Any:
+    """``text`` as the setting's type in ``unit``; ValueError when it is not one."""
+    if s.type is bool:
+        return _bool(text)
+    if s.type is str:
+        return text
+    if s.type is int and unit == 1:
+        return int(text.strip())  # "2.5" and "1e3" are not whole numbers of anything
+    return float(text)
+
+
+def _in_range(s: Setting, value: Any) -> bool:
+    """Whether a typed value, in the variable's unit, is one ``s`` allows."""
+    if s.type is bool:
+        return isinstance(value, bool)
+    if s.type is str:
+        return isinstance(value, str) and (not s.choices or value in s.choices)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    # NaN compares false with everything, so it would pass a minimum: finite is checked first.
+    if not math.isfinite(value):
+        return False
+    if s.type is int and value != int(value):
+        return False
+    return s.minimum is None or value >= s.minimum
+
+
+def validate(setting: Setting | str, value: Any, *, source: str = "keyword") -> Any:
+    """Parses and checks one setting's value: the one check for every way a value arrives.
+
+    The launcher calls it for its flags and for the ``SYNCDP_*`` variables it passes on, before
+    anything starts; :class:`Config` calls it for every field, so ``init()`` checks the same
+    way in a program started without the launcher. NaN and infinity are never allowed (every
+    setting that can mean "never" says so with 0), nor are values below the row's minimum, text
+    where a number belongs, or a fraction where a whole number does.
+
+    Args:
+        setting: The row of :data:`SETTINGS`, or its name.
+        value: For ``source="flag"`` the flag's text, in the flag's unit (MiB for the ``-mb``
+            flags; True for a boolean flag); for ``"env"`` the variable's text; for
+            ``"keyword"`` the Python value (``init()``'s keyword, a :class:`Config` field).
+        source: Where the value came from: ``"flag"``, ``"env"`` or ``"keyword"``. Defaults to
+            ``"keyword"``.
+
+    Returns:
+        The value, typed, in the source's unit (MiB for the ``-mb`` flags, else the
+        variable's unit).
+
+    Raises:
+        ConfigError: One line naming the setting as the source spells it, the value received
+            and what is allowed, e.g. ``--stall-timeout must be a finite number of seconds, at
+            least 0; got 'nan'.``
+
+    Example:
+        >>> validate("chunk_bytes", "4096", source="env")
+        4096
+    """
+    s = _BY_NAME[setting] if isinstance(setting, str) else setting
+    if source not in _SOURCES:
+        raise ValueError(f"source must be one of {', '.join(_SOURCES)}; got {source!r}")
+    unit = s.flag_unit if source == "flag" else 1
+    typed = value
+    ok = True
+    if source != "keyword" and not (s.type is bool and value is True):
+        try:
+            typed = _parse_text(s, value, unit)
+        except (TypeError, ValueError):
+            ok = False
+    if ok:
+        ok = _in_range(s, _variable_value(s, typed, unit))
+    if ok:
+        return typed
+    allowed = _allowed(s, unit)
+    if source == "flag":
+        raise ConfigError(f"{s.flag} must be {allowed}; got {value!r}.")
+    if source == "env":
+        raise ConfigError(f"{s.env} must be {allowed}; got {value!r}.")
+    raise ConfigError(f"{s.name} must be {allowed}; got {value!r} ({s.env}, syncdp-run {s.flag}).")
+
+
+def _variable_value(s: Setting, typed: Any, unit: int) -> Any:
+    """The variable's value for a value in ``unit``: a ``-mb`` flag's MiB become whole bytes."""
+    if unit == 1 or isinstance(typed, bool) or not isinstance(typed, int | float):
+        return typed
+    scaled = typed * unit
+    return int(scaled) if s.type is int and math.isfinite(scaled) else scaled
+
+
 # Variables the launcher sets for its own machinery; not settings of the library.
 #   SYNCDP_LAUNCHER     set under syncdp-run
 #   SYNCDP_REPORT_ADDR  host:port where ranks send structured reports (syncdp.core.report)
 #   SYNCDP_REPLACEMENT  set by launch.worker on a rank spawned by elastic recovery: its label
-INTERNAL_VARS = frozenset({"SYNCDP_LAUNCHER", "SYNCDP_REPORT_ADDR", "SYNCDP_REPLACEMENT"})
+#   SYNCDP_JOB_ID, SYNCDP_REPORT_SECRET  the job's id and the key its reports are signed with
+#   SYNCDP_LIFELINE_ADDR  host:port every supervisor holds a connection to (launch.lifeline)
+INTERNAL_VARS = frozenset(
+    {
+        "SYNCDP_LAUNCHER",
+        "SYNCDP_REPORT_ADDR",
+        "SYNCDP_REPLACEMENT",
+        "SYNCDP_JOB_ID",
+        "SYNCDP_REPORT_SECRET",
+        "SYNCDP_LIFELINE_ADDR",
+    }
+)
 
 
 # Settings that switch elastic mode on by being set (horovodrun: --min-np alone is elastic).
@@ -295,26 +422,7 @@ class Config:
 
     def __post_init__(self):
         for s in SETTINGS:
-            value = getattr(self, s.name)
-            if s.type is bool:
-                if not isinstance(value, bool):
-                    raise ConfigError(f"{s.name} must be True or False; got {value!r}.")
-            elif s.type is str:
-                if not isinstance(value, str):
-                    raise ConfigError(f"{s.name} must be a string; got {value!r}.")
-                if s.choices and value not in s.choices:
-                    raise ConfigError(
-                        f"{s.name} must be one of {', '.join(s.choices)}; got {value!r} "
-                        f"({s.env}, syncdp-run {s.flag})."
-                    )
-            else:
-                if isinstance(value, bool) or not isinstance(value, int | float):
-                    raise ConfigError(f"{s.name} must be a number; got {value!r}.")
-                if s.minimum is not None and value < s.minimum:
-                    raise ConfigError(
-                        f"{s.name} must be at least {s.minimum:g}; got {value} "
-                        f"({s.env}, syncdp-run {s.flag})."
-                    )
+            validate(s, getattr(self, s.name))
 
 
 assert [f.name for f in dataclasses.fields(Config)] == [s.name for s in SETTINGS], (
@@ -345,12 +453,7 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides) -> Config:
         if setting is None:
             known = ", ".join(sorted(_BY_ENV))
             raise ConfigError(f"Unknown environment variable {key}; syncdp knows {known}.")
-        try:
-            values[setting.name] = setting.parse(text)
-        except ValueError as e:
-            raise ConfigError(
-                f"{key}={text!r} is not a valid {setting.type.__name__}: {e}"
-            ) from None
+        values[setting.name] = validate(setting, text, source="env")
     for key, value in overrides.items():
         if key not in _BY_NAME:
             raise ConfigError(f"Unknown syncdp option {key!r}; options are {sorted(_BY_NAME)}.")

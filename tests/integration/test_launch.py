@@ -21,21 +21,18 @@ import os, time
 if int(os.environ["OMPI_COMM_WORLD_RANK"]) == int(os.environ["LATE_RANK"]):
     time.sleep(60)
 import syncdp
+import syncdp.tensorflow  # TensorFlow loads before the clock starts, as it does inside init()
 print(f"arriving {time.time():.3f}", flush=True)
 syncdp.init()
 print("every rank arrived", flush=True)
 """
 
-# A rank's first words to the launcher, without syncdp: what syncdp.init() sends on arrival.
+# A rank's first words to the launcher, without TensorFlow: what syncdp.init() sends on arrival.
 STARTED = """
-import json, os, socket, time
-host, _, port = os.environ["SYNCDP_REPORT_ADDR"].rpartition(":")
-rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
-if rank == 0:
-    report = {"kind": "started", "rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
-              "time": time.time(), "message": ""}
-    with socket.create_connection((host, int(port))) as s:
-        s.sendall((json.dumps(report) + "\\n").encode())
+import os, time
+from syncdp.core import report
+if int(os.environ["OMPI_COMM_WORLD_RANK"]) == 0:
+    assert report.send("started", 0)
 time.sleep(60)
 """
 

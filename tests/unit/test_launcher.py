@@ -1,14 +1,11 @@
-"""The launcher without mpirun: parse -> config -> env -> command, and the failure channel.
+"""The launcher without mpirun: parse -> config -> env -> command.
 
-The report tests start the launcher's report server on a local port and send it what ranks and
-supervisors send (``syncdp.core.report``'s JSON lines), then check the launcher's verdict: the
-words of its last line.
+Every setting is checked before anything starts, as a flag and as a ``SYNCDP_*`` variable
+alike: each nonsense value exits 2 with one line naming it, the value and what is allowed, and
+no rank starts (the real launcher is run for those, and must answer within seconds). The report
+channel, the verdict and the lifeline have their own test modules.
 """
 
-import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,12 +13,15 @@ import time
 import pytest
 
 from launch import run
-from syncdp.core import report
-from tests.launcher import ROOT
+from launch.lifeline import LIFELINE_VAR
+from syncdp.core import report, settings
+from tests.launcher import ROOT, rank_env
 
 
 def test_horovodrun_command_line():
-    c = run.parse_args(["-np", "4", "-H", "a:2,b:2", "python", "train.py", "--lr", "0.1"])
+    c = run.parse_args(
+        ["-np", "4", "-H", "a:2,b:2", "python", "train.py", "--lr", "0.1"], environ={}
+    )
     assert c.num_proc == 4 and c.hosts == "a:2,b:2"
     assert c.command == ("python", "train.py", "--lr", "0.1")
     assert c.settings == {}
@@ -45,21 +45,125 @@ def test_settings_flags_are_kept_by_name_in_the_flags_unit():
         (["-np", "2"], "missing the command"),
         (["-np", "0", "python"], "-np must be at least 1; got 0"),
         (["python", "x.py"], "-np"),
-        (["-np", "2", "--stall-timeout", "-3", "python"], "--stall-timeout must be at least 0"),
-        (["-np", "2", "--chunk-mb", "0.0001", "python"], "--chunk-mb must be at least"),
-        (["-np", "2", "--verify-every", "2.5", "python"], "--verify-every"),
         (["-np", "2", "--hostfile", "/nonexistent/hosts", "python"], "does not exist"),
         (["-np", "2", "--min-np", "3", "python"], "--min-np (3) must not exceed -np (2)"),
         (["-np", "3", "--max-np", "2", "python"], "--max-np (2) must be at least -np (3)"),
-        (["-np", "2", "--min-np", "-1", "python"], "--min-np must be at least 0"),
     ],
 )
 def test_bad_command_lines_exit_with_usage(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
-        run.parse_args(argv)
+        run.parse_args(argv, environ={})
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "syncdp-run" in err and words in err, err
+
+
+# Nonsense for each kind of setting, as (flag, text) and as (variable, text).
+SECONDS = "a finite number of seconds, at least 0"
+BAD_FLAGS = [
+    ("--stall-timeout", "nan", SECONDS),
+    ("--stall-timeout", "inf", SECONDS),
+    ("--stall-timeout", "-3", SECONDS),
+    ("--stall-timeout", "soon", SECONDS),
+    ("--start-timeout", "-inf", SECONDS),
+    ("--stall-warning", "1e999", SECONDS),
+    ("--fusion-threshold-mb", "inf", "a finite number of MiB, at least 0"),
+    ("--fusion-threshold-mb", "nan", "a finite number of MiB, at least 0"),
+    ("--fusion-threshold-mb", "-1", "a finite number of MiB, at least 0"),
+    ("--first-bucket-mb", "abc", "a finite number of MiB, at least 0"),
+    ("--chunk-mb", "0", "a finite number of MiB, at least 0.000976562 (1024 bytes)"),
+    ("--chunk-mb", "0.0001", "a finite number of MiB, at least 0.000976562 (1024 bytes)"),
+    ("--verify-every", "2.5", "a whole number, at least 0"),
+    ("--verify-every", "nan", "a whole number, at least 0"),
+    ("--min-np", "-1", "a whole number, at least 0"),
+    ("--reset-limit", "lots", "a whole number, at least 0"),
+    ("--hierarchical-allreduce", "maybe", "one of auto, on, off"),
+]
+BAD_VARIABLES = [
+    ("SYNCDP_STALL_TIMEOUT", "nan", SECONDS),
+    ("SYNCDP_STALL_TIMEOUT", "abc", SECONDS),
+    ("SYNCDP_START_TIMEOUT", "inf", SECONDS),
+    ("SYNCDP_STALL_WARNING", "-5", SECONDS),
+    ("SYNCDP_FUSION_THRESHOLD", "nan", "a whole number of bytes, at least 0"),
+    ("SYNCDP_FUSION_THRESHOLD", "1.5", "a whole number of bytes, at least 0"),
+    ("SYNCDP_FUSION_THRESHOLD", "-5", "a whole number of bytes, at least 0"),
+    ("SYNCDP_CHUNK_BYTES", "0", "a whole number of bytes, at least 1024"),
+    ("SYNCDP_CHUNK_BYTES", "abc", "a whole number of bytes, at least 1024"),
+    ("SYNCDP_VERIFY_EVERY", "-1", "a whole number, at least 0"),
+    ("SYNCDP_VERBOSE", "maybe", "a boolean (1, true, yes, on, or 0, false, no, off)"),
+    ("SYNCDP_HIERARCHICAL_ALLREDUCE", "sometimes", "one of auto, on, off"),
+]
+
+
+@pytest.mark.parametrize("flag, text, allowed", BAD_FLAGS)
+def test_a_nonsense_flag_exits_2_naming_flag_value_and_what_is_allowed(flag, text, allowed, capsys):
+    with pytest.raises(SystemExit) as e:
+        run.parse_args(["-np", "2", f"{flag}={text}", "python"], environ={})
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"syncdp-run: error: {flag} must be {allowed}; got {text!r}.\n", err
+
+
+@pytest.mark.parametrize("name, text, allowed", BAD_VARIABLES)
+def test_a_nonsense_variable_exits_2_naming_it_before_anything_starts(name, text, allowed, capsys):
+    with pytest.raises(SystemExit) as e:
+        run.parse_args(["-np", "2", "python"], environ={name: text})
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"syncdp-run: error: {name} must be {allowed}; got {text!r}.\n", err
+
+
+def test_an_unknown_variable_exits_2_naming_it(capsys):
+    with pytest.raises(SystemExit) as e:
+        run.parse_args(["-np", "2", "python"], environ={"SYNCDP_STAL_TIMEOUT": "5"})
+    assert e.value.code == 2
+    assert "Unknown environment variable SYNCDP_STAL_TIMEOUT" in capsys.readouterr().err
+
+
+def test_a_flag_replaces_a_nonsense_variable_for_the_ranks():
+    # The ranks get the flag's value, so the variable's is never used: not an error.
+    c = run.parse_args(
+        ["-np", "2", "--stall-timeout", "5", "python"], environ={"SYNCDP_STALL_TIMEOUT": "nan"}
+    )
+    env = run.build_env(c, environ={"SYNCDP_STALL_TIMEOUT": "nan"})
+    assert settings.from_env(env).stall_timeout == 5.0
+
+
+@pytest.mark.parametrize(
+    "args, env",
+    [
+        (["--stall-timeout", "nan"], {}),
+        (["--fusion-threshold-mb", "inf"], {}),
+        ([], {"SYNCDP_CHUNK_BYTES": "0"}),
+        ([], {"SYNCDP_STALL_TIMEOUT": "-5"}),
+    ],
+)
+def test_the_real_launcher_exits_2_in_one_line_and_starts_no_rank(args, env, tmp_path):
+    marker = tmp_path / "started"
+    began = time.monotonic()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch",
+            "-np",
+            "2",
+            *args,
+            "python",
+            "-c",
+            f"open({str(marker)!r}, 'w')",
+        ],
+        env=rank_env(env),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("syncdp-run: error: "), result.stderr
+    assert "Traceback" not in result.stderr and not marker.exists()
+    assert time.monotonic() - began < 20  # no rank, no TensorFlow: only the launcher's start
 
 
 def test_timeline_path_is_made_absolute(tmp_path, monkeypatch):
@@ -90,21 +194,25 @@ def test_flag_wins_over_the_callers_variable():
         (["--start-timeout", "7"], {"SYNCDP_START_TIMEOUT": "99"}, 7.0),
         ([], {"SYNCDP_START_TIMEOUT": "99"}, 99.0),
         ([], {}, 120.0),
-        ([], {"SYNCDP_START_TIMEOUT": "soon"}, 120.0),  # the ranks report the bad value
     ],
 )
-def test_launcher_reads_the_start_timeout_the_ranks_will_use(argv, environ, expected):
-    env = run.build_env(run.parse_args(["-np", "2", *argv, "python"]), environ=environ)
-    assert run._setting_value(env, "start_timeout") == expected
+def test_ranks_read_the_start_timeout_the_launcher_was_given(argv, environ, expected):
+    c = run.parse_args(["-np", "2", *argv, "python"], environ=environ)
+    assert settings.from_env(run.build_env(c, environ=environ)).start_timeout == expected
 
 
-def test_mpirun_command_exports_the_report_address():
+def test_mpirun_command_exports_the_job_by_name_never_its_secret():
     c = run.parse_args(
         ["-np", "3", "-H", "h1:2,h2:1", "--mpi-args", "--mca btl self,tcp -v"]
-        + ["--stall-timeout", "5", "python", "train.py"]
+        + ["--stall-timeout", "5", "python", "train.py"],
+        environ={},
     )
-    env = run.build_env(c, environ={"PATH": "/bin"}, report_addr="node0:5000")
-    assert env[report.ADDRESS_VAR] == "node0:5000"
+    job = report.Job.new()
+    env = run.build_env(
+        c, environ={"PATH": "/bin"}, report_addr="node0:5000", lifeline_addr="node0:5001", job=job
+    )
+    assert env[report.ADDRESS_VAR] == "node0:5000" and env[LIFELINE_VAR] == "node0:5001"
+    assert (env[report.JOB_VAR], env[report.SECRET_VAR]) == (job.id, job.secret)
     cmd = run.build_command(c, env, mpirun="/opt/mpirun")
     assert cmd[:6] == ["/opt/mpirun", "-np", "3", "--oversubscribe", "--bind-to", "none"]
     assert cmd[cmd.index("--host") + 1] == "h1:2,h2:1"
@@ -112,12 +220,22 @@ def test_mpirun_command_exports_the_report_address():
     assert {
         "SYNCDP_STALL_TIMEOUT",
         report.ADDRESS_VAR,
+        LIFELINE_VAR,
+        report.JOB_VAR,
+        report.SECRET_VAR,
         "OMPI_ALLOW_RUN_AS_ROOT",
         "PYTHONUNBUFFERED",
         "PATH",
     } <= exported
+    assert job.secret not in " ".join(cmd)  # other users can read command lines
     assert "--mca btl self,tcp -v" in " ".join(cmd)
     assert cmd[-5:] == [sys.executable, "-m", "launch.worker", "python", "train.py"]
+
+
+def test_an_enclosing_jobs_channel_is_never_passed_on():
+    outer = {report.ADDRESS_VAR: "a:1", LIFELINE_VAR: "a:2", **report.Job.new().env()}
+    env = run.build_env(run.parse_args(["-np", "1", "python"], environ={}), environ=outer)
+    assert not set(outer) & set(env)
 
 
 def test_hostfile_is_passed_to_mpirun(tmp_path):
@@ -126,200 +244,3 @@ def test_hostfile_is_passed_to_mpirun(tmp_path):
     c = run.parse_args(["-np", "2", "--hostfile", str(hosts), "python"])
     cmd = run.build_command(c, run.build_env(c, environ={}))
     assert cmd[cmd.index("--hostfile") + 1] == str(hosts)
-
-
-# --- The failure channel. ---
-
-
-@pytest.fixture
-def listen():
-    """Starts report servers (as run() does) and stops them after the test."""
-    servers = []
-
-    def start(num_proc=2, start_timeout=10.0, stall_timeout=60.0):
-        reports = run._Reports(num_proc, start_timeout, stall_timeout)
-        server = run._ReportServer().start(reports)
-        servers.append(server)
-        return reports, server
-
-    yield start
-    for server in servers:
-        server.close()
-
-
-def _send(address: str, *lines) -> None:
-    """Sends reports (dicts) or raw lines (str) on one connection, as a rank would."""
-    host, _, port = address.rpartition(":")
-    text = "".join(line if isinstance(line, str) else json.dumps(line) + "\n" for line in lines)
-    with socket.create_connection((host, int(port)), timeout=5) as s:
-        s.sendall(text.encode())
-
-
-def _report(kind, rank, at, **fields):
-    return {**report.make(kind, rank, **fields), "pid": 4200 + rank, "host": "h", "time": at}
-
-
-def test_a_ranks_exception_report_is_the_first_failure(listen, monkeypatch):
-    reports, server = listen()
-    monkeypatch.setenv(report.ADDRESS_VAR, server.address)
-    assert report.send("started", 0) and report.send("started", 1)
-    assert report.send("exception", 1, "ValueError: bad batch\n(more)", type="ValueError")
-    server.close()
-    assert reports.failed.is_set()
-    assert set(reports.started) == {0, 1}
-    assert reports.cause() == (
-        f"rank 1 (pid {os.getpid()} on {socket.gethostname()}) failed with ValueError: bad batch"
-    )
-
-
-def test_the_earliest_failure_wins_whatever_order_reports_arrive_in(listen):
-    reports, server = listen()
-    _send(
-        server.address,
-        _report("exit", 1, 105.0, code=None, signal=9, requested=False),
-        _report("exit", 0, 103.0, code=None, signal=15, requested=True),
-        _report("stall", 0, 101.0, ranks=[1], collective="gradients.bucket0", seq=23),
-    )
-    server.close()
-    assert reports.cause() == (
-        "rank 1 stalled: rank 0 waited for it in collective #23 gradients.bucket0 past the "
-        "stall timeout (60 s)"
-    )
-
-
-def test_an_unrequested_exit_names_rank_pid_host_and_signal(listen):
-    reports, server = listen()
-    _send(server.address, _report("exit", 0, 9.0, code=None, signal=15, requested=True))
-    _send(server.address, _report("exit", 1, 8.0, code=None, signal=9, requested=False))
-    server.close()
-    assert reports.cause() == "rank 1 (pid 4201 on h) was killed by signal 9 (SIGKILL)"
-
-
-def test_early_exit_names_who_waits(listen):
-    reports, server = listen(num_proc=3)
-    _send(server.address, _report("exit_early", 2, 1.0, ranks=[0, 1]))
-    server.close()
-    assert (
-        reports.cause()
-        == "rank 2 (pid 4202 on h) finished its program while ranks 0, 1 wait for it"
-    )
-
-
-def test_malformed_lines_are_ignored(listen):
-    reports, server = listen()
-    _send(
-        server.address,
-        "not json\n",
-        "[1, 2]\n",
-        '{"rank": 1}\n',
-        _report("exit", 1, 1.0, code=3, signal=None, requested=False),
-        '{"kind": "exit", "rank"',  # cut off mid-line
-    )
-    server.close()
-    assert reports.cause() == "rank 1 (pid 4201 on h) exited with code 3"
-
-
-def test_requested_exits_are_not_failures(listen):
-    reports, server = listen()
-    for rank in (0, 1):
-        _send(server.address, _report("exit", rank, 1.0, code=None, signal=15, requested=True))
-    server.close()
-    assert not reports.failed.is_set()
-    assert reports.cause() == "see the output above"
-
-
-def test_a_rank_without_an_exit_report_is_named_from_its_started_report(listen):
-    reports, server = listen()
-    _send(server.address, _report("started", 0, 1.0), _report("started", 1, 1.0))
-    _send(server.address, _report("exit", 0, 2.0, code=None, signal=15, requested=True))
-    server.close()
-    assert not reports.failed.is_set()
-    assert reports.cause() == (
-        "rank 1 (pid 4201 on h) ended without a report (its supervisor was killed)"
-    )
-
-
-def test_nothing_reported_points_at_the_output(listen):
-    reports, server = listen()
-    server.close()
-    assert reports.cause() == "see the output above"
-
-
-def test_a_start_timeout_report_names_the_ranks_that_never_started(listen):
-    reports, server = listen(num_proc=3)
-    _send(server.address, _report("started", 0, 1.0), _report("started", 1, 1.0))
-    _send(server.address, _report("start_timeout", 0, 11.0, ranks=[]))
-    server.close()
-    assert reports.cause() == "rank 2 never reached syncdp.init() within the start timeout (10 s)"
-
-
-def test_launcher_ends_a_start_that_outlives_the_timeout_and_its_grace():
-    reports = run._Reports(num_proc=3, start_timeout=10.0)
-    assert not reports.check_start(now=time.monotonic() + 1000)  # no rank in init(): no clock
-    before = time.monotonic()
-    reports.add(_report("started", 1, 1.0))
-    assert not reports.check_start(now=before + 10 + run._START_GRACE_SECONDS - 0.1)
-    assert not reports.failed.is_set()
-    assert reports.check_start(now=time.monotonic() + 10 + run._START_GRACE_SECONDS)
-    assert reports.failed.is_set()
-    assert reports.cause() == (
-        "ranks 0, 2 never reached syncdp.init() within the start timeout (10 s)"
-    )
-
-
-def test_start_timeout_zero_waits_forever():
-    reports = run._Reports(num_proc=2, start_timeout=0.0)
-    reports.add(_report("started", 0, 1.0))
-    assert not reports.check_start(now=time.monotonic() + 1e6)
-
-
-def test_all_ranks_started_in_time_is_no_failure():
-    reports = run._Reports(num_proc=2, start_timeout=10.0)
-    reports.add(_report("started", 0, 1.0))
-    reports.add(_report("started", 1, 1.0))
-    assert not reports.check_start(now=time.monotonic() + 1e6)
-
-
-# --- The supervisor's own report. ---
-
-
-def _worker(address: str, *command: str) -> subprocess.Popen:
-    env = {**os.environ, report.ADDRESS_VAR: address, "OMPI_COMM_WORLD_RANK": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "launch.worker", *command],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def test_supervisor_reports_how_its_rank_ended(listen):
-    reports, server = listen()
-    kill_self = "import os, signal; print(os.getpid(), flush=True); os.kill(os.getpid(), 9)"
-    worker = _worker(server.address, sys.executable, "-c", kill_self)
-    out, err = worker.communicate(timeout=60)
-    server.close()
-    assert worker.returncode == 128 + 9
-    pid = int(out.split(":")[1])
-    (sent,) = reports.exits.values()
-    assert set(report.make("exit", 1)) <= set(sent)  # syncdp.core.report's field names
-    assert (sent["kind"], sent["rank"], sent["pid"]) == ("exit", 1, pid)
-    assert (sent["code"], sent["signal"], sent["requested"]) == (None, 9, False)
-    host = socket.gethostname()
-    assert reports.cause() == f"rank 1 (pid {pid} on {host}) was killed by signal 9 (SIGKILL)"
-    assert f"syncdp-run: rank 1 (pid {pid} on {host}) was killed by signal 9" in err
-
-
-def test_supervisor_reports_a_stop_it_forwarded_as_requested(listen):
-    reports, server = listen()
-    wait = "import time; print('ready', flush=True); time.sleep(60)"
-    worker = _worker(server.address, sys.executable, "-c", wait)
-    assert worker.stdout.readline() == "[1]<stdout>:ready\n"
-    worker.send_signal(signal.SIGTERM)
-    worker.communicate(timeout=60)
-    server.close()
-    (sent,) = reports.exits.values()
-    assert (sent["signal"], sent["requested"]) == (signal.SIGTERM, True)
-    assert not reports.failed.is_set()

@@ -17,26 +17,25 @@ from tests.launcher import ROOT
 
 MiB = 1024 * 1024
 
-# A valid, non-default text for every variable, and the value it must parse to.
-EVERY_VARIABLE = {
-    "SYNCDP_FUSION_THRESHOLD": ("1048576", 1048576),
-    "SYNCDP_FIRST_BUCKET_BYTES": ("65536", 65536),
-    "SYNCDP_CHUNK_BYTES": ("4096", 4096),
-    "SYNCDP_START_TIMEOUT": ("30", 30.0),
-    "SYNCDP_STALL_TIMEOUT": ("12.5", 12.5),
-    "SYNCDP_STALL_WARNING": ("3", 3.0),
-    "SYNCDP_TIMELINE": ("/tmp/t.json", "/tmp/t.json"),
-    "SYNCDP_VERIFY_EVERY": ("5", 5),
-    "SYNCDP_HIERARCHICAL_ALLREDUCE": ("on", "on"),
-    "SYNCDP_SHARED_MEMORY": ("off", "off"),
-    "SYNCDP_ELASTIC": ("1", True),
-    "SYNCDP_MIN_NP": ("2", 2),
-    "SYNCDP_MAX_NP": ("4", 4),
-    "SYNCDP_HOST_DISCOVERY_SCRIPT": ("/bin/hosts.sh", "/bin/hosts.sh"),
-    "SYNCDP_RESET_LIMIT": ("3", 3),
-    "SYNCDP_LOG_ALL_RANKS": ("true", True),
-    "SYNCDP_VERBOSE": ("1", True),
-}
+
+def _valid_text(s: settings.Setting) -> tuple[str, object]:
+    """A valid, non-default text for a row's variable, and the value it must parse to (from
+    the table, so that a new row is covered without editing this file)."""
+    if s.type is bool:
+        return "true", True
+    if s.choices:
+        word = next(c for c in reversed(s.choices) if c != s.default)
+        return word, word
+    if s.type is str:
+        return "/tmp/some/path", "/tmp/some/path"
+    least = int(s.minimum or 0)
+    value = max(least, s.default if isinstance(s.default, int) else 0) + 3
+    if s.type is float:
+        return f"{value}.5", value + 0.5
+    return str(value), value
+
+
+EVERY_VARIABLE = {s.env: _valid_text(s) for s in settings.SETTINGS}
 
 
 def test_defaults_without_environment_are_the_tables():
@@ -49,10 +48,21 @@ def test_defaults_without_environment_are_the_tables():
 
 
 def test_every_variable_sets_its_field():
-    assert set(EVERY_VARIABLE) == {s.env for s in settings.SETTINGS}
     c = settings.from_env({key: text for key, (text, _) in EVERY_VARIABLE.items()})
     for s in settings.SETTINGS:
         assert getattr(c, s.name) == EVERY_VARIABLE[s.env][1], s.env
+        assert getattr(c, s.name) != s.default, s.env
+
+
+def test_a_few_variables_parse_as_a_user_writes_them():
+    c = settings.from_env(
+        {
+            "SYNCDP_FUSION_THRESHOLD": "1048576",
+            "SYNCDP_STALL_TIMEOUT": "12.5",
+            "SYNCDP_VERBOSE": "1",
+        }
+    )
+    assert (c.fusion_threshold, c.stall_timeout, c.verbose) == (1048576, 12.5, True)
 
 
 @pytest.mark.parametrize("text, value", [("0", False), ("off", False), ("yes", True)])
@@ -82,17 +92,56 @@ def test_unknown_variable_raises_and_lists_known_ones():
 
 
 def test_malformed_value_raises_naming_it():
-    with pytest.raises(ConfigError, match="SYNCDP_STALL_TIMEOUT='soon'"):
+    with pytest.raises(ConfigError, match="SYNCDP_STALL_TIMEOUT must be .*; got 'soon'"):
         settings.from_env({"SYNCDP_STALL_TIMEOUT": "soon"})
-    with pytest.raises(ConfigError, match="SYNCDP_VERBOSE='maybe'"):
+    with pytest.raises(ConfigError, match="SYNCDP_VERBOSE must be a boolean .*; got 'maybe'"):
         settings.from_env({"SYNCDP_VERBOSE": "maybe"})
 
 
-def test_value_below_the_minimum_raises_naming_variable_and_flag():
-    with pytest.raises(ConfigError, match="at least 0.*SYNCDP_STALL_TIMEOUT.*--stall-timeout"):
+def test_value_below_the_minimum_raises_naming_the_variable():
+    with pytest.raises(ConfigError, match="SYNCDP_STALL_TIMEOUT must be .*at least 0; got '-1'"):
         settings.from_env({"SYNCDP_STALL_TIMEOUT": "-1"})
-    with pytest.raises(ConfigError, match="chunk_bytes must be at least 1024; got 512"):
-        settings.from_env({}, chunk_bytes=512)
+
+
+NONSENSE_KEYWORDS = [
+    ("stall_timeout", float("nan")),
+    ("stall_timeout", float("inf")),
+    ("start_timeout", -1.0),
+    ("fusion_threshold", float("inf")),
+    ("fusion_threshold", 1.5),
+    ("fusion_threshold", "25MB"),
+    ("chunk_bytes", 0),
+    ("chunk_bytes", 512),
+    ("verify_every", True),
+    ("verbose", 1),
+    ("hierarchical_allreduce", "maybe"),
+]
+
+
+@pytest.mark.parametrize("name, value", NONSENSE_KEYWORDS)
+def test_init_keywords_get_the_same_check_naming_variable_and_flag(name, value):
+    s = next(s for s in settings.SETTINGS if s.name == name)
+    with pytest.raises(ConfigError) as e:
+        settings.from_env({}, **{name: value})
+    text = str(e.value)
+    assert (
+        text.startswith(f"{name} must be ")
+        and f"got {value!r} ({s.env}, syncdp-run {s.flag})" in text
+    )
+    assert "\n" not in text
+
+
+def test_nan_in_the_environment_no_longer_turns_stall_detection_off():
+    # NaN compares false with everything: it passed "at least 0" and no wait ever exceeded it.
+    with pytest.raises(ConfigError, match="SYNCDP_STALL_TIMEOUT must be a finite number"):
+        settings.from_env({"SYNCDP_STALL_TIMEOUT": "nan"})
+
+
+def test_validate_returns_the_value_in_the_sources_unit():
+    assert settings.validate("chunk_bytes", "0.5", source="flag") == 0.5  # MiB
+    assert settings.validate("chunk_bytes", "4096", source="env") == 4096
+    assert settings.validate("verbose", True, source="flag") is True
+    assert settings.validate("stall_timeout", 0) == 0  # 0: never, allowed
 
 
 def test_unknown_keyword_raises():
@@ -163,9 +212,9 @@ def _flag_value(s: settings.Setting) -> tuple[list[str], str]:
 
 @pytest.mark.parametrize("s", settings.SETTINGS, ids=lambda s: s.flag)
 def test_each_flag_sets_exactly_its_rows_variable(s):
-    base = run.build_env(run.parse_args(["-np", "2", "python"]), environ={})
+    base = run.build_env(run.parse_args(["-np", "2", "python"], environ={}), environ={})
     args, text = _flag_value(s)
-    env = run.build_env(run.parse_args(["-np", "2", *args, "python"]), environ={})
+    env = run.build_env(run.parse_args(["-np", "2", *args, "python"], environ={}), environ={})
     added = {k: v for k, v in env.items() if k not in base}
     assert added == {s.env: text}
     # And the ranks read back what the flag said.
@@ -181,10 +230,10 @@ def test_each_flag_sets_exactly_its_rows_variable(s):
 def test_flag_below_the_rows_minimum_is_a_usage_error_naming_it(s, capsys):
     too_small = s.minimum / s.flag_unit - 1
     with pytest.raises(SystemExit) as e:
-        run.parse_args(["-np", "2", s.flag, f"{too_small:g}", "python"])
+        run.parse_args(["-np", "2", f"{s.flag}={too_small:g}", "python"], environ={})
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert f"{s.flag} must be at least {s.minimum / s.flag_unit:g}" in err, err
+    assert f"{s.flag} must be " in err and f"at least {s.minimum / s.flag_unit:g}" in err, err
 
 
 def test_readme_holds_the_generated_settings_table():
@@ -196,8 +245,10 @@ def test_readme_holds_the_generated_settings_table():
 
 
 def test_a_setting_with_choices_refuses_other_words(capsys):
-    with pytest.raises(ConfigError, match="hierarchical_allreduce must be one of auto, on, off"):
+    with pytest.raises(ConfigError, match="SYNCDP_HIERARCHICAL_ALLREDUCE must be one of auto, on"):
         settings.from_env({"SYNCDP_HIERARCHICAL_ALLREDUCE": "maybe"})
     with pytest.raises(SystemExit):
-        run.parse_args(["-np", "2", "--hierarchical-allreduce", "maybe", "python"])
-    assert "invalid choice: 'maybe'" in capsys.readouterr().err
+        run.parse_args(["-np", "2", "--hierarchical-allreduce", "maybe", "python"], environ={})
+    assert "--hierarchical-allreduce must be one of auto, on, off; got 'maybe'" in (
+        capsys.readouterr().err
+    )

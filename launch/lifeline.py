@@ -1,0 +1,332 @@
+"""The lifeline: every supervisor holds a connection to the launcher, and each watches the other.
+
+The job must not outlive its launcher, however the launcher ends (SIGKILL included, when it can
+clean up nothing), and the launcher must know which ranks' hosts went quiet. So the launcher
+listens at ``SYNCDP_LIFELINE_ADDR`` (:class:`LifelineServer`), and every supervisor
+(:mod:`launch.worker`), on every host, connects before it starts its rank and keeps the
+connection (:class:`Lifeline`):
+
+- its first line is a signed ``lifeline`` report (:mod:`syncdp.core.report`: rank, host, the
+  rank's pid), so only the job's supervisors count; then both ends send a byte a second;
+- the supervisor takes the launcher as gone when the connection closes or is reset (the
+  kernel closes it the moment the launcher's process ends, whatever killed it), or when it has
+  heard nothing for ``lost_after`` seconds *and* the launcher's address no longer accepts
+  connections (a link cut between hosts). A launcher that is merely stopped (Ctrl-Z) still
+  accepts, so its job waits for it. The supervisor then ends its rank's process group and Open
+  MPI's daemon above it (:func:`launch.worker.main`);
+- the launcher records, per rank, when the supervisor connected, when it was last heard from
+  and whether its connection closed; the verdict (:mod:`launch.verdict`) names from this why a
+  rank never reported how it ended (supervisor killed, host unreachable, never started).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import resource
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from syncdp.core import report
+
+__all__ = ["LIFELINE_VAR", "Link", "LifelineServer", "Lifeline"]
+
+LIFELINE_VAR = "SYNCDP_LIFELINE_ADDR"
+# Each end sends a byte this often.
+_BEAT_SECONDS = 1.0
+# A connection must show it is the job's (its signed first line) within this long.
+_HELLO_SECONDS = 10.0
+# Most connections at once that have not yet shown they are the job's.
+_MAX_PENDING = 64
+# The launcher calls a link silent past this long without a byte.
+_SILENT_SECONDS = 3.0
+
+
+@dataclasses.dataclass
+class Link:
+    """What the launcher knows of one supervisor's lifeline.
+
+    Attributes:
+        rank: The rank the supervisor runs.
+        host: Its host.
+        pid: The rank's process id (None if its program could not start).
+        connected: ``time.monotonic()`` when its signed first line arrived.
+        last_heard: ``time.monotonic()`` of the last byte from it.
+        closed: ``time.monotonic()`` when its connection closed, or None while open.
+    """
+
+    rank: int | None
+    host: str | None
+    pid: int | None
+    connected: float
+    last_heard: float
+    closed: float | None = None
+
+    def silent_for(self, now: float | None = None) -> float:
+        """Seconds since the supervisor was last heard from."""
+        return (time.monotonic() if now is None else now) - self.last_heard
+
+    def silent(self, now: float | None = None) -> bool:
+        """Whether the connection is open but nothing came for a while (host unreachable?)."""
+        return self.closed is None and self.silent_for(now) > _SILENT_SECONDS
+
+
+def _raise_open_files_limit() -> None:
+    """Every supervisor holds a connection: allow as many files as the hard limit does."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError):
+        pass
+
+
+class LifelineServer:
+    """The launcher's end: accepts the supervisors' lifelines, beats, and records each link.
+
+    Args:
+        job: The job whose secret signs the supervisors' first lines.
+        host: The address to listen on. Defaults to ``"127.0.0.1"``.
+        advertise: The address supervisors are told to use. Defaults to ``host``.
+
+    Attributes:
+        address: ``host:port`` for ``SYNCDP_LIFELINE_ADDR``.
+        rejected: Connections dropped, by reason, like the report server's.
+    """
+
+    def __init__(self, job: report.Job, *, host: str = "127.0.0.1", advertise: str | None = None):
+        _raise_open_files_limit()
+        self.job = job
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self._sock = socket.create_server((host, 0), backlog=1024)
+        self._sock.setblocking(False)
+        self.address = f"{advertise or host}:{self._sock.getsockname()[1]}"
+        self._links: list[Link] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="syncdp-lifeline", daemon=True)
+
+    def start(self) -> LifelineServer:
+        """Starts accepting and beating; returns self."""
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Closes every lifeline (supervisors still running then end their ranks)."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._sock.close()
+
+    def links(self) -> dict[int, Link]:
+        """The latest link of each rank, by rank (a copy)."""
+        with self._lock:
+            return {
+                link.rank: dataclasses.replace(link)
+                for link in self._links
+                if isinstance(link.rank, int)
+            }
+
+    # --- The server thread. ---
+
+    def _serve(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._sock, selectors.EVENT_READ)
+        pending: dict[socket.socket, list] = {}  # conn -> [bytes so far, time accepted]
+        open_links: dict[socket.socket, Link] = {}
+        next_beat = 0.0
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            for key, _ in selector.select(min(_BEAT_SECONDS, 0.2)):
+                conn = key.fileobj
+                if conn is self._sock:
+                    self._accept(selector, pending)
+                elif conn in pending:
+                    self._hello(selector, pending, open_links, conn, now)
+                else:
+                    self._heard(selector, open_links, conn, now)
+            for conn, (_, since) in list(pending.items()):
+                if now - since > _HELLO_SECONDS:
+                    self.rejected["lifeline without a signed first line"] += 1
+                    self._drop(selector, conn)
+                    del pending[conn]
+            if now >= next_beat:
+                next_beat = now + _BEAT_SECONDS
+                for conn in list(open_links):
+                    try:
+                        conn.send(b"\n")
+                    except (BlockingIOError, InterruptedError):
+                        pass  # a full buffer: the host is slow or gone; its silence tells
+                    except OSError:
+                        self._closed(selector, open_links, conn, now)
+        for conn in [*pending, *open_links]:
+            self._drop(selector, conn)
+        selector.close()
+
+    def _accept(self, selector, pending) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            if len(pending) >= _MAX_PENDING:
+                self.rejected["too many connections"] += 1
+                conn.close()
+                continue
+            conn.setblocking(False)
+            pending[conn] = [bytearray(), time.monotonic()]
+            selector.register(conn, selectors.EVENT_READ)
+
+    def _hello(self, selector, pending, open_links, conn, now: float) -> None:
+        buffer = pending[conn][0]
+        try:
+            data = conn.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        buffer += data
+        end = buffer.find(b"\n")
+        if not data or end < 0:
+            if not data or len(buffer) > report.MAX_LINE_BYTES:
+                if buffer:  # a supervisor's probe (connect, close) sends nothing: not counted
+                    self.rejected["lifeline without a signed first line"] += 1
+                del pending[conn]
+                self._drop(selector, conn)
+            return
+        del pending[conn]
+        try:
+            hello = report.decode(bytes(buffer[: end + 1]), self.job)
+        except report.Rejected as e:
+            self.rejected[e.reason] += 1
+            self._drop(selector, conn)
+            return
+        if hello.get("kind") != "lifeline":
+            self.rejected["malformed"] += 1
+            self._drop(selector, conn)
+            return
+        link = Link(hello.get("rank"), hello.get("host"), hello.get("pid"), now, now)
+        open_links[conn] = link
+        with self._lock:
+            self._links.append(link)
+
+    def _heard(self, selector, open_links, conn, now: float) -> None:
+        try:
+            data = conn.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            with self._lock:
+                open_links[conn].last_heard = now
+        else:
+            self._closed(selector, open_links, conn, now)
+
+    def _closed(self, selector, open_links, conn, now: float) -> None:
+        link = open_links.pop(conn, None)
+        if link is not None:
+            with self._lock:
+                link.closed = now
+        self._drop(selector, conn)
+
+    @staticmethod
+    def _drop(selector, conn: socket.socket) -> None:
+        try:
+            selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+
+class Lifeline:
+    """A supervisor's end: holds the connection, beats, and calls back when the launcher is gone.
+
+    Use :meth:`connect` before starting the rank (no launcher: start nothing), then
+    :meth:`start` once the rank runs.
+    """
+
+    def __init__(self, sock: socket.socket, address: str, job: report.Job):
+        self._sock = sock
+        self._address = address
+        self._job = job
+
+    @classmethod
+    def connect(cls, address: str, job: report.Job, timeout: float = 10.0) -> Lifeline:
+        """Connects to the launcher's lifeline at ``address``.
+
+        Raises:
+            OSError: The launcher cannot be reached (it is gone, or the address is wrong).
+        """
+        host, _, port = address.rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
+        return cls(sock, address, job)
+
+    def start(
+        self,
+        rank: int | None,
+        pid: int | None,
+        *,
+        lost_after: float,
+        on_lost: Callable[[str], None],
+    ) -> None:
+        """Sends the signed first line, then watches the launcher from a daemon thread.
+
+        Args:
+            rank: This supervisor's rank.
+            pid: Its rank's process id.
+            lost_after: Seconds of silence (with the launcher's address refusing connections)
+                after which the launcher counts as gone.
+            on_lost: Called once, from the watching thread, with the reason in words.
+        """
+        hello = report.make("lifeline", rank, pid=pid)
+        try:
+            self._sock.sendall(report.encode(hello, self._job))
+        except OSError:
+            on_lost("the launcher's lifeline closed before this rank started")
+            return
+        threading.Thread(
+            target=self._watch, args=(lost_after, on_lost), name="syncdp-lifeline", daemon=True
+        ).start()
+
+    def _watch(self, lost_after: float, on_lost: Callable[[str], None]) -> None:
+        sock = self._sock
+        sock.settimeout(_BEAT_SECONDS)
+        last_heard = last_sent = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now - last_sent >= _BEAT_SECONDS:
+                last_sent = now
+                try:
+                    sock.send(b"\n")
+                except TimeoutError:
+                    pass
+                except OSError:
+                    return on_lost("the launcher's lifeline connection was reset")
+            try:
+                data = sock.recv(4096)
+            except TimeoutError:
+                data = None
+            except OSError:
+                return on_lost("the launcher's lifeline connection was reset")
+            if data == b"":
+                return on_lost("the launcher ended (its lifeline connection closed)")
+            now = time.monotonic()
+            if data:
+                last_heard = now
+            elif now - last_heard >= lost_after and not self._answers():
+                return on_lost(
+                    f"no word from the launcher at {self._address} for "
+                    f"{now - last_heard:.0f} s, and it no longer answers"
+                )
+
+    def _answers(self) -> bool:
+        host, _, port = self._address.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=_BEAT_SECONDS):
+                return True
+        except OSError:
+            return False

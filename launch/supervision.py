@@ -1,0 +1,146 @@
+"""Process supervision: mpirun as the launcher's child, its output, and how the job is stopped.
+
+- :func:`start_mpirun` starts mpirun in its own session (a signal meant for the launcher never
+  reaches it by accident) with a parent-death signal: if the launcher dies, SIGKILL included,
+  mpirun gets SIGTERM and ends the job. The supervisors' lifelines (:mod:`launch.lifeline`)
+  end whatever is left, on every host, within seconds.
+- :func:`copy_output` copies mpirun's two output streams through unchanged.
+- :func:`supervise` waits for mpirun, and ends the job when a rank reported a failure or the
+  ranks did not all reach ``init()`` within the start timeout.
+- :class:`StopOnSignals` turns SIGINT, SIGTERM and SIGHUP to the launcher into stopping the job
+  (mpirun is asked first, then killed after a grace), and remembers the signal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from launch.verdict import Verdict
+
+__all__ = ["start_mpirun", "copy_output", "stop", "supervise", "StopOnSignals"]
+
+_PR_SET_PDEATHSIG = 1
+# Seconds between asking mpirun to stop (SIGTERM) and killing it.
+TERMINATE_GRACE_SECONDS = 10.0
+# Once a rank has reported a failure, mpirun gets this long to end the job by itself, then as
+# long again after SIGTERM. Short: when a host has vanished, mpirun waits for its daemon in
+# vain, and the job must end within the stall timeout plus 15 s.
+FAILURE_GRACE_SECONDS = 5.0
+# Between SIGTERM and SIGKILL when a job that never started is stopped.
+START_STOP_GRACE_SECONDS = 2.0
+
+
+def _end_with_launcher() -> None:
+    """In mpirun's process before exec: SIGTERM when the launcher dies, however it dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: the supervisors' lifelines still end the job
+        pass
+
+
+def start_mpirun(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Starts mpirun (see the module docstring), its output on pipes."""
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=_end_with_launcher,
+    )
+
+
+def _pump(source, sink) -> None:
+    for raw in iter(source.readline, b""):
+        sink.write(raw)
+        sink.flush()
+    source.close()
+
+
+def copy_output(process: subprocess.Popen) -> list[threading.Thread]:
+    """Starts copying mpirun's stdout and stderr to the launcher's; returns the threads."""
+    pumps = [
+        threading.Thread(target=_pump, args=(process.stdout, sys.stdout.buffer), daemon=True),
+        threading.Thread(target=_pump, args=(process.stderr, sys.stderr.buffer), daemon=True),
+    ]
+    for p in pumps:
+        p.start()
+    return pumps
+
+
+def stop(
+    process: subprocess.Popen,
+    signum: int = signal.SIGTERM,
+    grace: float = TERMINATE_GRACE_SECONDS,
+) -> None:
+    """Asks mpirun (and through it every rank) to stop, then, after ``grace`` seconds, kills
+    whatever is left of its process group."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signum)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+
+def supervise(process: subprocess.Popen, verdict: Verdict) -> None:
+    """Waits for mpirun; ends the job on a failure report or a start timeout."""
+    while process.poll() is None:
+        if verdict.check_start():
+            # The ranks' own start timeout did not end the job: nothing will. Training never
+            # began, so there is nothing to let the ranks finish: a short grace.
+            stop(process, grace=START_STOP_GRACE_SECONDS)
+        elif verdict.failed.wait(timeout=0.5):
+            # mpirun normally ends the job at once; make sure nothing is left waiting.
+            deadline = time.monotonic() + FAILURE_GRACE_SECONDS
+            while process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            stop(process, grace=FAILURE_GRACE_SECONDS)
+
+
+class StopOnSignals:
+    """``with StopOnSignals(process) as signals:`` SIGINT, SIGTERM and SIGHUP stop the job.
+
+    A signal that was ignored when the launcher started (``nohup`` ignores SIGHUP) stays
+    ignored.
+
+    Attributes:
+        received: The signals received, in order.
+    """
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self, process: subprocess.Popen):
+        self.process = process
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received.append(signum)
+        threading.Thread(target=stop, args=(self.process,), daemon=True).start()
+
+    def __enter__(self) -> StopOnSignals:
+        for s in self._SIGNALS:
+            if signal.getsignal(s) is not signal.SIG_IGN:
+                self._previous[s] = signal.signal(s, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)

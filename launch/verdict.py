@@ -1,0 +1,359 @@
+"""The launcher's verdict on a job: from what the ranks reported, never from mpirun's exit code.
+
+A job succeeded only when every rank's supervisor reported that its program exited 0 (an
+``exit`` report, :mod:`syncdp.core.report`; the supervisor sends it for every program, also one
+that never calls ``syncdp.init()``) and no rank reported a failure. mpirun's exit code is not
+evidence either way: Open MPI exits 0 after losing a daemon whose ranks never finished, and
+non-zero after a replacement was killed in a job that recovered.
+
+Otherwise the job failed, and the launcher's last line says how::
+
+    syncdp-run: the job failed (1 of 2 ranks finished cleanly); first failure: rank 1
+    (pid 4242 on node3) was killed by signal 9 (SIGKILL)
+
+The first failure is the earliest failure report by the time it was sent. Ranks that never
+reported how they ended are named with their hosts and the reason, as far as the lifelines
+(:mod:`launch.lifeline`) tell it: the supervisor's connection closed without a report (it was
+killed), the host fell silent (unreachable, or its daemon lost), the supervisor still ran when
+mpirun ended (its daemon was lost), or no supervisor ever connected (never started). That line
+comes just before the last one when there was a first failure, and is the last one otherwise.
+
+The exit status is the first failure's own (its exit code, or 128 + its signal) when it has
+one, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from launch.worker import describe_exit
+
+if TYPE_CHECKING:
+    from launch.elastic import ElasticLog
+    from launch.lifeline import Link
+
+__all__ = ["Verdict", "Outcome", "START_GRACE_SECONDS"]
+
+# Beyond the start timeout, left for a rank's own start timeout to end the job before the
+# launcher does. Short: under Open MPI 5 a rank that arrived waits inside MPI_Init itself
+# (which waits for every rank), so its own timeout cannot run, and the launcher must act.
+START_GRACE_SECONDS = 1.0
+# Report kinds that are failures by themselves; an "exit" report is one when it says so.
+_FAILURE_KINDS = frozenset({"exception", "stall", "start_timeout", "exit_early", "elastic_abort"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """The launcher's exit status and the lines it prints for it (the verdict last)."""
+
+    code: int
+    lines: tuple[str, ...] = ()
+
+
+def _ranks_text(ranks: Iterable[int]) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _who(report: Mapping[str, Any]) -> str:
+    """``rank 1 (pid 4242 on node3)``, from a report's fields."""
+    where = ""
+    if report.get("pid") is not None and report.get("host"):
+        where = f" (pid {report['pid']} on {report['host']})"
+    return f"rank {report.get('rank', '?')}{where}"
+
+
+def _report_time(report: Mapping[str, Any]) -> float:
+    try:
+        return float(report["time"])
+    except (KeyError, TypeError, ValueError):
+        return math.inf
+
+
+def _exit_status(report: Mapping[str, Any]) -> int:
+    """The launcher's exit status for a first failure: its own code when it has one."""
+    if report.get("kind") != "exit":
+        return 1
+    if report.get("signal"):
+        return 128 + int(report["signal"])
+    code = report.get("code")
+    return code if isinstance(code, int) and 0 < code < 256 else 1
+
+
+class Verdict:
+    """What the ranks reported, and the launcher's verdict on the job from it.
+
+    Thread-safe: the report server adds, the launcher's main loop asks.
+
+    Args:
+        num_proc: The number of ranks.
+        start_timeout: Seconds every rank has to reach ``init()`` after the first did; 0 for
+            no limit.
+        stall_timeout: The stall timeout, for the words of a stall. Defaults to 0.
+        elastic: The elastic log, in elastic mode (it takes the exit and membership reports).
+            Defaults to None.
+    """
+
+    def __init__(
+        self,
+        num_proc: int,
+        start_timeout: float,
+        stall_timeout: float = 0.0,
+        elastic: ElasticLog | None = None,
+    ):
+        self.num_proc = num_proc
+        self.elastic = elastic
+        self.start_timeout = start_timeout
+        self.stall_timeout = stall_timeout
+        self.started: dict[int, dict] = {}
+        self.exits: dict[int, dict] = {}
+        self.failed = threading.Event()
+        self._failures: list[dict] = []
+        self._first_start: float | None = None  # time.monotonic() of the first "started"
+        self._lock = threading.Lock()
+
+    def add(self, report: dict) -> None:
+        """Records one report; sets :attr:`failed` when it is a failure."""
+        kind = report.get("kind")
+        if self.elastic is not None and self.elastic.handle(report):
+            return
+        with self._lock:
+            if kind == "started":
+                if self._first_start is None:
+                    self._first_start = time.monotonic()
+                self.started.setdefault(report.get("rank"), report)
+                return
+            if kind == "exit":
+                self.exits[report.get("rank")] = report
+                failure = bool(report.get("code") or report.get("signal"))
+                failure = failure and not report.get("requested")
+            else:
+                failure = kind in _FAILURE_KINDS
+            if failure:
+                self._failures.append(report)
+        if failure:
+            self.failed.set()
+
+    def _not_started(self) -> list[int]:
+        return [r for r in range(self.num_proc) if r not in self.started]
+
+    def check_start(self, now: float | None = None) -> bool:
+        """Records a start timeout if the ranks have not all arrived in time.
+
+        Args:
+            now: ``time.monotonic()``'s value. Defaults to now.
+
+        Returns:
+            Whether this call found the start timeout exceeded (the launcher then ends the job).
+        """
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if self.start_timeout <= 0 or self._first_start is None or self._failures:
+                return False
+            missing = self._not_started()
+            if not missing or now < self._first_start + self.start_timeout + START_GRACE_SECONDS:
+                return False
+            self._failures.append(
+                {"kind": "start_timeout", "rank": None, "ranks": missing, "time": time.time()}
+            )
+        self.failed.set()
+        return True
+
+    def first_failure(self) -> dict | None:
+        """The earliest failure report, by the time it was sent; None if there was none."""
+        with self._lock:
+            if not self._failures:
+                return None
+            order = range(len(self._failures))
+            first = min(order, key=lambda i: (_report_time(self._failures[i]), i))
+            return self._failures[first]
+
+    def unreported(self) -> list[int]:
+        """The ranks whose supervisors have not reported how their programs ended."""
+        with self._lock:
+            return [r for r in range(self.num_proc) if r not in self.exits]
+
+    def decide(
+        self, links: Mapping[int, Link] | None = None, *, mpirun_code: int | None = None
+    ) -> Outcome:
+        """The verdict, once mpirun has ended.
+
+        Args:
+            links: Each rank's lifeline (:meth:`launch.lifeline.LifelineServer.links`), to say
+                why a rank never reported. Defaults to none known.
+            mpirun_code: mpirun's exit status, only to mention when no rank ever started.
+                Defaults to None.
+
+        Returns:
+            The exit status (0 only when every rank reported a clean exit and none a failure)
+            and the lines to print.
+        """
+        links = links or {}
+        first = self.first_failure()
+        if self.elastic is not None:
+            return self._decide_elastic(first)
+        with self._lock:
+            clean = [
+                r
+                for r, e in self.exits.items()
+                if r in range(self.num_proc) and not e.get("code") and not e.get("signal")
+            ]
+        # After a failure the job is ended on purpose, and supervisors killed in the teardown
+        # are its casualties, not news; hosts gone silent or ranks never started still are.
+        silent = self._unreported_text(links, mpirun_code, teardown=first is not None)
+        tally = f"{len(clean)} of {self.num_proc} ranks finished cleanly"
+        if first is not None:
+            lines = [silent] if silent else []
+            lines.append(f"the job failed ({tally}); first failure: {self.describe(first)}")
+            return Outcome(_exit_status(first), tuple(lines))
+        if silent:
+            return Outcome(1, (f"the job failed ({tally}): {silent}",))
+        if len(clean) < self.num_proc:
+            return Outcome(1, (f"the job failed ({tally}): {self._stopped_text()}",))
+        return Outcome(0)
+
+    def _decide_elastic(self, first: dict | None) -> Outcome:
+        elastic = self.elastic
+        if first is not None:
+            return Outcome(
+                _exit_status(first),
+                (f"the job failed (elastic); first failure: {self.describe(first)}",),
+            )
+        lost = elastic.unexplained()
+        if lost:
+            return Outcome(
+                1,
+                (
+                    "the job failed: no recovery followed the loss of "
+                    + ", ".join(self.describe(r) for r in lost),
+                ),
+            )
+        if elastic.finished(self.num_proc):
+            return Outcome(0, (f"elastic: {elastic.summary()}",))
+        return Outcome(
+            1,
+            ("the job failed: not every rank of the final membership reported a clean exit",),
+        )
+
+    def _stopped_text(self) -> str:
+        """Every rank reported, none failed, yet some did not exit 0: they were stopped."""
+        with self._lock:
+            stopped = {r: e for r, e in self.exits.items() if e.get("code") or e.get("signal")}
+        how = sorted(
+            {
+                describe_exit(-e["signal"] if e.get("signal") else e["code"])
+                for e in stopped.values()
+            }
+        )
+        verb = "was" if len(stopped) == 1 else "were"
+        return f"{_ranks_text(stopped)} {verb} stopped before finishing ({'; '.join(how)})"
+
+    def _unreported_text(
+        self, links: Mapping[int, Link], mpirun_code: int | None, *, teardown: bool = False
+    ) -> str | None:
+        """The ranks that never reported how they ended, grouped by why; None when none.
+
+        With ``teardown``, ranks whose supervisors died without a word are left out: the
+        launcher ended the job, and they were killed doing so.
+        """
+        missing = self.unreported()
+        if not missing:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            started = dict(self.started)
+        killed, silent, running, never = [], [], [], []
+        for r in missing:
+            link = links.get(r)
+            if link is None:
+                never.append(r)
+            elif link.closed is not None:
+                killed.append(r)
+            elif link.silent(now):
+                silent.append(r)
+            else:
+                running.append(r)
+        parts = []
+        if killed and not teardown:
+            who = [_who(started.get(r) or self._from_link(links[r])) for r in killed]
+            their = "its supervisor was" if len(who) == 1 else "their supervisors were"
+            parts.append(f"{', '.join(who)} ended without a report ({their} killed)")
+        for host, ranks in _by_host(silent, links):
+            longest = max(links[r].silent_for(now) for r in ranks)
+            they = "it" if len(ranks) == 1 else "they"
+            parts.append(
+                f"{_ranks_text(ranks)} (on {host}) never reported how {they} ended: no word from "
+                f"{host} for {longest:.0f} s (host unreachable, or its daemon lost)"
+            )
+        for host, ranks in _by_host(running, links):
+            they = "it ends" if len(ranks) == 1 else "they end"
+            parts.append(
+                f"{_ranks_text(ranks)} (on {host}) still ran when mpirun ended (the daemon there "
+                f"was lost); {they} with the launcher"
+            )
+        if never:
+            why = "no supervisor reached the launcher"
+            if mpirun_code:
+                why += f"; mpirun exited with code {mpirun_code}, see its output above"
+            verb = "never started" if len(never) < self.num_proc else "none started"
+            parts.append(f"{_ranks_text(never)} {verb} ({why})")
+        return "; ".join(parts) or None
+
+    @staticmethod
+    def _from_link(link: Link) -> dict:
+        return {"rank": link.rank, "pid": link.pid, "host": link.host}
+
+    def _on_hosts(self, ranks) -> str:
+        """`` (on h3)``: the hosts of ``ranks``, from their ``started`` reports; "" when unknown
+        or when the whole job runs on one host."""
+        with self._lock:
+            every = {report.get("host") for report in self.started.values()}
+            hosts = sorted({self.started[r].get("host") for r in ranks if r in self.started})
+        return f" (on {', '.join(hosts)})" if hosts and len(every) > 1 else ""
+
+    def describe(self, report: Mapping[str, Any]) -> str:
+        """One failure report in words, for the launcher's last line."""
+        kind, ranks = report.get("kind"), report.get("ranks") or []
+        if kind == "exception":
+            # The message's first line is the exception's "Type: text"; a last line has no room
+            # for the rest.
+            text = (report.get("message") or "").strip().splitlines()
+            return f"{_who(report)} failed with {text[0] if text else report.get('type')}"
+        if kind == "stall":
+            where = f"collective #{report.get('seq')} {report.get('collective')}"
+            limit = f"the stall timeout ({self.stall_timeout:g} s)"
+            if not ranks:
+                return f"rank {report.get('rank')} stalled: {where} ran past {limit}"
+            them = "it" if len(ranks) == 1 else "them"
+            return (
+                f"{_ranks_text(ranks)}{self._on_hosts(ranks)} stalled: rank {report.get('rank')} "
+                f"waited for {them} in {where} past {limit}"
+            )
+        if kind == "start_timeout":
+            with self._lock:
+                missing = ranks or self._not_started()
+            limit = f"the start timeout ({self.start_timeout:g} s)"
+            if not missing:
+                return f"{_who(report)} timed out in syncdp.init() after {limit}"
+            return f"{_ranks_text(missing)} never reached syncdp.init() within {limit}"
+        if kind == "elastic_abort":
+            return f"elastic mode could not go on: {report.get('message')}"
+        if kind == "exit_early":
+            waiting = "other ranks wait"
+            if ranks:
+                waiting = f"{_ranks_text(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
+            return f"{_who(report)} finished its program while {waiting} for it"
+        code = -report["signal"] if report.get("signal") else report.get("code") or 0
+        return f"{_who(report)} {describe_exit(code)}"
+
+
+def _by_host(ranks: list[int], links: Mapping[int, Link]) -> list[tuple[str, list[int]]]:
+    hosts: dict[str, list[int]] = {}
+    for r in ranks:
+        hosts.setdefault(links[r].host or "an unknown host", []).append(r)
+    return sorted(hosts.items())
