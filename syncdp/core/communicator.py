@@ -136,9 +136,10 @@ class Communicator:
         # ranks with this local rank, and whether every host runs as many ranks.
         self.hierarchy: tuple | None = None
         self.prefer_hierarchy = False
-        # The intra-host shared-memory plane (syncdp.core.shm), opened by the first allreduce
-        # that can use it; False until then, None when this group cannot have one.
-        self._plane: _shm.SharedPlane | None | bool = False
+        # The shared-memory planes (syncdp.core.shm), opened by the first allreduce that can
+        # use one: "group" over all ranks (one host), "host" over this host's ranks (the
+        # topology-aware path); None when this group cannot have that one.
+        self._planes: dict[str, _shm.SharedPlane | None] = {}
         self.watchdog = Watchdog(self.mpi, config, job_comm) if self.size > 1 else None
 
     def close(self) -> None:
@@ -150,9 +151,10 @@ class Communicator:
         if self.watchdog is not None:
             self.watchdog.stop(free=not self.broken)
             self.watchdog = None
-        if self._plane:
-            self._plane.close(collective=not self.broken)
-        self._plane = False
+        for plane in self._planes.values():
+            if plane is not None:
+                plane.close(collective=not self.broken)
+        self._planes = {}
         if self.mpi != self._MPI.COMM_NULL:
             if not self.broken:
                 self.mpi.Free()
@@ -364,9 +366,13 @@ class Communicator:
         hierarchy = self.hierarchy if self.prefer_hierarchy else None
 
         def reduce():
-            plane = self._shared_plane() if hierarchy is None else None
+            plane = self._shared_plane()
             if plane is not None:
-                plane.allreduce(buffer, op, before=before, after=after)
+                across = None
+                if hierarchy is not None:  # this host's part; a ring among the hosts between
+                    cross, ufunc = hierarchy[1], _UFUNC[op]
+                    across = lambda piece: _ring_allreduce(cross, piece, ufunc)  # noqa: E731
+                plane.allreduce(buffer, op, before=before, after=after, across=across)
                 return
             for lo in range(0, size, step):
                 hi = min(size, lo + step)
@@ -384,12 +390,22 @@ class Communicator:
         return buffer
 
     def _shared_plane(self) -> _shm.SharedPlane | None:
-        """The intra-host plane, opened on first use (a collective: every rank is in the same
-        allreduce when it happens); None when the ranks span hosts or it is switched off."""
-        if self._plane is False:
-            use = self.config.shared_memory != "off"
-            self._plane = _shm.open_plane(self.mpi) if use else None
-        return self._plane
+        """The shared-memory plane for the current path, opened on first use (a collective:
+        every rank is in the same allreduce when it happens): over the whole group when it
+        shares one host; over this host's ranks when the topology-aware path runs across hosts
+        with as many ranks on each; None otherwise or when switched off."""
+        hierarchy = self.hierarchy if self.prefer_hierarchy else None
+        kind = "group" if hierarchy is None else "host"
+        if kind not in self._planes:
+            plane = None
+            if self.config.shared_memory == "off":
+                pass
+            elif hierarchy is None:
+                plane = _shm.open_plane(self.mpi)
+            elif hierarchy[2]:  # even: local rank i's slice is the same on every host
+                plane = _shm.open_plane(hierarchy[0], agree_comm=self.mpi)
+            self._planes[kind] = plane
+        return self._planes[kind]
 
     def broadcast(
         self, array: np.ndarray, root: int = 0, *, name: str = "broadcast", in_place: bool = False

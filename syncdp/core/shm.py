@@ -45,18 +45,27 @@ SEGMENT_BYTES = 1 << 20
 _UFUNC = {"sum": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
 
 
-def open_plane(mpi_comm, *, segment_bytes: int | None = None, shm_dir: str = "/dev/shm"):
+def open_plane(
+    mpi_comm,
+    *,
+    agree_comm=None,
+    segment_bytes: int | None = None,
+    shm_dir: str = "/dev/shm",
+):
     """A :class:`SharedPlane` over ``mpi_comm`` when all its ranks share a host; else None.
 
-    A collective of every rank of ``mpi_comm``; every rank gets the same answer. The window
+    A collective of every rank of ``agree_comm`` (defaults to ``mpi_comm``), all of which get
+    the same answer: with ``mpi_comm`` one host's ranks and ``agree_comm`` the job, every host
+    opens its plane or none does. The window
     is only made when the host's shared-memory filesystem has room for it with a wide margin:
     a window larger than a small ``/dev/shm`` (containers default to 64 MiB) would not fail
     at allocation but kill the rank with SIGBUS when touched.
     """
     MPI = _mpi.load()
     segment_bytes = segment_bytes or SEGMENT_BYTES
+    agree_comm = mpi_comm if agree_comm is None else agree_comm
     size = mpi_comm.Get_size()
-    if size < 2:
+    if agree_comm.Get_size() < 2:
         return None
     local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
     one_host = local.Get_size() == size
@@ -66,7 +75,7 @@ def open_plane(mpi_comm, *, segment_bytes: int | None = None, shm_dir: str = "/d
     fits = room is None or room >= 4 * need
     # Every rank must take the same path: agree on the room too (hosts see one filesystem,
     # but a rank may read it at a different moment).
-    if not mpi_comm.allreduce(bool(one_host and fits), op=MPI.LAND):
+    if not agree_comm.allreduce(bool(size > 1 and one_host and fits), op=MPI.LAND):
         return None
     return SharedPlane(mpi_comm, segment_bytes)
 
@@ -120,8 +129,15 @@ class SharedPlane:
         end = start + count * dtype.itemsize
         return [raw[start:end].view(dtype) for raw in self._raw]
 
-    def allreduce(self, buffer: np.ndarray, op: str, *, before=None, after=None) -> None:
+    def allreduce(
+        self, buffer: np.ndarray, op: str, *, before=None, after=None, across=None
+    ) -> None:
         """Reduces the 1-D ``buffer`` over every rank, in place; a synchronization point.
+
+        With ``across``, the plane is one host's part of a job on several hosts: each rank's
+        slice, reduced over its host, is handed to ``across(slice)`` to be reduced in place
+        with the same slice of the other hosts (a ring among the ranks with this local rank)
+        before the host shares it, so every byte crosses between hosts once per host.
 
         Args:
             buffer: Contiguous, writable, the same size and dtype on every rank.
@@ -129,6 +145,8 @@ class SharedPlane:
             before: Optional ``fn(lo, hi, dst)`` writing elements ``[lo, hi)`` into ``dst``
                 (this rank's slot); without it the elements are copied from ``buffer``.
             after: Optional ``fn(lo, hi)`` post-processing ``buffer[lo:hi]``, once reduced.
+            across: Optional ``fn(array)`` reducing this rank's slice with the other hosts'
+                in place. Defaults to None (one host).
         """
         ufunc = _UFUNC[op]
         step = max(1, self.segment_bytes // buffer.itemsize)
@@ -156,7 +174,10 @@ class SharedPlane:
                 ufunc(slots[0][a:b], slots[1][a:b], out=mine)
                 for r in range(2, n):
                     ufunc(mine, slots[r][a:b], out=mine)
-                np.copyto(slots[me][a:b], mine)
+            if across is not None:
+                across(buffer[lo + a : lo + b])  # every rank: its slice may be empty
+            if b > a:
+                np.copyto(slots[me][a:b], buffer[lo + a : lo + b])
             sync()
             barrier()
             sync()
