@@ -1,9 +1,16 @@
-"""A rank that dies or stalls ends the whole job quickly, named, with nothing left running.
+"""A rank that dies or stalls ends the whole job quickly, named, with nothing left running; and
+nothing of a job outlives its launcher.
 
 Each test starts ``syncdp-run -np 2`` on a small training loop (DistributedGradientTape inside
 tf.function), breaks rank 1 mid-training, and measures from the moment of the failure to the
 launcher's exit. Limits (issue 5): a dead rank ends the job within 15 s, a stalled rank within
 30 s with ``SYNCDP_STALL_TIMEOUT=10``.
+
+The verdict comes from the ranks' reports (issue 20.1): a rank whose supervisor is killed
+never reports, and the job fails naming it, at np=1, 2 and 3, also for a program that never
+calls ``init()``. The launcher killed any way (SIGKILL included) takes every process of its job
+with it (issue 21.2): prterun, the supervisors, the ranks, found by a marker in their command
+lines and environments.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -144,8 +152,11 @@ def test_sigkill_of_a_rank_supervisor_is_named_as_silent(tmp_path):
     assert proc.returncode != 0
     assert ended - killed < DEAD_LIMIT
     last = text.strip().splitlines()[-1]
-    assert f"first failure: rank 1 (pid {child} on " in last, text[-3000:]
-    assert "ended without a report (its supervisor was killed)" in last, text[-3000:]
+    assert last.startswith("syncdp-run: the job failed (0 of 2 ranks finished cleanly): "), last
+    assert last.endswith(
+        f"rank 1 (pid {child} on {socket.gethostname()}) ended without a report (its supervisor "
+        "was killed)"
+    ), text[-3000:]
     assert "rank 0 (pid" not in last  # rank 0 was stopped by mpirun, not the cause
     assert _left_running(script) == []
 
@@ -200,3 +211,133 @@ def test_a_stall_inside_a_process_set_names_the_job_rank(tmp_path):
     last = text.strip().splitlines()[-1]
     assert "first failure: rank 2 stalled" in last, text[-3000:]
     assert _left_running(script) == []
+
+
+# A program that never calls init(): only its supervisor can say how it ended.
+PLAIN = r"""
+import os, time
+print(f"ready {os.getpid()}", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_a_rank_whose_supervisor_never_reports_fails_the_job_named(tmp_path, np):
+    script = python_script(tmp_path, PLAIN, name=f"silent_{np}_{os.getpid()}.py")
+    victim = np - 1
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch", "-np", str(np), "python", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=rank_env(),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        pids = {}
+        deadline = time.monotonic() + 60
+        while len(pids) < np and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            match = re.match(r"\[(\d+)\]<stdout>:ready (\d+)", line)
+            if match:
+                pids[int(match.group(1))] = int(match.group(2))
+        assert len(pids) == np, "the ranks did not start"
+        os.kill(_parent_of(pids[victim]), signal.SIGKILL)  # the supervisor: no report at all
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last == (
+        f"syncdp-run: the job failed (0 of {np} ranks finished cleanly): rank {victim} "
+        f"(pid {pids[victim]} on {socket.gethostname()}) ended without a report (its supervisor "
+        "was killed)"
+    ), err[-3000:]
+    assert _left_running(script) == []
+
+
+# Ranks in a quiet training-like loop: allreduce after allreduce, nothing printed.
+QUIET = r"""
+import time
+import numpy as np
+import syncdp
+from syncdp.core import runtime
+syncdp.init()
+comm = runtime.communicator()
+buf = np.ones(1 << 14, np.float32)
+print("training", flush=True)
+while True:
+    comm.allreduce_inplace(buf, name="step")
+    buf[:] = 1
+    time.sleep(0.01)
+"""
+
+
+def _job_processes(marker: str) -> list[str]:
+    """Live processes whose command line or environment holds ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        if marker in cmdline or marker.encode() in environ:
+            found.append(f"{entry}: {cmdline[:150]}")
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM, signal.SIGHUP])
+def test_nothing_of_the_job_outlives_its_launcher(tmp_path, signum):
+    marker = f"syncdp-orphan-{os.getpid()}-{signum}"
+    script = python_script(tmp_path, QUIET, name=f"{marker}.py")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch", "-np", "2", "python", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=rank_env({"JOB_MARKER": marker}),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        training = 0
+        deadline = time.monotonic() + 120
+        while training < 2 and time.monotonic() < deadline:
+            training += "training" in proc.stdout.readline()
+        assert training == 2, "the ranks did not start training"
+        job = _job_processes(marker)
+        kinds = " ".join(job)
+        assert "prterun" in kinds and "launch.worker" in kinds and len(job) >= 6, job
+        killed = time.monotonic()
+        os.kill(proc.pid, signum)  # the launcher alone, not its process group
+        proc.wait(timeout=30)
+        left = _job_processes(marker)
+        while left and time.monotonic() - killed < 20:
+            time.sleep(0.2)
+            left = _job_processes(marker)
+        name = signal.Signals(signum).name
+        print(f"{name} of syncdp-run -> job gone: {time.monotonic() - killed:.1f} s")
+        assert left == [], f"still running 20 s after {name}: {left}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for line in _job_processes(marker):  # never leave them to the next test
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
