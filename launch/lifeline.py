@@ -16,7 +16,11 @@ connection (:class:`Lifeline`):
   MPI's daemon above it (:func:`launch.worker.main`);
 - the launcher records, per rank, when the supervisor connected, when it was last heard from
   and whether its connection closed; the verdict (:mod:`launch.verdict`) names from this why a
-  rank never reported how it ended (supervisor killed, host unreachable, never started).
+  rank never reported how it ended (supervisor killed, host unreachable, never started). When
+  a host's supervisors stay silent for ``lost_after`` seconds (the time after which they give
+  up on the launcher too), the launcher is told once per host (``on_lost``) and ends the job:
+  those ranks will never report, and Open MPI may wait for their daemon for a long time.
+  A launcher that was itself stopped (Ctrl-Z) judges no silence from the time it was stopped.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from collections.abc import Callable
 
 from syncdp.core import report
 
-__all__ = ["LIFELINE_VAR", "Link", "LifelineServer", "Lifeline"]
+__all__ = ["LIFELINE_VAR", "Link", "LifelineServer", "Lifeline", "lost_after"]
 
 LIFELINE_VAR = "SYNCDP_LIFELINE_ADDR"
 # Each end sends a byte this often.
@@ -43,6 +47,13 @@ _HELLO_SECONDS = 10.0
 _MAX_PENDING = 64
 # The launcher calls a link silent past this long without a byte.
 _SILENT_SECONDS = 3.0
+# Either end gives up on the other after the stall timeout of silence, but never sooner.
+_LOST_MIN_SECONDS = 10.0
+
+
+def lost_after(stall_timeout: float) -> float:
+    """Seconds of silence after which either end of a lifeline gives up on the other."""
+    return max(_LOST_MIN_SECONDS, stall_timeout)
 
 
 @dataclasses.dataclass
@@ -97,9 +108,17 @@ class LifelineServer:
         rejected: Connections dropped, by reason, like the report server's.
     """
 
-    def __init__(self, job: report.Job, *, host: str = "127.0.0.1", advertise: str | None = None):
+    def __init__(
+        self,
+        job: report.Job,
+        *,
+        host: str = "127.0.0.1",
+        advertise: str | None = None,
+    ):
         _raise_open_files_limit()
         self.job = job
+        self.lost_after: float | None = None
+        self.on_lost: Callable[[str | None, list[Link]], None] | None = None
         self.rejected: collections.Counter[str] = collections.Counter()
         self._sock = socket.create_server((host, 0), backlog=1024)
         self._sock.setblocking(False)
@@ -109,8 +128,21 @@ class LifelineServer:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="syncdp-lifeline", daemon=True)
 
-    def start(self) -> LifelineServer:
-        """Starts accepting and beating; returns self."""
+    def start(
+        self,
+        *,
+        lost_after: float | None = None,
+        on_lost: Callable[[str | None, list[Link]], None] | None = None,
+    ) -> LifelineServer:
+        """Starts accepting and beating; returns self.
+
+        Args:
+            lost_after: Seconds of silence after which a supervisor counts as lost, or None
+                for never. Defaults to None.
+            on_lost: Called from the server's thread with a host and its links that fell
+                silent past ``lost_after`` (once per link). Defaults to None.
+        """
+        self.lost_after, self.on_lost = lost_after, on_lost
         self._thread.start()
         return self
 
@@ -138,8 +170,16 @@ class LifelineServer:
         pending: dict[socket.socket, list] = {}  # conn -> [bytes so far, time accepted]
         open_links: dict[socket.socket, Link] = {}
         next_beat = 0.0
+        previous = time.monotonic()
+        lost: set[int] = set()  # id() of the links already reported lost
         while not self._stopping.is_set():
             now = time.monotonic()
+            if now - previous > 2 * _BEAT_SECONDS:
+                # This process was stopped (or starved): the silence is its own, not theirs.
+                with self._lock:
+                    for link in open_links.values():
+                        link.last_heard = max(link.last_heard, now)
+            previous = now
             for key, _ in selector.select(min(_BEAT_SECONDS, 0.2)):
                 conn = key.fileobj
                 if conn is self._sock:
@@ -162,9 +202,21 @@ class LifelineServer:
                         pass  # a full buffer: the host is slow or gone; its silence tells
                     except OSError:
                         self._closed(selector, open_links, conn, now)
+                self._check_silence(open_links, lost, now)
         for conn in [*pending, *open_links]:
             self._drop(selector, conn)
         selector.close()
+
+    def _check_silence(self, open_links: dict, lost: set[int], now: float) -> None:
+        if self.on_lost is None or self.lost_after is None:
+            return
+        by_host: dict[str | None, list[Link]] = {}
+        for link in open_links.values():
+            if id(link) not in lost and link.silent_for(now) >= self.lost_after:
+                lost.add(id(link))
+                by_host.setdefault(link.host, []).append(link)
+        for host, links in by_host.items():
+            self.on_lost(host, links)
 
     def _accept(self, selector, pending) -> None:
         while True:

@@ -94,7 +94,7 @@ from typing import Any
 from launch import hosts as _hosts
 from launch import supervision
 from launch.elastic import ElasticLog, check_ulfm
-from launch.lifeline import LIFELINE_VAR, LifelineServer
+from launch.lifeline import LIFELINE_VAR, LifelineServer, lost_after
 from launch.report_server import ReportServer, describe_rejected
 from launch.verdict import Verdict
 from syncdp.core import report, settings
@@ -488,7 +488,10 @@ def run(config: LaunchConfig) -> int:
         elastic=ElasticLog() if config.elastic else None,
     )
     server.start(verdict.add)
-    lifeline.start()
+    if config.elastic:
+        lifeline.start()  # a lost rank is replaced, not the end of the job
+    else:
+        lifeline.start(lost_after=lost_after(ranks_config.stall_timeout), on_lost=verdict.lost)
     cmd = build_command(config, env, mpirun)
     if config.settings.get("verbose"):
         _say(shlex.join(cmd))  # the secret is exported by name (-x), never on a command line

@@ -44,7 +44,9 @@ __all__ = ["Verdict", "Outcome", "START_GRACE_SECONDS"]
 # (which waits for every rank), so its own timeout cannot run, and the launcher must act.
 START_GRACE_SECONDS = 1.0
 # Report kinds that are failures by themselves; an "exit" report is one when it says so.
-_FAILURE_KINDS = frozenset({"exception", "stall", "start_timeout", "exit_early", "elastic_abort"})
+_FAILURE_KINDS = frozenset(
+    {"exception", "stall", "start_timeout", "exit_early", "elastic_abort", "lost"}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +175,20 @@ class Verdict:
             first = min(order, key=lambda i: (_report_time(self._failures[i]), i))
             return self._failures[first]
 
+    def lost(self, host: str | None, links: Iterable[Link]) -> None:
+        """Records that ``host``'s supervisors fell silent (from the lifeline): a failure."""
+        links = list(links)
+        self.add(
+            {
+                "kind": "lost",
+                "rank": None,
+                "ranks": sorted(link.rank for link in links),
+                "host": host,
+                "seconds": max(link.silent_for() for link in links),
+                "time": time.time(),
+            }
+        )
+
     def unreported(self) -> list[int]:
         """The ranks whose supervisors have not reported how their programs ended."""
         with self._lock:
@@ -261,7 +277,9 @@ class Verdict:
         With ``teardown``, ranks whose supervisors died without a word are left out: the
         launcher ended the job, and they were killed doing so.
         """
-        missing = self.unreported()
+        with self._lock:
+            named = {r for f in self._failures if f.get("kind") == "lost" for r in f["ranks"]}
+        missing = [r for r in self.unreported() if r not in named]
         if not missing:
             return None
         now = time.monotonic()
@@ -341,6 +359,12 @@ class Verdict:
             if not missing:
                 return f"{_who(report)} timed out in syncdp.init() after {limit}"
             return f"{_ranks_text(missing)} never reached syncdp.init() within {limit}"
+        if kind == "lost":
+            host = report.get("host")
+            return (
+                f"{_ranks_text(ranks)} (on {host}) fell silent: no word from {host} for "
+                f"{report.get('seconds', 0):.0f} s (host unreachable, or its daemon lost)"
+            )
         if kind == "elastic_abort":
             return f"elastic mode could not go on: {report.get('message')}"
         if kind == "exit_early":

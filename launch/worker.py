@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 
-from launch.lifeline import LIFELINE_VAR, Lifeline
+from launch.lifeline import LIFELINE_VAR, Lifeline, lost_after
 from syncdp.core import report, settings  # neither imports TensorFlow or MPI
 
 __all__ = ["main", "describe_exit"]
@@ -86,7 +86,6 @@ def _send_exit_report(
 _DAEMONS = frozenset({"prted", "prterun", "mpirun", "orted"})
 # After SIGTERM, the rank's process group gets this long before SIGKILL.
 _END_GRACE_SECONDS = 2.0
-_LOST_MIN_SECONDS = 10.0
 
 
 def _comm(pid: int) -> str:
@@ -229,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         lifeline.start(
             int(rank) if rank.isdigit() else None,
             child.pid,
-            lost_after=max(_LOST_MIN_SECONDS, config.stall_timeout),
+            lost_after=lost_after(config.stall_timeout),
             on_lost=lambda why: _end_here(rank, child, why),
         )
 

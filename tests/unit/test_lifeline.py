@@ -228,3 +228,27 @@ def test_a_beating_launcher_is_never_taken_for_gone(server):
     time.sleep(3.5)
     assert lost == []
     assert not srv.links()[0].silent()
+
+
+def test_a_host_whose_supervisors_fall_silent_is_reported_lost_once():
+    srv = LifelineServer(report.Job.new())
+    lost = []
+    srv.start(lost_after=1.0, on_lost=lambda host, links: lost.append((host, links)))
+    host, _, port = srv.address.rpartition(":")
+    try:
+        # Two supervisors that said who they are, then nothing: a host cut off.
+        quiet = []
+        for rank in (2, 3):
+            s = socket.create_connection((host, int(port)))
+            s.sendall(report.encode({**report.make("lifeline", rank), "host": "hb"}, srv.job))
+            quiet.append(s)
+        assert _until(lambda: lost, timeout=10)
+        time.sleep(2)
+        assert len(lost) == 1
+        where, links = lost[0]
+        assert where == "hb" and sorted(link.rank for link in links) == [2, 3]
+        assert all(link.silent_for() >= 1.0 for link in links)
+    finally:
+        for s in quiet:
+            s.close()
+        srv.close()

@@ -397,3 +397,17 @@ def test_a_send_without_the_jobs_secret_is_not_delivered(listen, monkeypatch):
     assert not report.send("exception", 1, "RuntimeError: forged")
     server.close()
     assert not verdict.failed.is_set() and server.rejected == {"bad signature": 1}
+
+
+def test_a_host_lost_from_the_lifelines_is_a_failure_named_once():
+    verdict = Verdict(num_proc=4, start_timeout=10.0)
+    verdict.add(_exit(0, code=None, signal=15, requested=True))
+    verdict.add(_exit(1, code=None, signal=15, requested=True))
+    links = {r: _link(r, "hb", silent_for=10.2) for r in (2, 3)}
+    verdict.lost("hb", [links[3], links[2]])
+    assert verdict.failed.is_set()
+    outcome = verdict.decide(links)
+    assert outcome.lines == (
+        "the job failed (0 of 4 ranks finished cleanly); first failure: ranks 2, 3 (on hb) fell "
+        "silent: no word from hb for 10 s (host unreachable, or its daemon lost)",
+    )

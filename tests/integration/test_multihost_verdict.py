@@ -1,0 +1,120 @@
+"""Verdicts and lifelines across hosts: two namespace hosts, both remote from the launcher.
+
+tests/netns.py makes the hosts (own addresses on a test subnet, own hostnames; everything it
+made is removed on exit, also when a test fails). The programs never call ``init()``, so only
+the supervisors' reports and lifelines can tell the launcher how they ended.
+
+- Host hb's link is cut mid-run (issue 20.1). Open MPI then prints "A daemon failed to report
+  back" and may exit 0; the launcher must fail the job and name hb's ranks and why, and hb's
+  supervisors must end everything there once the launcher has been unreachable long enough.
+- The launcher is SIGKILLed (issue 21.2): nothing of the job may survive on any host.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.launcher import python_script, start
+from tests.netns import NamespaceHosts, Unavailable
+
+HOSTS = ["ha", "hb"]
+STALL = 5.0  # supervisors give up on a silent, unreachable launcher after max(10 s, this)
+
+WORK = """
+import time
+print("working", flush=True)
+time.sleep(40)
+print("done", flush=True)
+"""
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    try:
+        # Its own tag and subnet: other namespace tests may run at the same time.
+        with NamespaceHosts(tmp_path, HOSTS, subnet="10.213.9", tag="sdv") as hosts:
+            yield hosts
+    except Unavailable as e:
+        pytest.skip(str(e))
+
+
+def _start(cluster, tmp_path):
+    script = python_script(tmp_path, WORK)
+    flags = (
+        "-H",
+        ",".join(f"{h}:2" for h in HOSTS),
+        "--network-interface",
+        cluster.subnet,
+        "--stall-timeout",
+        str(STALL),
+        "--mpi-args",
+        f"--mca plm_rsh_agent {cluster.agent}",
+    )
+    proc = start(4, "python", script, launcher_args=flags)
+    working = 0
+    deadline = time.monotonic() + 120
+    while working < 4 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        working += "working" in line
+    if working < 4:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the ranks did not start:\n{proc.stderr.read()[-3000:]}")
+    return proc
+
+
+def _wait_empty(cluster, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {h: cluster.pids(h) for h in HOSTS if cluster.pids(h)}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def test_a_host_cut_off_mid_run_fails_the_job_naming_it(cluster, tmp_path):
+    proc = _start(cluster, tmp_path)
+    try:
+        cut = time.monotonic()
+        cluster.cut("hb")
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the job did not end after host hb's link was cut")
+        ended = time.monotonic() - cut
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    print(f"link of hb cut -> launcher exit: {ended:.1f} s")
+    assert proc.returncode != 0, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("syncdp-run: the job failed ("), err[-3000:]
+    # The launcher hears nothing from hb for 10 s (the stall timeout, at least 10 s) and ends
+    # the job, or Open MPI ends it first and hb's ranks never reported: either way hb is named.
+    assert "ranks 2, 3 (on hb) " in last and "no word from hb for " in last, last
+    assert last.endswith("(host unreachable, or its daemon lost)"), last
+    assert ended < 10 + 15, f"ended {ended:.1f} s after the cut"
+    left = _wait_empty(cluster, timeout=20)
+    assert not left, f"processes left on hosts {left}"
+
+
+def test_nothing_survives_a_sigkilled_launcher_on_any_host(cluster, tmp_path):
+    proc = _start(cluster, tmp_path)
+    try:
+        killed = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        left = _wait_empty(cluster, timeout=20)
+        print(f"launcher SIGKILL -> both hosts empty: {time.monotonic() - killed:.1f} s")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert not left, f"processes left on hosts {left}"
