@@ -27,6 +27,7 @@ import tensorflow as tf
 from syncdp.core.errors import UnsupportedError
 from syncdp.keras import _display
 from syncdp.tensorflow import collectives as ops
+from syncdp.tensorflow import graph
 from syncdp.tensorflow.compression import Compression
 from syncdp.tensorflow.tape import local_positions, reduce_gradients
 
@@ -170,15 +171,19 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """
         if self.built:
             return
-        if not self.inner_optimizer.built:
-            self.inner_optimizer.build(var_list)
-        if self.backward_passes_per_step > 1:
-            self._accumulators = [
-                self.add_variable_from_reference(v, "syncdp_accumulator") for v in var_list
-            ]
-            self._passes = self.add_variable(
-                shape=(), dtype="int64", initializer="zeros", name="syncdp_passes"
-            )
+        # Built outside any trace: the first apply may be traced after the function's first
+        # trace (Horovod's elastic example traces its step once without syncdp), where
+        # tf.function refuses new variables.
+        with graph.creating_variables():
+            if not self.inner_optimizer.built:
+                self.inner_optimizer.build(var_list)
+            if self.backward_passes_per_step > 1:
+                self._accumulators = [
+                    self.add_variable_from_reference(v, "syncdp_accumulator") for v in var_list
+                ]
+                self._passes = self.add_variable(
+                    shape=(), dtype="int64", initializer="zeros", name="syncdp_passes"
+                )
         super().build(var_list)
 
     @property

@@ -27,6 +27,7 @@ __all__ = [
     "ordered_call",
     "standalone",
     "in_v1_graph",
+    "creating_variables",
     "MismatchError",
     "InvalidArgument",
 ]
@@ -122,6 +123,33 @@ def ordered_call(fn, inputs: Sequence[tf.Tensor], out_dtypes, out_shapes, name: 
     for out, shape in zip(outs, out_shapes):
         out.set_shape(shape)
     return outs
+
+
+@contextlib.contextmanager
+def creating_variables():
+    """Variables created here are made eagerly, even inside a ``tf.function``'s later trace.
+
+    syncdp makes its state (gradient accumulators, pass counters) on first use, and the first
+    use may be traced anywhere: Horovod's elastic example traces its step once without syncdp,
+    then again with it. ``tf.init_scope()`` lifts the creation out of the trace, but
+    ``tf.function`` still refuses a variable made after its first trace, through a variable
+    creator it keeps on the graph being traced: a guard against a function that makes new
+    variables each time it is traced. syncdp makes each of these variables once and keeps it,
+    so the traced graph's creators are set aside while they are made (TensorFlow's private
+    ``Graph._variable_creator_stack``, saved and restored as TensorFlow's own code does;
+    without it TensorFlow's error stands).
+    """
+    with tf.init_scope():
+        graph = tf.compat.v1.get_default_graph()
+        saved = getattr(graph, "_variable_creator_stack", None)
+        if saved is None:
+            yield
+            return
+        graph._variable_creator_stack = []
+        try:
+            yield
+        finally:
+            graph._variable_creator_stack = saved
 
 
 _OK, _MISMATCH, _INVALID = 0, 1, 2

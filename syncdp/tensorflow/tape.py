@@ -40,9 +40,40 @@ __all__ = [
     "local_positions",
 ]
 
-# This rank's count of gradient reductions, one per process set: a variable, so that it
-# counts inside tf.function.
-_counters: dict[int, tf.Variable] = {}
+
+class _StepCount:
+    """This rank's count of gradient reductions in one process set, kept on the host.
+
+    Not a ``tf.Variable``: a variable made at the first reduction would be made inside the
+    user's trace, which ``tf.function`` refuses after its first trace (Horovod's elastic
+    example traces its step once without syncdp, then again with the tape), and a variable
+    lifted into one graph cannot be used from another. Inside ``tf.function`` the count
+    advances in a stateful host call, which the function runs in program order, once per run.
+    Its methods are named as a variable's.
+    """
+
+    def __init__(self):
+        self.value = 0
+
+    def _advance(self, by: int) -> np.int64:
+        self.value += by
+        return np.int64(self.value)
+
+    def assign_add(self, by: int) -> tf.Tensor:
+        """The count after adding ``by``, as an int64 scalar (a graph node inside a trace)."""
+        if tf.executing_eagerly():
+            return tf.constant(self._advance(by))
+        count = graph.host_call(lambda: self._advance(by), [], tf.int64, name="syncdp_step")
+        return tf.reshape(count, [])
+
+    def assign(self, value: int) -> None:
+        self.value = int(value)
+
+    def numpy(self) -> np.int64:
+        return np.int64(self.value)
+
+
+_counters: dict[int, _StepCount] = {}
 
 
 def _zero_counters() -> None:
@@ -54,12 +85,9 @@ def _zero_counters() -> None:
 runtime.on_reset(_zero_counters)
 
 
-def _step_counter(process_set=None) -> tf.Variable:
+def _step_counter(process_set=None) -> _StepCount:
     key = 0 if process_set is None else process_set.process_set_id
-    if key not in _counters:
-        with tf.init_scope(), tf.device("/cpu:0"):
-            _counters[key] = tf.Variable(0, dtype=tf.int64, trainable=False, name="syncdp_step")
-    return _counters[key]
+    return _counters.setdefault(key, _StepCount())
 
 
 def _mark_computed(grads, variables):
@@ -201,8 +229,10 @@ def reduce_gradients(
     # In elastic mode a traced step must stay right when the job later grows from one rank.
     several = comm.size > 1 or runtime.get_config().elastic
     if several and not graph.in_v1_graph() and op is not collectives.Adasum:
-        count = _step_counter(process_set).assign_add(1)
-        step_tensor = count if step is None else tf.cast(tf.convert_to_tensor(step), tf.int64)
+        if step is None:
+            step_tensor = _step_counter(process_set).assign_add(1)
+        else:
+            step_tensor = tf.cast(tf.convert_to_tensor(step), tf.int64)
         step_tensor = tf.reshape(step_tensor, [])
     grads = _mark_computed(grads, variables)
     results = list(grads)
@@ -482,7 +512,7 @@ class LocalGradientAggregationHelper:
         self._allreduce = allreduce_func or self._reduce
         self._local_vars: list = []
         self._sums: dict[int, tf.Variable] = {}
-        with tf.init_scope():
+        with graph.creating_variables():
             self.counter = tf.Variable(0, dtype=tf.int32, trainable=False, name="aggregation")
 
     def register_local_var(self, var) -> None:
@@ -512,16 +542,16 @@ class LocalGradientAggregationHelper:
                         "and `sparse_as_dense` is False."
                     )
                 g = tf.convert_to_tensor(g)
-            if i not in self._sums:
-                with tf.init_scope():
-                    self._sums[i] = tf.Variable(tf.zeros_like(g), trainable=False)
-            sums.append(self._sums[i].assign_add(g))
+            if i not in self._sums:  # made once, even if the first pass is traced
+                with graph.creating_variables():
+                    self._sums[i] = tf.Variable(tf.zeros(g.shape, g.dtype), trainable=False)
+            # A value, not assign_add's lazy read, which would see the clear below.
+            sums.append(tf.convert_to_tensor(self._sums[i].assign_add(g)))
         count = self.counter.assign_add(1)
         k = self.backward_passes_per_step
 
         def reduce_and_clear():
-            current = [None if s is None else tf.identity(s) for s in sums]
-            reduced = self._allreduce(current, variables)
+            reduced = self._allreduce(list(sums), variables)
             if self.average_aggregated_gradients:
                 reduced = [None if r is None else r / k for r in reduced]
             with tf.control_dependencies([r for r in reduced if r is not None]):
@@ -533,11 +563,12 @@ class LocalGradientAggregationHelper:
         if tf.executing_eagerly():
             return reduce_and_clear() if int(count) == k else sums
         present = [i for i, s in enumerate(sums) if s is not None]
-        chosen = tf.cond(
-            tf.equal(count, k),
-            lambda: [reduce_and_clear()[i] for i in present],
-            lambda: [sums[i] for i in present],
-        )
+
+        def reduced_present():  # one reduction for all of them
+            reduced = reduce_and_clear()
+            return [reduced[i] for i in present]
+
+        chosen = tf.cond(tf.equal(count, k), reduced_present, lambda: [sums[i] for i in present])
         out = [None] * len(sums)
         for i, c in zip(present, chosen):
             out[i] = c
