@@ -1,0 +1,128 @@
+"""Horovod's elastic TF2 pattern through the real launcher in elastic mode.
+
+The program below is written the way Horovod's elastic TensorFlow 2 example is: a
+``tf.function`` step with an ``allreduce`` switch, called once without syncdp (a local step
+that makes Adam's slots), then under ``hvd.elastic.run`` with the DistributedGradientTape, so
+the step is traced a second time with syncdp in it. Every rank commits after each step; the
+data is a fixed sequence of global batches split over the ranks of the moment. So with or
+without a lost rank, the weights must equal one process's result: rank 0's local step, then one
+step per global batch, each applied exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.launcher import launch
+
+PROGRAM = """
+import json, os, signal, sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import syncdp.tensorflow as hvd
+from syncdp.core import membership
+
+GLOBAL_BATCH, STEPS = 6, 5
+kill_at = int(sys.argv[1])  # the step before which the process labelled 1 dies; -1: never
+
+
+def global_batch(step):
+    rng = np.random.default_rng(step)
+    x = rng.normal(size=(GLOBAL_BATCH, 3)).astype("float32")
+    return x, np.argmax(x @ np.array([[1.0, -2.0], [0.5, 0.0], [-1.0, 3.0]], "float32"), axis=1)
+
+
+def my_part(batch, rank, size):
+    n = GLOBAL_BATCH // size
+    return batch[0][rank * n : (rank + 1) * n], batch[1][rank * n : (rank + 1) * n]
+
+
+def make_model(seed):
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((3,)), keras.layers.Dense(8, "relu"), keras.layers.Dense(2)]
+    return keras.Sequential(layers)
+
+
+loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+hvd.init()
+first_size = hvd.size()
+model, opt = make_model(hvd.rank()), keras.optimizers.Adam(0.01)
+
+
+@tf.function
+def training_step(images, labels, allreduce=True):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(labels, model(images, training=True))
+    if allreduce:
+        tape = hvd.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+
+# One local step makes the optimizer's slots; run() then gives every rank rank 0's state.
+training_step(*my_part(global_batch(0), hvd.rank(), hvd.size()), allreduce=False)
+state = hvd.elastic.TensorFlowKerasState(model, opt, step=1, first_size=first_size)
+
+
+@hvd.elastic.run
+def train(state):
+    while state.step <= STEPS:
+        if state.step == kill_at and membership.me().label == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        training_step(*my_part(global_batch(state.step), hvd.rank(), hvd.size()))
+        state.step += 1
+        state.commit()
+
+
+train(state)
+
+reference, reference_opt = make_model(0), keras.optimizers.Adam(0.01)
+batches = [my_part(global_batch(0), 0, state.first_size)]
+batches += [global_batch(s) for s in range(1, STEPS + 1)]
+for x, y in batches:
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, reference(x, training=True))
+    grads = tape.gradient(loss, reference.trainable_variables)
+    reference_opt.apply_gradients(zip(grads, reference.trainable_variables))
+mine = [w.numpy() for w in model.weights + list(opt.variables)]
+result = {
+    "rank": hvd.rank(),
+    "size": hvd.size(),
+    "label": membership.me().label,
+    "steps": int(opt.iterations),
+    "error": max(
+        float(np.abs(a.numpy() - b.numpy()).max())
+        for a, b in zip(model.weights, reference.weights)
+    ),
+    "state": [a.tolist() for a in mine],
+}
+print("RESULT " + json.dumps(result), flush=True)
+"""
+
+
+@pytest.mark.parametrize("kill_at", [-1, 3], ids=["no-failure", "rank-1-lost-at-step-3"])
+def test_elastic_tf2_pattern_traces_the_step_without_then_with_syncdp(tmp_path, kill_at):
+    program = tmp_path / "elastic_tf2_pattern.py"
+    program.write_text(PROGRAM)
+    result = launch(
+        2, "python", str(program), str(kill_at), launcher_args=("--min-np", "2"), timeout=300
+    )
+    out = f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, out
+    results = [json.loads(m) for m in re.findall(r"<stdout>:RESULT (\{.*\})", result.stdout)]
+    assert sorted(r["rank"] for r in results) == [0, 1], out
+    for r in results:
+        assert r["size"] == 2 and r["steps"] == 1 + 5, out  # the local step, then 5 together
+        assert r["error"] < 1e-5, out
+        assert r["state"] == results[0]["state"], out  # bit-identical replicas
+    assert "singleton" not in result.stderr, out
+    if kill_at >= 0:
+        assert {r["label"] for r in results} != {0, 1}, out  # rank 1 is a replacement
+        assert "1 membership change(s)" in result.stderr, out
