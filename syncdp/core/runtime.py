@@ -370,10 +370,19 @@ def _install_failure_hook() -> None:
         )
         report.send("exception", comm.rank, text, type=kind.__name__)
         sys.stdout.flush()
+        _farewell()
         mpi.load().COMM_WORLD.Abort(1)
 
     sys.excepthook = hook
     _state.hook_installed = True
+
+
+def _farewell() -> None:
+    """Tells every other rank that this one ends the job on purpose (see Watchdog.farewell)."""
+    comms = [_state.comm] + [ps._comm for ps in _state.process_sets.values()]
+    for comm in comms:
+        if comm is not None and comm.watchdog is not None:
+            comm.watchdog.farewell()
 
 
 def _at_exit() -> None:
@@ -402,7 +411,10 @@ def _at_exit() -> None:
                         f"but rank {other} is waiting for it in collective #{seq} {name}"
                     )
                     print(f"syncdp: {message}; ending the job.", file=sys.stderr, flush=True)
-                    report.send("exit_early", comm.rank, message, ranks=[other])
+                    report.send(
+                        "exit_early", comm.rank, message, ranks=[other], collective=name, seq=seq
+                    )
+                    _farewell()
                     mpi.load().COMM_WORLD.Abort(1)
             time.sleep(0.2)
     if comm is not None:

@@ -1,16 +1,33 @@
-"""The stall watchdog: a collective that waits too long ends the job and names the missing ranks.
+"""The stall watchdog: a collective that waits too long, or for a rank that is gone, ends the job
+and names the ranks it waits for and where they are.
 
 A background thread on every rank watches the collective its rank is in. After
 ``stall_warning`` seconds (or half the stall timeout, if that is sooner) it prints a warning;
 after ``stall_timeout`` seconds it asks every other rank, over a separate communicator, where it
-is, prints which ranks have not arrived and why, and aborts the whole MPI job. The same thread
-answers the other ranks' questions, so a rank that is busy elsewhere (another code path,
-another collective) says so, and a rank that does not answer within a few seconds is stopped or
-hung. The report's first line names the stalled ranks::
+is, prints which ranks have not arrived and where each one is, and aborts the whole MPI job. The
+same thread answers the other ranks' questions, so a rank that is busy elsewhere (computing,
+another code path, another collective) says so, and a rank that does not answer within a few
+seconds is stopped or hung. The report's first line names the stalled ranks::
 
     syncdp: rank 1 stalled: collective #23 allreduce.bucket0 waited 10.0 s for it on rank 0 ...
-    syncdp: ranks that have not arrived: 1
-      rank 1: did not answer (stopped, hung or dead).
+    syncdp: ranks that have not arrived: 1 (in no collective: computing, or stuck outside syncdp)
+      rank 1: in no collective: computing, or stuck outside syncdp (last finished #22).
+
+A rank is named with its host (``rank 1 on h2``) when the job spans hosts.
+
+It also watches the processes of the other ranks on its host (Linux pidfds; the ranks swap
+host, pid and parent pid when the watchdog starts). A rank whose process ends without syncdp's
+exit handshake (``os._exit(0)``, which skips ``atexit``) while this rank waits for it in a
+collective is named at once, with the ranks that wait for it::
+
+    syncdp: rank 1 (pid 4242 on node3) exited while ranks 0, 2 wait for it in collective #7
+    gradients.bucket0: ...
+
+The lowest waiting rank on the host speaks for all, after the gone rank's supervisor has exited
+(the supervisor reports how its rank ended first, so the launcher's first failure stays a crash
+or a kill when it was one), and sends an ``exit_early`` report naming the gone rank, the ranks
+that wait and the collective. A rank that ends the job on purpose (an exception, a stall, an
+early exit) tells the others first (:meth:`Watchdog.farewell`), so they do not name it twice.
 
 Defaults (``syncdp.config``): warning at 10 s, abort at 60 s (``SYNCDP_STALL_TIMEOUT`` or
 ``syncdp-run --stall-timeout``; 0 waits forever). A stalled job therefore ends within the stall
@@ -18,29 +35,83 @@ timeout plus about 3 s (the time given to the other ranks to answer).
 
 In elastic mode (``SYNCDP_ELASTIC``) a stall does not end the job: the report names the
 stalled ranks' processes and the launcher kills them, which turns the stall into a rank
-failure the job recovers from (:mod:`syncdp.core.membership`).
+failure the job recovers from (:mod:`syncdp.core.membership`); a dead rank is left to ULFM.
 
 The main thread only sets two attributes per collective; all the waiting happens here.
 """
 
 from __future__ import annotations
 
+import os
+import select
+import socket
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 from syncdp.core import mpi, report
 from syncdp.core.settings import Config
 
-__all__ = ["Watchdog"]
+__all__ = ["Watchdog", "Process"]
 
-_QUERY, _REPLY = 1, 2
+_QUERY, _REPLY, _ENDING = 1, 2, 3
 _POLL_SECONDS = 0.1
 _ANSWER_GRACE_SECONDS = 3.0
+# When a rank's process is gone: how long the living get to say where they are, how long its
+# supervisor gets to report how it ended (before this rank's report), and how long MPI gets to
+# end the job after this rank's report before this rank does. Open MPI itself ends the job
+# about 0.3 s after the gone rank's supervisor exits, so the first two are short.
+_GONE_ASK_SECONDS = 0.2
+_SUPERVISOR_SECONDS = 1.0
+_END_SECONDS = 2.0
+_NO_COLLECTIVE = "in no collective: computing, or stuck outside syncdp"
+
+
+class Process(NamedTuple):
+    """Where one rank runs.
+
+    Attributes:
+        host: Its host name.
+        pid: Its process id.
+        parent: Its parent's process id (``syncdp-run``'s supervisor of the rank).
+        space: Its kernel's boot id and pid namespace: pids compare only within one space.
+    """
+
+    host: str
+    pid: int
+    parent: int
+    space: str
+
+    @classmethod
+    def this(cls) -> Process:
+        """This process."""
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                space = f.read().strip() + os.readlink("/proc/self/ns/pid")
+        except OSError:  # not Linux: pids are never compared
+            space = ""
+        return cls(socket.gethostname(), os.getpid(), os.getppid(), space)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _alive(pid: int):
+    """A pidfd of ``pid`` while that process runs; None when it has ended (or is unknown)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+    if select.select([fd], [], [], 0)[0]:
+        os.close(fd)
+        return None
+    return fd
 
 
 class Watchdog:
-    """Watches one rank's collectives on ``comm``.
+    """Watches one rank's collectives on ``comm``; a collective of ``comm``'s ranks to make.
 
     Args:
         comm: The communicator the collectives run on. The watchdog talks over its own duplicate.
@@ -75,8 +146,14 @@ class Watchdog:
         # abort, but cannot say where the other ranks are.
         self._can_ask = self._MPI.Query_thread() == self._MPI.THREAD_MULTIPLE
         self._side = comm.Dup() if self._can_ask else None
-        self._queries: list = []  # this rank's questions still in flight (see ask_others)
+        # Every rank's process, in rank order (empty without a side channel to swap them on).
+        self.processes: list[Process] = self._side.allgather(Process.this()) if self._side else []
+        # The ranks whose processes ended (found by their pidfds), in the order seen.
+        self.gone: list[int] = []
+        self._pidfds = self._open_pidfds()
+        self._queries: list = []  # this rank's messages still in flight (see ask_others)
         self._stop = threading.Event()
+        self._wake_read, self._wake_write = os.pipe()  # stop() wakes the thread's poll
         self._thread = threading.Thread(target=self._loop, name="syncdp-watchdog", daemon=True)
         self._thread.start()
 
@@ -96,9 +173,13 @@ class Watchdog:
             free: Free the communicator; False drops it (a rank of it died). Defaults to True.
         """
         self._stop.set()
-        # The loop checks the flag every poll, but may be in the middle of asking the others
-        # (a few seconds at most); wait for it rather than free a communicator it is using.
+        os.write(self._wake_write, b"x")
+        # The loop may be in the middle of asking the others (a few seconds at most); wait for
+        # it rather than free a communicator it is using.
         self._thread.join()
+        for fd in [self._wake_read, self._wake_write, *self._pidfds]:
+            os.close(fd)
+        self._pidfds = {}
         if self._side is not None:
             if free:
                 self._side.Free()
@@ -108,6 +189,38 @@ class Watchdog:
     def can_ask(self) -> bool:
         """Whether this rank can ask the others where they are (needs MPI_THREAD_MULTIPLE)."""
         return self._can_ask
+
+    def farewell(self) -> None:
+        """Tells the other ranks that this one ends the job on purpose and has said why.
+
+        Called just before ``MPI_Abort`` (an exception, a stall, an early exit), so that the
+        ranks that see this process end do not name it as gone. Not a collective.
+        """
+        if self._side is None:
+            return
+        others = [r for r in range(self.size) if r != self.rank and r not in self.gone]
+        try:
+            sent = [self._side.isend(None, dest=r, tag=_ENDING) for r in others]
+        except self._MPI.Exception:  # a rank is gone: the job ends either way
+            return
+        deadline = time.monotonic() + 0.2
+        while not self._MPI.Request.Testall(sent) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self._queries += sent
+
+    def _open_pidfds(self) -> dict[int, int]:
+        """pidfd -> rank, for the other ranks whose pids this one can watch (same host)."""
+        if self.elastic or not self.processes or not self.processes[self.rank].space:
+            return {}  # elastic mode: ULFM reports dead ranks to the collectives themselves
+        space = self.processes[self.rank].space
+        found = {}
+        for r, process in enumerate(self.processes):
+            if r != self.rank and process.space == space:
+                try:
+                    found[os.pidfd_open(process.pid)] = r
+                except (OSError, AttributeError):  # already gone, or no pidfds (Linux < 5.3)
+                    pass
+        return found
 
     def _where(self):
         current = self.current
@@ -137,13 +250,28 @@ class Watchdog:
     def _watch(self) -> None:
         warned_for = None
         reported = None
-        while not self._stop.wait(_POLL_SECONDS):
+        named_gone = False
+        poller = select.poll()
+        poller.register(self._wake_read, select.POLLIN)
+        for fd in self._pidfds:
+            poller.register(fd, select.POLLIN)
+        while not self._stop.is_set():
+            for fd, _ in poller.poll(_POLL_SECONDS * 1000):
+                if fd in self._pidfds:  # that rank's process has ended
+                    poller.unregister(fd)
+                    os.close(fd)
+                    self.gone.append(self._pidfds.pop(fd))
+            if self._stop.is_set():
+                break
             if self._can_ask:
                 self._answer_questions()
             current = self.current
             if current is None:
                 continue
             seq, name, start, timeout = current
+            if self.gone and not named_gone:
+                named_gone = True
+                self._name_gone(seq, name)
             waited = time.monotonic() - start
             warn_at = min(self.warning, timeout / 2) if timeout else self.warning
             if warn_at and waited > warn_at and warned_for != seq:
@@ -159,15 +287,21 @@ class Watchdog:
                 reported = seq
                 self._abort(seq, name, waited)
 
-    def ask_others(self, grace: float = _ANSWER_GRACE_SECONDS) -> dict[int, tuple]:
+    def ask_others(
+        self, grace: float = _ANSWER_GRACE_SECONDS, ranks: list[int] | None = None
+    ) -> dict[int, tuple]:
         """Asks every other rank where it is; waits ``grace`` seconds for the answers.
+
+        Args:
+            grace: Seconds to wait for the answers. Defaults to 3.
+            ranks: The ranks (of this communicator) to ask. Defaults to every other rank.
 
         Returns:
             rank -> (collective number or None, collective name, or "exit" when that rank has
             finished its program, or None; number of its last finished collective), for the
             ranks that answered.
         """
-        others = [r for r in range(self.size) if r != self.rank]
+        others = [r for r in range(self.size) if r != self.rank] if ranks is None else ranks
         for r in others:
             # The request holds the pickled message: dropped, its buffer could be freed while
             # MPI still sends it (the other rank then reads a truncated pickle). Kept until done.
@@ -186,54 +320,62 @@ class Watchdog:
                 time.sleep(0.01)
         return replies
 
+    def _on(self, r: int) -> str:
+        """`` on h2``, the host of rank ``r`` when the job spans hosts; "" otherwise."""
+        if len({p.host for p in self.processes}) < 2:
+            return ""
+        return f" on {self.processes[r].host}"
+
+    def _name(self, r: int) -> str:
+        """``rank 3``, or ``rank 3 on h2`` when the job spans hosts."""
+        return f"rank {self._job_rank[r]}{self._on(r)}"
+
+    @staticmethod
+    def _whereabouts(reply: tuple | None) -> tuple[str, str]:
+        """Where a rank is, from its answer: a few words, and a sentence for its own line."""
+        if reply is None:
+            return "did not answer", "did not answer (stopped, hung or dead)."
+        seq, name, done = reply
+        if name == "exit":
+            return "finished its program", f"has finished its program (last collective #{done})."
+        if seq is None:
+            return _NO_COLLECTIVE, f"{_NO_COLLECTIVE} (last finished #{done})."
+        return (
+            f"in collective #{seq} {name}",
+            f"in collective #{seq} {name} instead (the ranks took different code paths).",
+        )
+
     def _abort(self, seq: int, name: str, waited: float) -> None:
-        details, missing = [], []
+        details, missing, where, summary = [], [], {}, []
         if self._can_ask:
             replies = self.ask_others()
             for r in range(self.size):
-                if r == self.rank:
+                if r == self.rank or (r in replies and replies[r][0] == seq):
                     continue
                 job = self._job_rank[r]
-                if r not in replies:
-                    missing.append(job)
-                    details.append(f"  rank {job}: did not answer (stopped, hung or dead).")
-                    continue
-                their_seq, their_name, their_done = replies[r]
-                if their_seq == seq:
-                    continue
                 missing.append(job)
-                if their_name == "exit":
-                    details.append(
-                        f"  rank {job}: has finished its program (last collective #{their_done})."
-                    )
-                elif their_seq is None:
-                    details.append(
-                        f"  rank {job}: not in a collective (last finished "
-                        f"#{their_done}); it is busy elsewhere or on another path."
-                    )
-                else:
-                    details.append(
-                        f"  rank {job}: in collective #{their_seq} {their_name} "
-                        "instead (the ranks took different code paths)."
-                    )
+                short, sentence = self._whereabouts(replies.get(r))
+                where[job] = short
+                summary.append(f"{job}{self._on(r)} ({short})")
+                details.append(f"  {self._name(r)}: {sentence}")
         me = self._job_rank[self.rank]
         limit = f"(stall timeout {self.timeout:g} s)"
-        where = f"collective #{seq} {name}"
+        collective = f"collective #{seq} {name}"
         if missing:
-            who = ("rank " if len(missing) == 1 else "ranks ") + ", ".join(map(str, missing))
+            who = _ranks_text(missing)
             lines = [
-                f"syncdp: {who} stalled: {where} waited {waited:.1f} s for "
+                f"syncdp: {who} stalled: {collective} waited {waited:.1f} s for "
                 f"{'it' if len(missing) == 1 else 'them'} on rank {me} {limit}.",
-                "syncdp: ranks that have not arrived: " + ", ".join(map(str, missing)),
+                "syncdp: ranks that have not arrived: " + ", ".join(summary),
             ]
         elif self._can_ask:
             lines = [
-                f"syncdp: rank {me} stalled: {where} ran {waited:.1f} s although "
+                f"syncdp: rank {me} stalled: {collective} ran {waited:.1f} s although "
                 f"every rank has arrived {limit}; an MPI transfer is stuck or very slow."
             ]
         else:
             lines = [
-                f"syncdp: rank {me} stalled: {where} waited {waited:.1f} s for "
+                f"syncdp: rank {me} stalled: {collective} waited {waited:.1f} s for "
                 f"other ranks {limit}; MPI without thread support cannot say which."
             ]
         lines += details
@@ -245,8 +387,92 @@ class Watchdog:
             "to wait longer, or 0 to wait forever."
         )
         print("\n".join(lines), file=sys.stderr, flush=True)
-        report.send("stall", me, "\n".join(lines), ranks=missing, collective=name, seq=seq)
+        report.send(
+            "stall",
+            me,
+            "\n".join(lines),
+            ranks=missing,
+            collective=name,
+            seq=seq,
+            where={str(job): text for job, text in where.items()},
+            hosts=self._hosts(missing),
+        )
+        self.farewell()
         self._MPI.COMM_WORLD.Abort(1)
+
+    def _hosts(self, jobs: list[int]) -> dict[str, str]:
+        """job rank -> host, for ``jobs`` (empty when the hosts are unknown)."""
+        if not self.processes:
+            return {}
+        index = {job: r for r, job in enumerate(self._job_rank)}
+        return {str(job): self.processes[index[job]].host for job in jobs if job in index}
+
+    def _said_farewell(self, r: int) -> bool:
+        return self._side.iprobe(source=r, tag=_ENDING)
+
+    def _name_gone(self, seq: int, name: str) -> None:
+        """Names the ranks whose processes ended while this rank waits in collective ``seq``."""
+        gone = sorted(self.gone)
+        if self._side is None or any(self._said_farewell(r) for r in gone):
+            return  # it ended the job itself, and said why
+        parents = [_alive(self.processes[r].parent) for r in gone]
+        try:
+            if None in parents:
+                # Its supervisor ended first (killed): the rank went with it, and the launcher
+                # names that supervisor; this rank has nothing to add.
+                return
+            living = [r for r in range(self.size) if r != self.rank and r not in gone]
+            replies = self.ask_others(_GONE_ASK_SECONDS, ranks=living)
+            waiting = [self.rank] + [r for r in living if r in replies and replies[r][0] == seq]
+            space = self.processes[self.rank].space
+            if min(r for r in waiting if self.processes[r].space == space) != self.rank:
+                return  # the lowest waiting rank of this host speaks for all
+            if report.ADDRESS_VAR in os.environ:
+                # The supervisor reports how its rank ended, then exits: wait for that, so that a
+                # crash or a kill stays the launcher's first failure.
+                select.select(parents, [], [], _SUPERVISOR_SECONDS)
+            if any(self._said_farewell(r) for r in gone):
+                return
+        finally:
+            for fd in parents:
+                if fd is not None:
+                    os.close(fd)
+        self._report_gone(gone, waiting, replies, seq, name)
+
+    def _report_gone(self, gone, waiting, replies, seq: int, name: str) -> None:
+        first = self.processes[gone[0]]
+        waits = "waits" if len(waiting) == 1 else "wait"
+        who = _ranks_text([self._job_rank[r] for r in gone])
+        pids = ", ".join(f"{self.processes[r].pid}" for r in gone)
+        pid_word = "pid" if len(gone) == 1 else "pids"
+        lines = [
+            f"syncdp: {who} ({pid_word} {pids} on {first.host}) exited while "
+            f"{_ranks_text([self._job_rank[r] for r in waiting])} {waits} for "
+            f"{'it' if len(gone) == 1 else 'them'} in collective #{seq} {name}: "
+            f"{'its process' if len(gone) == 1 else 'their processes'} ended without syncdp's "
+            "exit handshake (os._exit(), or killed); ending the job."
+        ]
+        for r in range(self.size):
+            if r not in gone and r not in waiting:
+                lines.append(f"  {self._name(r)}: {self._whereabouts(replies.get(r))[1]}")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        report.send(
+            "exit_early",
+            self._job_rank[gone[0]],
+            "\n".join(lines),
+            ranks=[self._job_rank[r] for r in waiting],
+            gone=[self._job_rank[r] for r in gone],
+            collective=name,
+            seq=seq,
+            pid=first.pid,
+            host=first.host,
+            reporter=self._job_rank[self.rank],
+        )
+        # Open MPI ends the job on its own once the gone rank's supervisor has exited; if it
+        # does not, this rank does.
+        if not self._stop.wait(_END_SECONDS):
+            self.farewell()
+            self._MPI.COMM_WORLD.Abort(1)
 
     def _remove(self, missing: list[int], lines: list[str], name: str, seq: int) -> None:
         """Elastic mode: asks the launcher to kill the stalled ranks; the job recovers."""
