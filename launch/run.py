@@ -479,6 +479,8 @@ def run(config: LaunchConfig) -> int:
     try:
         ranks_config = settings.from_env(env)
     except ConfigError as e:  # a LaunchConfig made without parse_args
+        server.close()
+        lifeline.close()
         _say(f"error: {e}")
         return 2
     verdict = Verdict(

@@ -156,25 +156,6 @@ def _pump(source, sink, prefix: bytes) -> None:
     source.close()
 
 
-def _connect_lifeline(rank: str) -> Lifeline | None | bool:
-    """The lifeline to the launcher; None without a launcher; False (after saying why) when
-    there is one but it cannot be reached, so that nothing starts."""
-    address = os.environ.get(LIFELINE_VAR)
-    job = report.Job.from_env()
-    if not address or job is None:
-        return None
-    try:
-        return Lifeline.connect(address, job)
-    except (OSError, ValueError) as e:
-        print(
-            f"syncdp-run: rank {rank}: the launcher's lifeline at {address} cannot be reached "
-            f"({e}); the launcher is gone, so the program is not started.",
-            file=sys.stderr,
-            flush=True,
-        )
-        return False
-
-
 def describe_exit(returncode: int) -> str:
     """Words for how a process ended, from a ``subprocess`` return code."""
     if returncode < 0:
@@ -202,9 +183,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank = _rank()
     config = settings.from_env_or_default()
-    lifeline = _connect_lifeline(rank)
-    if lifeline is False:
-        return 1
+    lifeline = None
+    address, job = os.environ.get(LIFELINE_VAR), report.Job.from_env()
+    if address and job is not None:
+        try:
+            lifeline = Lifeline.connect(address, job)
+        except (OSError, ValueError) as e:
+            print(
+                f"syncdp-run: rank {rank}: the launcher's lifeline at {address} cannot be "
+                f"reached ({e}); the launcher is gone, so the program is not started.",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
     env = None
     if argv[0] == "--replacement" and len(argv) > 2:
         rank = str(int(argv[1]) + (int(rank) if rank.isdigit() else 0))
