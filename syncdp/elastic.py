@@ -8,7 +8,8 @@ When a rank dies (or stalls and is removed), every survivor's current collective
 
 1. restores the last commit (``state.restore()``),
 2. heals the job (``syncdp.core.runtime.reset``: revoke, shrink, spawn replacements, merge),
-3. calls the reset callbacks (``state.register_reset_callbacks``),
+3. calls the reset callbacks (``state.register_reset_callbacks``; :func:`run_fn`'s ``reset``
+   first),
 4. broadcasts rank 0's state to every rank, replacements included (``state.sync()``),
 5. calls the training function again, which resumes from the state.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import copy
 import functools
 import sys
+from collections.abc import Callable
 
 from syncdp.core import membership, runtime
 from syncdp.core.errors import (
@@ -46,6 +48,7 @@ __all__ = [
     "State",
     "ObjectState",
     "run",
+    "run_fn",
     "RankFailureError",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
@@ -173,7 +176,7 @@ def _failure(error: BaseException) -> Exception | None:
     return None
 
 
-def run(func):
+def run(func: Callable) -> Callable:
     """Makes ``func(state, *args, **kwargs)`` survive lost ranks: Horovod's ``elastic.run``.
 
     The wrapped function syncs the state from rank 0 first, then calls ``func``; on a rank
@@ -188,6 +191,37 @@ def run(func):
 
     Raises:
         ElasticAbortError: Fewer than ``--min-np`` ranks are left, or the reset limit was hit.
+    """
+    return run_fn(func, _no_reset)
+
+
+def _no_reset() -> None:
+    pass
+
+
+def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
+    """:func:`run`, calling ``reset()`` after every membership change: Horovod's ``run_fn``.
+
+    Horovod's frameworks build their ``run`` from it, passing the function that re-forms their
+    communication (``shutdown()`` then ``init()``). syncdp re-forms the job itself, in place
+    (lost ranks replaced, or new slots joined, in one MPI job that cannot be started twice), so
+    here ``reset`` is only for what the program must redo for the new membership; it must not
+    call ``syncdp.shutdown()`` or ``syncdp.init()``.
+
+    Args:
+        func: The training function; its first argument is the :class:`State`.
+        reset: Called with no arguments on every surviving rank after the job is re-formed,
+            before the state's reset callbacks and its sync.
+
+    Returns:
+        The wrapped function, returning what ``func`` returns.
+
+    Raises:
+        ElasticAbortError: Fewer than ``--min-np`` ranks are left, or the reset limit was hit.
+
+    Example:
+        >>> train = syncdp.tensorflow.elastic.run_fn(train_loop, reset=rebuild_dataset)
+        >>> train(state)
     """
 
     @functools.wraps(func)
@@ -213,6 +247,7 @@ def run(func):
                 )
                 state.restore()
             runtime.reset(grow=grow)
+            reset()
             state.on_reset()
 
     return wrapper

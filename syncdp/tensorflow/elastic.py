@@ -1,8 +1,9 @@
 """Horovod's ``hvd.elastic`` for TensorFlow: states of variables and Keras models.
 
-``import syncdp.tensorflow as hvd`` gives ``hvd.elastic.run``, ``hvd.elastic.State``,
-``hvd.elastic.ObjectState``, ``hvd.elastic.TensorFlowState`` and
-``hvd.elastic.TensorFlowKerasState`` (see :mod:`syncdp.elastic` for how recovery works).
+``import syncdp.tensorflow as hvd`` gives ``hvd.elastic.run``, ``hvd.elastic.run_fn``,
+``hvd.elastic.State``, ``hvd.elastic.ObjectState``, ``hvd.elastic.TensorFlowState`` and
+``hvd.elastic.TensorFlowKerasState`` (see :mod:`syncdp.elastic` for how recovery works), and,
+as Horovod's module does, ``broadcast_object`` and ``broadcast_object_fn``.
 A state's ``commit()`` copies the variables' values into host memory on every rank; nothing is
 written to disk. ``sync()`` broadcasts rank 0's values (fused, like
 :func:`~syncdp.tensorflow.broadcast_variables`).
@@ -15,11 +16,14 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from syncdp.core.errors import HorovodInternalError, HostsUpdatedInterrupt, RankFailureError
-from syncdp.elastic import ObjectState, State, run
-from syncdp.tensorflow.collectives import broadcast_variables
+from syncdp.elastic import ObjectState, State, run, run_fn
+from syncdp.tensorflow.collectives import broadcast_object, broadcast_object_fn, broadcast_variables
 
 __all__ = [
     "run",
+    "run_fn",
+    "broadcast_object",
+    "broadcast_object_fn",
     "State",
     "ObjectState",
     "TensorFlowState",

@@ -210,3 +210,77 @@ def test_worker_labels_a_replacement_and_tells_its_child(tmp_path, monkeypatch):
         timeout=60,
     )
     assert out.stdout.strip() == "[6]<stdout>:6"
+
+
+class _FakeCommunicator:
+    broken = False
+
+    def all_agree(self, value, name):
+        return value
+
+
+def _elastic_loop(monkeypatch, calls):
+    """syncdp.elastic's runtime faked: elastic mode on, a reset that only records itself."""
+    from syncdp.core import runtime
+
+    monkeypatch.setattr(runtime, "elastic_plan", lambda: object())
+    monkeypatch.setattr(runtime, "communicator", lambda: _FakeCommunicator())
+    monkeypatch.setattr(runtime, "rank", lambda: 0)
+    monkeypatch.setattr(runtime, "reset", lambda grow=False: calls.append(f"heal grow={grow}"))
+
+
+class _RecordingState:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def sync(self):
+        self.calls.append("sync")
+
+    def restore(self):
+        self.calls.append("restore")
+
+    def on_reset(self):
+        self.calls.append("callbacks")
+
+
+def test_run_fn_calls_reset_after_the_job_is_healed_and_before_the_callbacks(monkeypatch):
+    from syncdp.core.errors import HostsUpdatedInterrupt, RankFailureError
+    from syncdp.tensorflow import elastic
+
+    calls = []
+    _elastic_loop(monkeypatch, calls)
+    events = [RankFailureError("a rank of the job was lost"), HostsUpdatedInterrupt(False)]
+
+    def train(state, scale):
+        calls.append("train")
+        if events:
+            raise events.pop(0)
+        return 7 * scale
+
+    wrapped = elastic.run_fn(train, lambda: calls.append("reset"))
+    assert wrapped.__name__ == "train"
+    assert wrapped(_RecordingState(calls), 2) == 14
+    assert calls == [
+        "sync",
+        "train",
+        *["restore", "heal grow=False", "reset", "callbacks"],  # a lost rank: back to the commit
+        "sync",
+        "train",
+        *["heal grow=True", "reset", "callbacks"],  # room to grow: nothing to undo
+        "sync",
+        "train",
+    ]
+
+
+def test_run_fn_reraises_an_ordinary_error_without_a_reset(monkeypatch):
+    from syncdp.tensorflow import elastic
+
+    calls = []
+    _elastic_loop(monkeypatch, calls)
+
+    def train(state):
+        raise KeyError("a bug in the training function")
+
+    with pytest.raises(KeyError):
+        elastic.run_fn(train, lambda: calls.append("reset"))(_RecordingState(calls))
+    assert calls == ["sync"]

@@ -40,7 +40,8 @@ LearningRateWarmupCallback BestModelCheckpoint
 """.split()
 
 HOROVOD_TENSORFLOW_ELASTIC = """
-run State ObjectState TensorFlowState TensorFlowKerasState
+run run_fn State ObjectState TensorFlowState TensorFlowKerasState broadcast_object
+broadcast_object_fn
 """.split()
 
 HOROVOD_KERAS_ELASTIC = """
@@ -137,6 +138,9 @@ def test_horovod_keyword_arguments_are_accepted():
         hvd.size_op: ["process_set_id", "name"],
         hvd.start_timeline: ["file_path", "mark_cycles"],
     }
+    expected[hvd.elastic.broadcast_object] = ["root_rank", "session", "name", "process_set"]
+    expected[hvd.elastic.broadcast_object_fn] = ["root_rank", "session", "name", "process_set"]
+    expected[hvd.elastic.run_fn] = ["func", "reset"]
     for fn, keywords in expected.items():
         params = inspect.signature(fn).parameters
         missing = [k for k in keywords if k not in params]
