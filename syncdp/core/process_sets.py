@@ -172,8 +172,8 @@ def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
         The registered set, with its ``process_set_id``.
 
     Raises:
-        ValueError: On every rank, when the ranks are out of range, the set is already
-            registered, or ranks passed different sets.
+        ValueError: On every rank, when the set is empty, its ranks are out of range, it is
+            already registered, or ranks passed different sets.
     """
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     world = runtime.communicator()
@@ -181,6 +181,13 @@ def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
     everyone = world.allgather_object(ps.ranks, name="add_process_set")
     if any(r != ps.ranks for r in everyone):
         raise ValueError(f"add_process_set: ranks passed different sets: {everyone}.")
+    if not ps.ranks:
+        # Checked after the gather, so that every rank raises here together.
+        raise ValueError(
+            "A process set needs at least one rank; got an empty one (ranks=[]). Leave out a "
+            "set that would be empty, e.g. the odd ranks of a one-rank job: "
+            "`if ranks: syncdp.add_process_set(ranks)`."
+        )
     if not all(0 <= r < world.size for r in ps.ranks):
         raise ValueError(f"A process set needs ranks in [0, {world.size}); got {ps.ranks}.")
     if ps.process_set_id is not None or any(s.ranks == ps.ranks for s in sets.values()):

@@ -211,18 +211,35 @@ def test_partial_keras_optimizer_and_horovods_gradient_hooks(hvd):
     np.testing.assert_allclose(x.numpy(), [-np.mean([s + 1.0 for s in range(n)])])
 
 
-def test_init_again_registers_new_sets_and_tolerates_empty_and_whole_ones(hvd):
+def test_init_again_registers_new_sets_and_refuses_an_empty_one(hvd):
     n = hvd.size()
     whole = hvd.ProcessSet(list(range(n)))  # every rank, as a set of its own
-    empty = hvd.ProcessSet([])  # what an "odd ranks" set is at np=1
-    hvd.init(process_sets=[whole, empty])  # already initialized: registers the two sets
-    hvd.init(process_sets=[whole, empty])  # and only once
+    hvd.init(process_sets=[whole])  # already initialized: registers the set
+    hvd.init(process_sets=[whole])  # and only once
     try:
-        assert whole.process_set_id is not None and empty.process_set_id is not None
-        assert not empty.included() and whole.included()
+        assert whole.process_set_id is not None and whole.included()
         total = hvd.allreduce(tf.ones([1]), op=hvd.Sum, process_set=whole)
         assert total.numpy()[0] == n
-        with pytest.raises(tf.errors.InvalidArgumentError):
-            hvd.allreduce(tf.ones([1]), process_set=empty)
+        empty = hvd.ProcessSet([])  # what an "odd ranks" set is at np=1
+        with pytest.raises(ValueError, match="at least one rank"):
+            hvd.init(process_sets=[whole, empty])
+        assert empty.process_set_id is None
     finally:
-        assert hvd.remove_process_set(whole) and hvd.remove_process_set(empty)
+        assert hvd.remove_process_set(whole)
+
+
+@pytest.mark.parametrize("empty", [[], (), "ProcessSet"], ids=["list", "tuple", "ProcessSet"])
+def test_an_empty_set_is_refused_on_every_rank(hvd, empty):
+    from syncdp.core import process_sets
+
+    before = [(ps.process_set_id, ps.ranks) for ps in process_sets.registered()]
+    ranks = hvd.ProcessSet([]) if empty == "ProcessSet" else empty
+    with pytest.raises(ValueError) as refused:
+        hvd.add_process_set(ranks)
+    message = str(refused.value)
+    assert "needs at least one rank" in message  # what must hold
+    assert "got an empty one (ranks=[])" in message  # what was given
+    assert "if ranks: syncdp.add_process_set(ranks)" in message  # the fix
+    # Every rank refused it at the same point: nothing was registered, nobody waits.
+    assert [(ps.process_set_id, ps.ranks) for ps in process_sets.registered()] == before
+    assert hvd.allreduce(tf.ones([1]), op=hvd.Sum).numpy()[0] == hvd.size()
