@@ -139,10 +139,11 @@ def creating_variables():
     ``Graph._variable_creator_stack``, saved and restored as TensorFlow's own code does;
     without it TensorFlow's error stands).
     """
+    tracing = not tf.executing_eagerly() and not in_v1_graph()
     with tf.init_scope():
         graph = tf.compat.v1.get_default_graph()
         saved = getattr(graph, "_variable_creator_stack", None)
-        if saved is None:
+        if not tracing or saved is None:  # outside a trace, every creator (a strategy's) applies
             yield
             return
         graph._variable_creator_stack = []
