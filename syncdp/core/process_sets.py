@@ -9,6 +9,10 @@ one after the other, or by different threads, cannot deadlock each other.
 
 ``global_process_set`` (id 0) is the whole job; it exists before ``init()`` and follows the
 runtime's current communicator.
+
+This module sits above :mod:`syncdp.core.runtime`: it imports the runtime, and plugs its own
+hooks into it (``init(process_sets=...)``, release at shutdown and reset), so the runtime
+never imports it.
 """
 
 from __future__ import annotations
@@ -152,9 +156,13 @@ def _world_ranks_of(mpi_comm) -> list[int]:
     return list(MPI.Group.Translate_ranks(mpi_comm.Get_group(), members, world.Get_group()))
 
 
+# The registered sets by id, this job's; the global set is not here.
+_registry: dict[int, ProcessSet] = {}
+
+
 def _sets() -> dict[int, ProcessSet]:
     runtime.communicator()
-    return runtime.process_set_registry()
+    return _registry
 
 
 def registered() -> list[ProcessSet]:
@@ -249,11 +257,35 @@ def communicator_of(process_set: ProcessSet | None) -> Communicator:
     return found._comm
 
 
-def close_all(sets: dict[int, ProcessSet]) -> None:
-    """Frees every set's communicator (at shutdown); not a collective."""
-    for ps in sets.values():
+def _register_at_init(sets: Iterable, only_new: bool) -> None:
+    """``init(process_sets=...)``: registers the sets in order; with ``only_new``, those not
+    registered yet (Horovod programs may call ``init()`` again)."""
+    for ps in sets:
+        if only_new and isinstance(ps, ProcessSet) and ps.process_set_id is not None:
+            continue
+        add_process_set(ps)
+
+
+def _release(broken: bool) -> None:
+    """Drops every set and its communicator (shutdown, reset); not a collective.
+
+    Args:
+        broken: A rank of the job failed: the sets' communicators are dropped, not freed.
+    """
+    for ps in _registry.values():
         if ps._comm is not None:
+            ps._comm.broken = ps._comm.broken or broken
             ps._comm.close()
             ps._comm = None
         ps.process_set_id = None
-    sets.clear()
+    _registry.clear()
+
+
+def _communicators() -> list[Communicator]:
+    """The communicators of the registered sets this rank is in."""
+    return [ps._comm for ps in _registry.values() if ps._comm is not None]
+
+
+runtime.plug_process_sets(
+    register=_register_at_init, release=_release, communicators=_communicators
+)

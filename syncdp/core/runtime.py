@@ -28,6 +28,8 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from syncdp.core import membership, mpi, report, settings, stats
 from syncdp.core.communicator import Communicator
@@ -57,6 +59,7 @@ __all__ = [
     "on_reset",
     "members",
     "elastic_plan",
+    "plug_process_sets",
 ]
 
 _POLL_SECONDS = 0.01
@@ -68,8 +71,9 @@ class _State:
     topology: Topology | None = None
     # A second duplicate, for the exit handshake (see _at_exit).
     exit_comm = None
-    # Registered process sets by id (see syncdp.core.process_sets); the global set is not here.
-    process_sets: dict = {}
+    # The process-set layer's hooks (plug_process_sets): it sits above the runtime, which
+    # calls into it only through these and never imports it.
+    sets = None
     hook_installed = False
     atexit_registered = False
     # Elastic mode: every rank's process (rank order) and the plan (syncdp.core.membership).
@@ -251,12 +255,8 @@ def reset(grow: bool = False) -> dict:
 
 def _drop(broken: bool) -> None:
     """Lets go of the job's communicators before a rebuild; ``broken`` ones are not freed."""
-    from syncdp.core.process_sets import close_all
-
-    for ps in _state.process_sets.values():
-        if ps._comm is not None:
-            ps._comm.broken = ps._comm.broken or broken
-    close_all(_state.process_sets)
+    if _state.sets is not None:
+        _state.sets.release(broken)
     comm, _state.comm = _state.comm, None
     comm.broken = comm.broken or broken
     comm.close()
@@ -290,12 +290,39 @@ def _register(process_sets, only_new: bool = False) -> None:
     """Registers ``init(process_sets=...)``; with ``only_new``, those not registered yet."""
     if process_sets in (None, "dynamic"):
         return
-    from syncdp.core.process_sets import ProcessSet, add_process_set
+    if _state.sets is None:  # nothing imported syncdp.core.process_sets, so no ProcessSet exists
+        raise ValueError(
+            "init(process_sets=...) takes syncdp.ProcessSet objects; got "
+            f"{process_sets!r}. Pass e.g. [syncdp.ProcessSet([0, 1])]."
+        )
+    _state.sets.register(process_sets, only_new)
 
-    for ps in process_sets:
-        if only_new and isinstance(ps, ProcessSet) and ps.process_set_id is not None:
-            continue
-        add_process_set(ps)
+
+class _SetHooks(NamedTuple):
+    register: Callable[[Iterable, bool], None]
+    release: Callable[[bool], None]
+    communicators: Callable[[], list]
+
+
+def plug_process_sets(
+    *,
+    register: Callable[[Iterable, bool], None],
+    release: Callable[[bool], None],
+    communicators: Callable[[], list],
+) -> None:
+    """How :mod:`syncdp.core.process_sets`, the layer above, plugs into the runtime.
+
+    The runtime never imports that layer; the layer hands in, when it is imported, what the
+    runtime must call.
+
+    Args:
+        register: ``register(sets, only_new)`` registers ``init(process_sets=sets)`` (a
+            collective); with ``only_new``, only the sets not registered yet.
+        release: ``release(broken)`` drops every registered set and its communicator (at
+            shutdown and before a reset); ``broken`` communicators are dropped, not freed.
+        communicators: ``communicators()`` lists the sets' communicators this rank is in.
+    """
+    _state.sets = _SetHooks(register, release, communicators)
 
 
 def _arrive(base, timeout: float):
@@ -379,7 +406,7 @@ def _install_failure_hook() -> None:
 
 def _farewell() -> None:
     """Tells every other rank that this one ends the job on purpose (see Watchdog.farewell)."""
-    comms = [_state.comm] + [ps._comm for ps in _state.process_sets.values()]
+    comms = [_state.comm] + (_state.sets.communicators() if _state.sets is not None else [])
     for comm in comms:
         if comm is not None and comm.watchdog is not None:
             comm.watchdog.farewell()
@@ -465,11 +492,6 @@ def communicator() -> Communicator:
     if _state.comm is None:
         raise NotInitializedError("syncdp is not initialized; call syncdp.init() first.")
     return _state.comm
-
-
-def process_set_registry() -> dict:
-    """The registered process sets by id (owned by :mod:`syncdp.core.process_sets`)."""
-    return _state.process_sets
 
 
 def get_config() -> settings.Config:

@@ -14,6 +14,8 @@ modules here adapt tensors to the engine (:mod:`syncdp.engine`) and the communic
 ``syncdp.tensorflow.keras`` is Horovod's path for the Keras face, :mod:`syncdp.keras`.
 """
 
+import importlib
+
 import tensorflow as tf
 
 from syncdp.core.errors import (
@@ -220,8 +222,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
 
     A ``tf.compat.v1.train.Optimizer`` becomes a :class:`LegacyDistributedOptimizer` (TF1 graph
     programs, ``MonitoredTrainingSession``); a Keras optimizer becomes a
-    :class:`syncdp.keras.DistributedOptimizer`. Either way the gradients are averaged over the
-    ranks of ``process_set`` before every update.
+    :class:`syncdp.keras.DistributedOptimizer`, from the Keras face, which this layer names in
+    :data:`_OPTIMIZER_FACES` and loads on first use rather than importing it. Either way the
+    gradients are averaged over the ranks of ``process_set`` before every update.
 
     Raises:
         ValueError: ``optimizer`` is neither, or an argument does not apply to it.
@@ -241,12 +244,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
             process_set=process_set,
             scale_local_gradients=scale_local_gradients,
         )
-    import keras
-
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        from syncdp.keras import DistributedOptimizer as KerasDistributedOptimizer
-
-        return KerasDistributedOptimizer(
+    face = _face_for(optimizer)
+    if face is not None:
+        return face(
             optimizer,
             name=name,
             compression=compression,
@@ -263,6 +263,22 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
         "(tf.compat.v1.train.Optimizer) or a Keras 3 optimizer: "
         f"{type(optimizer).__module__}.{type(optimizer).__name__}."
     )
+
+
+# Horovod's hvd.DistributedOptimizer also takes a Keras optimizer, which the Keras face (the
+# layer above this one) wraps. It is named here, by the package of the optimizer's class, and
+# loaded when the first such optimizer arrives, so that no import runs up the layers.
+_OPTIMIZER_FACES = {"keras": ("syncdp.keras", "DistributedOptimizer")}
+
+
+def _face_for(optimizer):
+    """The DistributedOptimizer of the face that wraps ``optimizer``'s kind; None if none does."""
+    for cls in type(optimizer).__mro__:
+        face = _OPTIMIZER_FACES.get(cls.__module__.partition(".")[0])
+        if face is not None:
+            module, name = face
+            return getattr(importlib.import_module(module), name)
+    return None
 
 
 def __getattr__(name):

@@ -1,6 +1,9 @@
-"""The public API is declared: __all__ matches what the packages export, Horovod's names exist."""
+"""The public API is declared: __all__ matches what the packages export, Horovod's names exist;
+every module imports, and the modules' imports form no cycle and never run up from the core."""
 
+import ast
 import importlib
+import pathlib
 
 import pytest
 import tensorflow as tf
@@ -68,3 +71,101 @@ def test_collectives_before_init_raise_clearly(call):
     assert not syncdp.is_initialized()
     with pytest.raises(syncdp.NotInitializedError, match=r"call syncdp.init\(\) first"):
         call()
+
+
+# The module graph, read from the source: every `import` and `from ... import` anywhere in a
+# module (also inside functions: an import run later still ties the two modules together).
+SOURCE = pathlib.Path(syncdp.__file__).resolve().parent
+
+
+def _module_names() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in sorted(SOURCE.rglob("*.py")):
+        parts = ["syncdp", *path.relative_to(SOURCE).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _module_names()
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The syncdp modules ``path`` imports (``from pkg import sub`` counts as ``pkg.sub``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                names.add(sub if sub in MODULES else node.module)
+    return {n for n in names if n in MODULES}
+
+
+GRAPH = {name: _imports(path) - {name} for name, path in MODULES.items()}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_every_module_imports(name):
+    importlib.import_module(name)
+
+
+def test_the_core_imports_no_higher_layer():
+    higher = ("syncdp.engine", "syncdp.tensorflow", "syncdp.keras")
+    for name, imported in GRAPH.items():
+        if name.startswith("syncdp.core."):
+            up = sorted(m for m in imported if m.startswith(higher))
+            assert not up, f"{name} imports {up}: hand it a callable (a hook) instead"
+
+
+def test_no_two_modules_import_each_other_nor_any_cycle():
+    # Depth-first search; a module met again while it is still being explored closes a cycle.
+    done, path = set(), []
+
+    def visit(name):
+        if name in path:
+            cycle = path[path.index(name) :] + [name]
+            pytest.fail(f"import cycle: {' -> '.join(cycle)}; hand a callable down instead")
+        if name in done:
+            return
+        path.append(name)
+        for other in sorted(GRAPH[name]):
+            visit(other)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(GRAPH):
+        visit(name)
+
+
+def test_the_tensorflow_face_hands_a_keras_optimizer_to_the_keras_face_it_never_imports():
+    import subprocess
+    import sys
+
+    program = """
+import sys
+import keras
+import syncdp.tensorflow as hvd
+assert "syncdp.keras" not in sys.modules  # importing the TensorFlow face loads no Keras face
+
+class Mine(keras.optimizers.SGD):  # a user's subclass, from a module that is not Keras'
+    pass
+
+opt = hvd.DistributedOptimizer(Mine(0.1), backward_passes_per_step=2)
+import syncdp.keras
+assert type(opt) is syncdp.keras.DistributedOptimizer, type(opt)
+assert isinstance(opt.inner_optimizer, Mine) and opt.backward_passes_per_step == 2
+try:
+    hvd.DistributedOptimizer("sgd")
+except ValueError as e:
+    assert "Keras 3 optimizer" in str(e)
+else:
+    raise AssertionError("a string was taken for an optimizer")
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=300
+    )
+    assert done.stdout.strip().endswith("ok"), done.stderr[-3000:]
