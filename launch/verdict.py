@@ -8,7 +8,7 @@ non-zero after a replacement was killed in a job that recovered.
 
 Otherwise the job failed, and the launcher's last line says how::
 
-    syncdp-run: the job failed (1 of 2 ranks finished cleanly); first failure: rank 1
+    syncdp-run: the job failed (1 of 2 ranks exited cleanly); first failure: rank 1
     (pid 4242 on node3) was killed by signal 9 (SIGKILL)
 
 The first failure is the earliest failure report by the time it was sent. Ranks that never
@@ -222,7 +222,7 @@ class Verdict:
         # After a failure the job is ended on purpose, and supervisors killed in the teardown
         # are its casualties, not news; hosts gone silent or ranks never started still are.
         silent = self._unreported_text(links, mpirun_code, teardown=first is not None)
-        tally = f"{len(clean)} of {self.num_proc} ranks finished cleanly"
+        tally = f"{len(clean)} of {self.num_proc} ranks exited cleanly"
         if first is not None:
             lines = [silent] if silent else []
             lines.append(f"the job failed ({tally}); first failure: {self.describe(first)}")

@@ -152,7 +152,7 @@ def test_sigkill_of_a_rank_supervisor_is_named_as_silent(tmp_path):
     assert proc.returncode != 0
     assert ended - killed < DEAD_LIMIT
     last = text.strip().splitlines()[-1]
-    assert last.startswith("syncdp-run: the job failed (0 of 2 ranks finished cleanly): "), last
+    assert last.startswith("syncdp-run: the job failed (0 of 2 ranks exited cleanly): "), last
     assert last.endswith(
         f"rank 1 (pid {child} on {socket.gethostname()}) ended without a report (its supervisor "
         "was killed)"
@@ -258,7 +258,7 @@ def test_a_rank_whose_supervisor_never_reports_fails_the_job_named(tmp_path, np)
     assert proc.returncode != 0, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last == (
-        f"syncdp-run: the job failed (0 of {np} ranks finished cleanly): rank {victim} "
+        f"syncdp-run: the job failed (0 of {np} ranks exited cleanly): rank {victim} "
         f"(pid {pids[victim]} on {socket.gethostname()}) ended without a report (its supervisor "
         "was killed)"
     ), err[-3000:]

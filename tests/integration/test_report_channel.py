@@ -112,6 +112,6 @@ def test_a_forged_clean_exit_and_an_earlier_forged_failure_do_not_hide_the_real_
         "1 malformed)"
     ), err[-3000:]
     assert lines_out[-1].startswith(
-        "syncdp-run: the job failed (1 of 2 ranks finished cleanly); first failure: rank 1 (pid "
+        "syncdp-run: the job failed (1 of 2 ranks exited cleanly); first failure: rank 1 (pid "
     ), err[-3000:]
     assert lines_out[-1].endswith(f"on {socket.gethostname()}) exited with code 3"), err[-3000:]

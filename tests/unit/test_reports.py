@@ -87,7 +87,7 @@ def test_a_ranks_exception_report_is_the_first_failure(listen, monkeypatch):
     code, last = _last(verdict)
     assert code == 1
     assert last == (
-        "the job failed (0 of 2 ranks finished cleanly); first failure: rank 1 "
+        "the job failed (0 of 2 ranks exited cleanly); first failure: rank 1 "
         f"(pid {os.getpid()} on {socket.gethostname()}) failed with ValueError: bad batch"
     )
 
@@ -134,7 +134,7 @@ def test_a_ranks_exit_code_is_the_launchers(listen):
     server.close()
     assert _last(verdict) == (
         3,
-        "the job failed (1 of 2 ranks finished cleanly); first failure: rank 1 (pid 4201 on h) "
+        "the job failed (1 of 2 ranks exited cleanly); first failure: rank 1 (pid 4201 on h) "
         "exited with code 3",
     )
 
@@ -157,7 +157,7 @@ def test_ranks_stopped_without_a_failure_still_fail_the_job(listen):
     assert not verdict.failed.is_set()
     assert _last(verdict) == (
         1,
-        "the job failed (0 of 2 ranks finished cleanly): ranks 0, 1 were stopped before "
+        "the job failed (0 of 2 ranks exited cleanly): ranks 0, 1 were stopped before "
         "finishing (was killed by signal 15 (SIGTERM))",
     )
 
@@ -213,7 +213,7 @@ def test_a_rank_whose_supervisor_died_is_named_as_killed():
     links = {0: _link(0, closed=True), 1: _link(1, closed=True)}
     assert _last(verdict, links) == (
         1,
-        "the job failed (1 of 2 ranks finished cleanly): rank 1 (pid 4201 on h) ended without "
+        "the job failed (1 of 2 ranks exited cleanly): rank 1 (pid 4201 on h) ended without "
         "a report (its supervisor was killed)",
     )
 
@@ -227,7 +227,7 @@ def test_ranks_on_a_silent_host_are_named_with_the_host():
     links |= {2: _link(2, "hB", silent_for=12), 3: _link(3, "hB", silent_for=11)}
     assert _last(verdict, links) == (
         1,
-        "the job failed (2 of 4 ranks finished cleanly): ranks 2, 3 (on hB) never reported how "
+        "the job failed (2 of 4 ranks exited cleanly): ranks 2, 3 (on hB) never reported how "
         "they ended: no word from hB for 12 s (host unreachable, or its daemon lost)",
     )
 
@@ -408,6 +408,6 @@ def test_a_host_lost_from_the_lifelines_is_a_failure_named_once():
     assert verdict.failed.is_set()
     outcome = verdict.decide(links)
     assert outcome.lines == (
-        "the job failed (0 of 4 ranks finished cleanly); first failure: ranks 2, 3 (on hb) fell "
+        "the job failed (0 of 4 ranks exited cleanly); first failure: ranks 2, 3 (on hb) fell "
         "silent: no word from hb for 10 s (host unreachable, or its daemon lost)",
     )
