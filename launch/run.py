@@ -80,6 +80,7 @@ daemon when its lifeline to the launcher closes (:mod:`launch.lifeline`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -96,6 +97,7 @@ from launch import supervision
 from launch.elastic import ElasticLog, check_ulfm
 from launch.lifeline import LIFELINE_VAR, LifelineServer, lost_after
 from launch.report_server import ReportServer, describe_rejected
+from launch.summary import TimingBoard
 from launch.verdict import Verdict
 from syncdp.core import report, settings
 from syncdp.core.errors import ConfigError
@@ -350,6 +352,10 @@ def build_env(
     env["PYTHONUNBUFFERED"] = "1"
     env["SYNCDP_LAUNCHER"] = "1"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    if not config.multihost and not os.path.isdir("/sys/class/infiniband"):
+        # No RDMA device: Open MPI's UCX one-sided component would print an error for every
+        # shared-memory window (syncdp's data plane makes one per group); sm serves instead.
+        env.setdefault("OMPI_MCA_osc", "^ucx")
     return env
 
 
@@ -441,6 +447,21 @@ def _say(line: str) -> None:
     print(f"syncdp-run: {line}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def _print_on_usr1(timings: TimingBoard):
+    """``kill -USR1 <syncdp-run>`` prints where the time went so far (ranks report every
+    20 s while they train)."""
+
+    def show(signum, frame):
+        print(timings.table() or "syncdp-run: no timing reports yet", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGUSR1, show)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def run(config: LaunchConfig) -> int:
     """Starts the job, copies its output, and returns the launcher's exit status.
 
@@ -489,7 +510,13 @@ def run(config: LaunchConfig) -> int:
         stall_timeout=ranks_config.stall_timeout,
         elastic=ElasticLog() if config.elastic else None,
     )
-    server.start(verdict.add)
+    timings = TimingBoard()
+
+    def on_report(report: dict) -> None:
+        timings.add(report)
+        verdict.add(report)
+
+    server.start(on_report)
     if config.elastic:
         lifeline.start()  # a lost rank is replaced, not the end of the job
     else:
@@ -500,7 +527,7 @@ def run(config: LaunchConfig) -> int:
     process = supervision.start_mpirun(cmd, env)
     pumps = supervision.copy_output(process)
     try:
-        with supervision.StopOnSignals(process) as signals:
+        with supervision.StopOnSignals(process) as signals, _print_on_usr1(timings):
             supervision.supervise(process, verdict)
             _await_last_reports(verdict, lifeline)
             # The last lines, once mpirun has ended. Not long after a failure: processes on a
@@ -512,6 +539,8 @@ def run(config: LaunchConfig) -> int:
         server.close()
         outcome = verdict.decide(lifeline.links(), mpirun_code=process.returncode)
         lifeline.close()  # supervisors still running (a lost daemon's) now end their ranks
+    if timings.trained():
+        print(timings.table(), file=sys.stderr, flush=True)
     rejected = describe_rejected(server.rejected + lifeline.rejected)
     if rejected:
         _say(rejected)

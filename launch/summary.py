@@ -18,9 +18,10 @@ Example output::
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 
-__all__ = ["format_table", "latest_by_rank"]
+__all__ = ["TimingBoard", "format_table", "latest_by_rank"]
 
 # Below this much waiting between the slowest rank and the others, no rank is singled out.
 _STRAGGLER_GAP = 0.02
@@ -81,3 +82,28 @@ def format_table(reports: Iterable[Mapping], *, prefix: str = "syncdp-run: ") ->
         else:
             lines.append(f"{prefix}no straggler: the ranks wait about equally")
     return "\n".join(lines)
+
+
+class TimingBoard:
+    """The latest ``timing`` report of each rank, kept as reports arrive (thread-safe)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._latest: dict[int, Mapping] = {}
+
+    def add(self, report: Mapping) -> None:
+        """Keeps ``report`` if it is a rank's ``timing`` report; ignores every other kind."""
+        if report.get("kind") == "timing" and isinstance(report.get("rank"), int):
+            with self._lock:
+                self._latest[report["rank"]] = report
+
+    def trained(self) -> bool:
+        """Whether some rank ran two or more training steps (a table worth printing)."""
+        with self._lock:
+            return any(int(r.get("steps") or 0) >= 2 for r in self._latest.values())
+
+    def table(self) -> str:
+        """:func:`format_table` of the reports so far ('' if none)."""
+        with self._lock:
+            reports = list(self._latest.values())
+        return format_table(reports)

@@ -127,6 +127,27 @@ def _signal_group(pgid: int, signum: int) -> bool:
         return True
 
 
+def _share_cores(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with TensorFlow's intra-op threads set to this host's cores over its ranks.
+
+    TensorFlow gives every process as many threads per op as the host has cores: N ranks on
+    one host would run N times as many threads as cores, contending for them. Each rank gets
+    its share instead (at least 1), unless the user set ``TF_NUM_INTRAOP_THREADS`` already.
+    """
+    if "TF_NUM_INTRAOP_THREADS" in env:
+        return env
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        local = max(1, int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")))
+    except ValueError:
+        local = 1
+    env["TF_NUM_INTRAOP_THREADS"] = str(max(1, cores // local))
+    return env
+
+
 def _end_here(rank: str, child: subprocess.Popen, why: str) -> None:
     """The launcher is gone: ends this rank's process group, Open MPI above it, and this
     supervisor (never returns)."""
@@ -196,11 +217,11 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             return 1
-    env = None
+    env = _share_cores(dict(os.environ))
     if argv[0] == "--replacement" and len(argv) > 2:
         rank = str(int(argv[1]) + (int(rank) if rank.isdigit() else 0))
         argv = argv[2:]
-        env = {**os.environ, "SYNCDP_REPLACEMENT": rank}
+        env["SYNCDP_REPLACEMENT"] = rank
     elastic = config.elastic
     try:
         child = subprocess.Popen(
