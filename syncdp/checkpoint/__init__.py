@@ -40,14 +40,9 @@ The manager holds any trackables that ``tf.train.Checkpoint`` takes and imports 
 models, layers and optimizers are recognized by what they expose (``built``, ``build``,
 ``apply_gradients``, ``trainable_variables``), so this layer stays below :mod:`syncdp.keras`.
 
-Layout of a checkpoint directory::
-
-    DIRECTORY/ckpt-00000020/ckpt.index
-    DIRECTORY/ckpt-00000020/ckpt.data-00000-of-00001
-    DIRECTORY/ckpt-00000020/syncdp-checkpoint.json
-    DIRECTORY/ckpt-00000030.damaged/      a damaged checkpoint moved aside: never read
-    DIRECTORY/.ckpt-00000040.tmp-...      a save in progress (or one that crashed): never read
-    DIRECTORY/.ckpt-00000020.replaced-... step 20's old checkpoint while a new one replaces it
+This module is the manager: what the ranks do together. What is on disk (the layout, writing,
+checking, listing, pruning, moving aside, recovering a crashed save) is
+:mod:`syncdp.checkpoint._files`.
 
 Example:
     >>> manager = CheckpointManager("/ckpt", model=model, optimizer=optimizer)
@@ -60,18 +55,14 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import os
-import re
-import shutil
 import sys
-import time
 from typing import NamedTuple
 
 import tensorflow as tf
 
+from syncdp.checkpoint import _files
+from syncdp.checkpoint._files import MANIFEST, list_checkpoints  # noqa: F401 - for callers
 from syncdp.core import runtime
 from syncdp.core.errors import CheckpointError
 from syncdp.tensorflow import collectives as ops
@@ -79,130 +70,20 @@ from syncdp.tensorflow import verify
 
 __all__ = ["CheckpointManager", "list_checkpoints"]
 
-MANIFEST = "syncdp-checkpoint.json"
-_PREFIX = "ckpt"
-_FORMAT = 1
-_NAME = re.compile(r"^ckpt-(\d+)$")
-_DAMAGED = ".damaged"  # never matches _NAME, so a checkpoint moved aside is never listed
-_REPLACED = ".replaced-"
+
 # Rank 0 may spend a while on the disk while the other ranks wait in the save/restore
 # collective: they wait at least this long (or forever with the stall timeout off).
 _IO_TIMEOUT_SECONDS = 600.0
 
 
-def _sha256(file) -> str:
-    """The SHA-256 of a path's content, or of an open binary file's from where it stands."""
-    if isinstance(file, str | os.PathLike):
-        with open(file, "rb") as f:
-            return _sha256(f)
-    h = hashlib.sha256()
-    for block in iter(lambda: file.read(1 << 20), b""):
-        h.update(block)
-    return h.hexdigest()
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# The manager checks and hashes through these two names, looked up at each call, so that a
+# test can count the checks or stand in for a disk that fails.
+_sha256 = _files.sha256
 
 
 def _check(path: str) -> dict:
-    """Returns the manifest of the checkpoint at ``path``.
-
-    Raises:
-        CheckpointError: The checkpoint is damaged (a missing file, a wrong size, a SHA-256
-            mismatch, a missing or unparsable manifest); the message names the file.
-        OSError: The operating system refused to read a file (``filename`` names it): the
-            checkpoint may be fine, so the caller must not treat it as damaged.
-    """
-    manifest_path = os.path.join(path, MANIFEST)
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} has no {MANIFEST}.") from None
-    except ValueError as e:
-        raise CheckpointError(f"{manifest_path} is not readable JSON ({e}).") from None
-    except OSError as e:
-        raise _with_filename(e, manifest_path) from None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if (
-        not isinstance(files, dict)
-        or f"{_PREFIX}.index" not in files
-        or not all(isinstance(m, dict) and {"bytes", "sha256"} <= m.keys() for m in files.values())
-        or not isinstance(manifest.get("metadata", {}), dict)
-    ):
-        raise CheckpointError(f"{manifest_path} does not list the checkpoint's files.")
-    for name, meta in files.items():
-        file = os.path.join(path, name)
-        # open() before any size check, so a directory in a file's place is a refused read
-        # (EISDIR), not a "wrong size" that would be taken for damage.
-        try:
-            with open(file, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                digest = _sha256(f) if size == meta["bytes"] else None
-        except FileNotFoundError:
-            raise CheckpointError(f"{file} is missing.") from None
-        except OSError as e:
-            raise _with_filename(e, file) from None
-        if size != meta["bytes"]:
-            raise CheckpointError(f"{file} has {size} bytes, not the {meta['bytes']} expected.")
-        if digest != meta["sha256"]:
-            raise CheckpointError(f"{file} does not match its SHA-256 in {MANIFEST}.")
-    return manifest
-
-
-def _with_filename(error: OSError, file: str) -> OSError:
-    # read() errors carry no file name; the message to the user must name the file.
-    if error.filename is None:
-        error.filename = file
-    return error
-
-
-def _signature(path: str) -> tuple | None:
-    """What a checkpoint's files look like on disk (names, sizes, inodes, mtimes), or None.
-
-    Equal signatures mean no file was replaced, resized or written since: a checkpoint once
-    verified need not be hashed again.
-    """
-    try:
-        entries = sorted(os.scandir(path), key=lambda e: e.name)
-        return tuple((e.name, *_stat_key(e.stat(follow_symlinks=False))) for e in entries)
-    except OSError:
-        return None
-
-
-def _stat_key(st: os.stat_result) -> tuple:
-    return st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns
-
-
-def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, str]]:
-    """The checkpoints in ``directory`` as ``(step, path)``, oldest first.
-
-    Every ``ckpt-NNNNNNNN`` directory counts: saves rename them into place only when
-    complete, so one whose manifest is missing now is a damaged checkpoint, not an unfinished
-    one. Temporary directories of a save in progress or a crashed one are ignored, and so are
-    damaged checkpoints moved aside (``ckpt-NNNNNNNN.damaged``). Files are not checked here
-    (``restore`` does).
-
-    Args:
-        directory: The CheckpointManager's directory. A missing one has no checkpoints.
-    """
-    directory = os.fspath(directory)
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    found = []
-    for name in names:
-        match = _NAME.match(name)
-        path = os.path.join(directory, name)
-        if match and os.path.isdir(path):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
+    """The verified manifest of the checkpoint at ``path`` (see :func:`_files.check`)."""
+    return _files.check(path, sha256=_sha256)
 
 
 def _is_optimizer(obj) -> bool:
@@ -290,7 +171,7 @@ class CheckpointManager:
         self.metadata: dict = {}
         self._checkpoint = tf.train.Checkpoint(**self.trackables)
         # Rank 0: the checkpoints known intact (written or verified here), by path, with their
-        # _signature then; pruning hashes only the others.
+        # signature then; pruning hashes only the others.
         self._intact: dict[str, tuple] = {}
 
     def _variables(self) -> list:
@@ -391,7 +272,7 @@ class CheckpointManager:
             return _Outcome(0, {}, self._unreadable(file, e.strerror or str(e)))
 
     def _load_newest(self, allow_fresh: bool) -> _Outcome:
-        self._recover_interrupted_saves()
+        _files.recover_interrupted_saves(self.directory)
         damaged = []  # (path, what is wrong), newest first
         for step, path in reversed(list_checkpoints(self.directory)):
             try:
@@ -402,7 +283,7 @@ class CheckpointManager:
             error = self._read(path)
             if error:
                 return _Outcome(0, {}, error)
-            self._intact[path] = _signature(path)
+            self._intact[path] = _files.signature(path)
             # Moved aside only now that an older one is restored: when none is, they stay.
             warnings = self._move_aside(damaged)
             step = int(manifest.get("step", step))
@@ -420,7 +301,7 @@ class CheckpointManager:
     def _read(self, path: str) -> str | None:
         """Loads the (verified) checkpoint at ``path`` into the trackables; returns an error."""
         try:
-            status = self._checkpoint.read(os.path.join(path, _PREFIX))
+            status = self._checkpoint.read(os.path.join(path, _files.PREFIX))
             status.assert_existing_objects_matched()
             del status
         except (AssertionError, ValueError, tf.errors.InvalidArgumentError) as e:
@@ -432,7 +313,7 @@ class CheckpointManager:
         except tf.errors.OpError as e:
             # TensorFlow's own read failed after the checksums passed: an I/O failure
             # (TF reports the file in its message), not a mismatch.
-            return self._unreadable(os.path.join(path, _PREFIX), e.message)
+            return self._unreadable(os.path.join(path, _files.PREFIX), e.message)
         return None
 
     def _unreadable(self, file: str, cause: str) -> str:
@@ -458,37 +339,14 @@ class CheckpointManager:
             + " Nothing was moved or deleted. To resume, replace one with an intact copy (from "
             "a backup); to start from step 0 with rank 0's current state instead, pass "
             "allow_fresh=True to restore() (or to CheckpointCallback), which moves them aside "
-            f"as ckpt-NNNNNNNN{_DAMAGED}."
+            f"as ckpt-NNNNNNNN{_files.DAMAGED}."
         )
 
     def _move_aside(self, damaged: list[tuple[str, str]]) -> tuple[str, ...]:
         """On rank 0: renames damaged checkpoints out of the listing; returns the warnings."""
-        warnings = []
-        for path, problem in damaged:
+        for path, _ in damaged:
             self._intact.pop(path, None)
-            aside, n = path + _DAMAGED, 1
-            while os.path.lexists(aside):  # the same step damaged before
-                n += 1
-                aside = f"{path}{_DAMAGED}-{n}"
-            try:
-                os.rename(path, aside)
-            except OSError as e:
-                done = (
-                    f"rank 0 could not move it aside ({e}), so it is reported again until it is "
-                    f"moved out of {self.directory}"
-                )
-            else:
-                done = (
-                    f"rank 0 moved it to {aside}, kept for inspection: it is never restored nor "
-                    "counted against max_to_keep"
-                )
-            warnings.append(
-                f"syncdp: warning: checkpoint {path} is damaged ({problem.rstrip('.')}); {done}."
-            )
-        if damaged:
-            with contextlib.suppress(OSError):
-                _fsync(self.directory)
-        return tuple(warnings)
+        return _files.move_aside(self.directory, damaged)
 
     def save(self, step: int, *, metadata: dict | None = None) -> str | None:
         """Writes a checkpoint of the current state on rank 0, atomically.
@@ -549,81 +407,31 @@ class CheckpointManager:
         return path if comm.rank == 0 else None
 
     def _write(self, step: int, metadata: dict) -> str:
-        os.makedirs(self.directory, exist_ok=True)
-        name = f"{_PREFIX}-{step:08d}"
-        final = os.path.join(self.directory, name)
-        unique = f"{os.getpid()}-{time.time_ns()}"
-        temp = os.path.join(self.directory, f".{name}.tmp-{unique}")
-        replaced = os.path.join(self.directory, f".{name}{_REPLACED}{unique}")
-        os.makedirs(temp)
-        try:
-            self._checkpoint.write(os.path.join(temp, _PREFIX))
-            files = {}
-            for file_name in sorted(os.listdir(temp)):
-                file = os.path.join(temp, file_name)
-                _fsync(file)
-                files[file_name] = {"bytes": os.path.getsize(file), "sha256": _sha256(file)}
-            manifest = {
-                "format": _FORMAT,
-                "step": step,
-                "metadata": metadata,
-                "files": files,
-                "time": time.time(),
-            }
-            with open(os.path.join(temp, MANIFEST), "w") as f:
-                json.dump(manifest, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync(temp)
-            # A directory cannot be renamed over another, so the old one of this step moves to
-            # a name that restore() renames back if the process dies before the next line.
-            if os.path.lexists(final):
-                os.rename(final, replaced)
-            os.rename(temp, final)
-            _fsync(self.directory)
-        except BaseException:
-            shutil.rmtree(temp, ignore_errors=True)
-            if os.path.lexists(replaced) and not os.path.lexists(final):
-                with contextlib.suppress(OSError):  # else restore() puts it back
-                    os.rename(replaced, final)
-            raise
-        shutil.rmtree(replaced, ignore_errors=True)
-        self._intact[final] = _signature(final)
-        return final
+        """On rank 0: writes the checkpoint of ``step`` (:func:`_files.write`), known intact."""
+        path = _files.write(self.directory, step, metadata, self._checkpoint)
+        self._intact[path] = _files.signature(path)
+        return path
 
     def _prune(self, written: str) -> tuple[str, ...]:
-        """On rank 0, after a save: deletes the checkpoints past ``max_to_keep``.
+        """On rank 0, after a save: keeps the ``max_to_keep`` newest intact checkpoints.
 
-        Newest first, each checkpoint up to ``max_to_keep`` must prove intact to count: one
-        written or verified by this manager whose files are unchanged, or else one whose files
-        match its manifest (hashed once). Damaged ones are moved aside, not counted; one that
-        cannot be read is kept, not counted. The rest are deleted unread, except ``written``,
-        which is always kept. The first counted is the newest intact one, so it is kept too.
+        Each one counted must prove intact: written or verified by this manager with its files
+        unchanged since, or else matching its manifest (hashed once). See
+        :func:`_files.prune`.
 
         Returns:
             The warnings about the checkpoints moved aside.
         """
         if self.max_to_keep is None:
             return ()
-        try:
-            checkpoints = list_checkpoints(self.directory)
-        except OSError:
-            return ()  # the checkpoint is written; pruning waits for the next save
-        kept, damaged = 0, []
-        for _, path in reversed(checkpoints):
-            if path == written:
-                kept += 1
-            elif kept >= self.max_to_keep:
-                self._delete(path)
-            elif (problem := self._damage(path)) is None:
-                kept += 1
-            elif problem:
-                damaged.append((path, problem))
-        return self._move_aside(damaged)
+        pruned = _files.prune(self.directory, written, self.max_to_keep, self._damage)
+        for path in pruned.deleted:
+            self._intact.pop(path, None)
+        return self._move_aside(pruned.damaged)
 
     def _damage(self, path: str) -> str | None:
         """What is wrong with the checkpoint at ``path``: None if intact, "" if unreadable."""
-        signature = _signature(path)
+        signature = _files.signature(path)
         if signature is not None and self._intact.get(path) == signature:
             return None
         try:
@@ -634,36 +442,6 @@ class CheckpointManager:
             return ""
         self._intact[path] = signature
         return None
-
-    def _delete(self, path: str) -> None:
-        self._intact.pop(path, None)
-        # Renamed out of view first, so a crash mid-delete leaves nothing restorable.
-        doomed = os.path.join(self.directory, f".{os.path.basename(path)}.deleted")
-        with contextlib.suppress(OSError):
-            os.rename(path, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
-
-    def _recover_interrupted_saves(self) -> None:
-        """On rank 0, before a restore: cleans up after saves and deletes that crashed.
-
-        A step's old checkpoint set aside by a save that replaced it goes back in place when
-        the new one never arrived; temporary and half-deleted directories are removed.
-        """
-        try:
-            names = sorted(os.listdir(self.directory))
-        except FileNotFoundError:
-            return
-        for name in names:
-            if not name.startswith(f".{_PREFIX}-"):
-                continue
-            path = os.path.join(self.directory, name)
-            if _REPLACED in name:
-                final = os.path.join(self.directory, name[1:].split(_REPLACED)[0])
-                if not os.path.lexists(final):
-                    os.rename(path, final)
-                    continue
-            if ".tmp-" in name or _REPLACED in name or name.endswith(".deleted"):
-                shutil.rmtree(path, ignore_errors=True)
 
 
 def _warn(warnings) -> None:
