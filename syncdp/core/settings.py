@@ -307,7 +307,9 @@ def _in_range(s: Setting, value: Any) -> bool:
     return s.minimum is None or value >= s.minimum
 
 
-def validate(setting: Setting | str, value: Any, *, source: str = "keyword") -> Any:
+def validate(
+    setting: Setting | str, value: Any, *, source: str = "keyword", spelling: str | None = None
+) -> Any:
     """Parses and checks one setting's value: the one check for every way a value arrives.
 
     The launcher calls it for its flags and for the ``SYNCDP_*`` variables it passes on, before
@@ -323,6 +325,10 @@ def validate(setting: Setting | str, value: Any, *, source: str = "keyword") -> 
             ``"keyword"`` the Python value (``init()``'s keyword, a :class:`Config` field).
         source: Where the value came from: ``"flag"``, ``"env"`` or ``"keyword"``. Defaults to
             ``"keyword"``.
+        spelling: For ``source="flag"``, how the error names the value's origin when it is not
+            the row's flag: horovodrun's spelling the user typed
+            (``--stall-check-shutdown-time-seconds``), or a config file's key. Defaults to the
+            row's flag.
 
     Returns:
         The value, typed, in the source's unit (MiB for the ``-mb`` flags, else the
@@ -354,7 +360,7 @@ def validate(setting: Setting | str, value: Any, *, source: str = "keyword") -> 
         return typed
     allowed = _allowed(s, unit)
     if source == "flag":
-        raise ConfigError(f"{s.flag} must be {allowed}; got {value!r}.")
+        raise ConfigError(f"{spelling or s.flag} must be {allowed}; got {value!r}.")
     if source == "env":
         raise ConfigError(f"{s.env} must be {allowed}; got {value!r}.")
     raise ConfigError(f"{s.name} must be {allowed}; got {value!r} ({s.env}, syncdp-run {s.flag}).")

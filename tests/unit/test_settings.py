@@ -10,7 +10,7 @@ import argparse
 
 import pytest
 
-from launch import run
+from launch import horovodrun_flags, run
 from syncdp.core import settings
 from syncdp.core.errors import ConfigError
 from tests.launcher import ROOT
@@ -175,24 +175,14 @@ def test_every_setting_has_exactly_one_launcher_flag_documented_by_its_row():
         assert f"default {s.default_text()}" in action.help, action.help
 
 
-def test_launcher_only_flags_are_not_settings():
+def test_launcher_only_flags_are_not_settings_and_all_are_horovodruns():
     flags = {s.flag for s in settings.SETTINGS}
-    own = {f for f in _flag_actions() if f not in flags}
-    assert own == {
-        "-h",
-        "--help",
-        "-np",
-        "--num-proc",
-        "-H",
-        "--hosts",
-        "--hostfile",
-        "-p",
-        "--ssh-port",
-        "-i",
-        "--ssh-identity-file",
-        "--network-interface",
-        "--mpi-args",
-    }
+    aliases = {a for spellings in horovodrun_flags.ALIASES.values() for a in spellings}
+    own = {f for f in _flag_actions() if f not in flags | aliases}
+    # Every flag that is not a setting is one of horovodrun's (syncdp adds only settings).
+    assert own <= {n for row in horovodrun_flags.FLAGS for n in row.names}
+    assert {"-np", "-H", "--hostfile", "--network-interface", "--mpi-args"} <= own
+    assert {"--stall-check-shutdown-time-seconds", "--min-num-proc"} <= aliases
 
 
 def _flag_value(s: settings.Setting) -> tuple[list[str], str]:
@@ -248,7 +238,15 @@ def test_a_setting_with_choices_refuses_other_words(capsys):
     with pytest.raises(ConfigError, match="SYNCDP_HIERARCHICAL_ALLREDUCE must be one of auto, on"):
         settings.from_env({"SYNCDP_HIERARCHICAL_ALLREDUCE": "maybe"})
     with pytest.raises(SystemExit):
-        run.parse_args(["-np", "2", "--hierarchical-allreduce", "maybe", "python"], environ={})
+        run.parse_args(["-np", "2", "--hierarchical-allreduce=maybe", "python"], environ={})
     assert "--hierarchical-allreduce must be one of auto, on, off; got 'maybe'" in (
         capsys.readouterr().err
     )
+
+
+def test_hierarchical_allreduce_alone_is_horovodruns_switch():
+    # horovodrun's --hierarchical-allreduce takes no value: the next word starts the program.
+    c = run.parse_args(["-np", "2", "--hierarchical-allreduce", "python", "x.py"], environ={})
+    assert c.settings == {"hierarchical_allreduce": "on"} and c.command == ("python", "x.py")
+    c = run.parse_args(["-np", "2", "--hierarchical-allreduce", "auto", "python"], environ={})
+    assert c.settings == {"hierarchical_allreduce": "auto"} and c.command == ("python",)
