@@ -57,6 +57,9 @@ __all__ = ["Watchdog", "Process"]
 
 _QUERY, _REPLY, _ENDING = 1, 2, 3
 _POLL_SECONDS = 0.1
+# For a while after a rank's process ends, the others ask where this rank is (to name who
+# waits for it): answer at once rather than at the next poll.
+_BUSY_POLL_SECONDS, _BUSY_SECONDS = 0.01, 2.0
 _ANSWER_GRACE_SECONDS = 3.0
 # When a rank's process is gone: how long the living get to say where they are, how long its
 # supervisor gets to report how it ended (before this rank's report), and how long MPI gets to
@@ -255,12 +258,15 @@ class Watchdog:
         poller.register(self._wake_read, select.POLLIN)
         for fd in self._pidfds:
             poller.register(fd, select.POLLIN)
+        busy_until = 0.0
         while not self._stop.is_set():
-            for fd, _ in poller.poll(_POLL_SECONDS * 1000):
+            busy = time.monotonic() < busy_until
+            for fd, _ in poller.poll(1000 * (_BUSY_POLL_SECONDS if busy else _POLL_SECONDS)):
                 if fd in self._pidfds:  # that rank's process has ended
                     poller.unregister(fd)
                     os.close(fd)
                     self.gone.append(self._pidfds.pop(fd))
+                    busy_until = time.monotonic() + _BUSY_SECONDS
             if self._stop.is_set():
                 break
             if self._can_ask:
