@@ -348,9 +348,11 @@ class Verdict:
             if not ranks:
                 return f"rank {report.get('rank')} stalled: {where} ran past {limit}"
             them = "it" if len(ranks) == 1 else "them"
+            found = report.get("where") or {}
+            places = "; ".join(f"rank {r}: {found[str(r)]}" for r in ranks if str(r) in found)
             return (
                 f"{_ranks_text(ranks)}{self._on_hosts(ranks)} stalled: rank {report.get('rank')} "
-                f"waited for {them} in {where} past {limit}"
+                f"waited for {them} in {where} past {limit}" + (f" ({places})" if places else "")
             )
         if kind == "start_timeout":
             with self._lock:
@@ -371,7 +373,15 @@ class Verdict:
             waiting = "other ranks wait"
             if ranks:
                 waiting = f"{_ranks_text(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
-            return f"{_who(report)} finished its program while {waiting} for it"
+            how = "finished its program"
+            with self._lock:
+                ended = self.exits.get(report.get("rank"))
+            if ended is not None and not ended.get("signal"):
+                how = f"exited (code {ended.get('code') or 0})"
+            place = ""
+            if report.get("collective"):
+                place = f" in collective #{report.get('seq')} {report['collective']}"
+            return f"{_who(report)} {how} while {waiting} for it{place}"
         code = -report["signal"] if report.get("signal") else report.get("code") or 0
         return f"{_who(report)} {describe_exit(code)}"
 

@@ -551,3 +551,15 @@ def test_each_ranks_lines_go_to_its_file_without_the_tag(tmp_path, monkeypatch):
     assert (tmp_path / "rank.0" / "stderr").read_bytes().endswith(b"x\n")
     assert (tmp_path / "rank.10" / "stderr").exists()  # a replacement rank in elastic mode
     assert (tmp_path / "rank.0" / "stdout").read_bytes() == b""
+
+
+def test_the_readme_holds_the_flag_table():
+    from pathlib import Path
+
+    from launch import horovodrun_flags
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert horovodrun_flags.markdown_table() in readme, (
+        "README's horovodrun table is stale: paste the output of "
+        '`python -c "from launch import horovodrun_flags as h; print(h.markdown_table())"`.'
+    )
