@@ -42,6 +42,7 @@ import threading
 import time
 
 from launch.lifeline import LIFELINE_VAR, Lifeline, lost_after
+from launch.output import CONTINUED, PIECE_BYTES
 from syncdp.core import report, settings  # neither imports TensorFlow or MPI
 
 __all__ = ["main", "describe_exit"]
@@ -172,7 +173,12 @@ def _end_here(rank: str, child: subprocess.Popen, why: str) -> None:
 
 def _pump(source, sink, prefix: bytes) -> None:
     for line in iter(source.readline, b""):
-        sink.write(prefix + line)
+        # Open MPI forwards a line in time quadratic in its length (a 10 MiB line took 20 s):
+        # a long line crosses in pieces, each but the last marked, and the launcher joins them.
+        pieces = [line[i : i + PIECE_BYTES] for i in range(0, len(line), PIECE_BYTES)]
+        for piece in pieces[:-1]:
+            sink.write(prefix + piece + CONTINUED + b"\n")
+        sink.write(prefix + pieces[-1])
         sink.flush()
     source.close()
 
