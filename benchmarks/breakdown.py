@@ -60,11 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _worker(args) -> dict | None:
     setup_threads(args.intra_threads)
-    import keras
     import numpy as np
     import tensorflow as tf
     from mpi4py import MPI
-    from synthetic import build_model
+    from synthetic import training_setup
 
     import syncdp
 
@@ -74,15 +73,7 @@ def _worker(args) -> dict | None:
         say("breakdown.py compares synchronous ranks; run it with syncdp-run -np 2 or more.")
         sys.exit(2)
     image = 32 if args.model == "cnn" else 64
-    model = build_model(args.model, image)
-    opt = keras.optimizers.SGD(0.01, momentum=0.9)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    rng = np.random.default_rng(rank)
-    x = tf.constant(rng.random((args.batch_size, image, image, 3), dtype=np.float32))
-    y = tf.constant(rng.integers(0, 10, args.batch_size))
-    model(x[:1])
-    opt.build(model.trainable_variables)
-    syncdp.broadcast_variables(model.variables, root_rank=0)  # syncdp:
+    model, opt, loss_fn, x, y = training_setup(args.model, image, args.batch_size, rank)
     world = MPI.COMM_WORLD
     nbytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
     grads_buffer = np.ones(nbytes // 4, np.float32)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import alternate, machine, median, plot_lines, say, setup_threads, write_markdown
 
-__all__ = ["build_model", "main"]
+__all__ = ["build_model", "main", "training_setup"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,10 +90,30 @@ def build_model(name: str, image_size: int, classes: int = 10):
     )
 
 
+def training_setup(name: str, image: int, batch_size: int, rank: int):
+    """The benchmarked model, optimizer, loss and this rank's random batch, with the model's
+    initial state broadcast from rank 0: ``(model, opt, loss_fn, x, y)``."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import syncdp
+
+    model = build_model(name, image)
+    opt = keras.optimizers.SGD(0.01, momentum=0.9)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rng = np.random.default_rng(rank)
+    x = tf.constant(rng.random((batch_size, image, image, 3), dtype=np.float32))
+    y = tf.constant(rng.integers(0, 10, batch_size))
+    model(x[:1])
+    opt.build(model.trainable_variables)
+    syncdp.broadcast_variables(model.variables, root_rank=0)  # syncdp:
+    return model, opt, loss_fn, x, y
+
+
 def _measure(args) -> dict:
     """Runs on every rank under syncdp-run; returns rank 0's figures."""
     setup_threads(args.intra_threads)
-    import keras
     import numpy as np
     import tensorflow as tf
     from mpi4py import MPI
@@ -109,15 +129,7 @@ def _measure(args) -> dict:
         )
         sys.exit(2)
     image = args.image_size or (32 if args.model == "cnn" else 64)
-    model = build_model(args.model, image)
-    opt = keras.optimizers.SGD(0.01, momentum=0.9)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    rng = np.random.default_rng(rank)
-    x = tf.constant(rng.random((args.batch_size, image, image, 3), dtype=np.float32))
-    y = tf.constant(rng.integers(0, 10, args.batch_size))
-    model(x[:1])
-    opt.build(model.trainable_variables)
-    syncdp.broadcast_variables(model.variables, root_rank=0)  # syncdp:
+    model, opt, loss_fn, x, y = training_setup(args.model, image, args.batch_size, rank)
     compression = syncdp.Compression.fp16 if args.fp16 else syncdp.Compression.none
 
     def make_step(distributed: bool):
