@@ -1,10 +1,9 @@
-"""Process supervision: mpirun as the launcher's child, its output, and how the job is stopped.
+"""Process supervision: mpirun as the launcher's child, and how the job is stopped.
 
 - :func:`start_mpirun` starts mpirun in its own session (a signal meant for the launcher never
   reaches it by accident) with a parent-death signal: if the launcher dies, SIGKILL included,
   mpirun gets SIGTERM and ends the job. The supervisors' lifelines (:mod:`launch.lifeline`)
   end whatever is left, on every host, within seconds.
-- :func:`copy_output` copies mpirun's two output streams through unchanged.
 - :func:`supervise` waits for mpirun, and ends the job when a rank reported a failure or the
   ranks did not all reach ``init()`` within the start timeout.
 - :class:`StopOnSignals` turns SIGINT, SIGTERM and SIGHUP to the launcher into stopping the job
@@ -17,7 +16,6 @@ import ctypes
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -25,7 +23,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from launch.verdict import Verdict
 
-__all__ = ["start_mpirun", "copy_output", "stop", "supervise", "StopOnSignals"]
+__all__ = ["start_mpirun", "stop", "supervise", "StopOnSignals"]
 
 _PR_SET_PDEATHSIG = 1
 # Seconds between asking mpirun to stop (SIGTERM) and killing it.
@@ -56,24 +54,6 @@ def start_mpirun(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
         start_new_session=True,
         preexec_fn=_end_with_launcher,
     )
-
-
-def _pump(source, sink) -> None:
-    for raw in iter(source.readline, b""):
-        sink.write(raw)
-        sink.flush()
-    source.close()
-
-
-def copy_output(process: subprocess.Popen) -> list[threading.Thread]:
-    """Starts copying mpirun's stdout and stderr to the launcher's; returns the threads."""
-    pumps = [
-        threading.Thread(target=_pump, args=(process.stdout, sys.stdout.buffer), daemon=True),
-        threading.Thread(target=_pump, args=(process.stderr, sys.stderr.buffer), daemon=True),
-    ]
-    for p in pumps:
-        p.start()
-    return pumps
 
 
 def stop(
