@@ -9,15 +9,17 @@ gives each rank a slot in one window that every rank of the host maps
 1. every rank writes its segment into its own slot (packing straight into it);
 2. barrier; rank ``i`` reduces slice ``i`` of the segment over every slot, in rank order, and
    writes the result back into slice ``i`` of its own slot (only rank ``i`` reads that slice);
-3. barrier; every rank copies each slice ``j`` from rank ``j``'s slot into its buffer.
+3. after the next barrier, every rank copies each slice ``j`` from rank ``j``'s slot into its
+   buffer.
 
 Each element is reduced once, by one rank, in one fixed order, and copied by everyone: the
 ranks hold bit-identical results by construction. Each byte is read and written a handful of
 times at memory speed, and the work of reducing is split evenly over the ranks.
 
-Two sets of slots alternate between segments: the barrier that ends step 2 of segment ``k+1``
-is only passed once every rank has finished copying segment ``k`` out, so writing segment
-``k+2`` into the first set again is safe with two barriers per segment.
+One barrier per segment (and one at the end) serves twice: past barrier ``k`` every rank has
+filled segment ``k`` and reduced its slice of segment ``k-1``. Three sets of slots take turns,
+so the set segment ``k+1`` is written into was last read (segment ``k-2``'s copy-out) before
+every rank reached barrier ``k``.
 
 The barriers are MPI barriers on the communicator (waited for politely, see
 :mod:`syncdp.core.waiting`), so a rank that never arrives is seen by
@@ -38,9 +40,12 @@ from syncdp.core.waiting import wait_politely
 __all__ = ["SharedPlane", "SEGMENT_BYTES", "open_plane"]
 
 # Bytes of one segment in one slot. Small enough that a segment of every rank stays in the
-# cache hierarchy while it is reduced, large enough that the two barriers per segment
+# cache hierarchy while it is reduced, large enough that the barrier per segment
 # (microseconds) are noise against moving it.
 SEGMENT_BYTES = 1 << 20
+
+# Sets of slots that take turns (see SharedPlane.allreduce).
+_SETS = 3
 
 # How long a rank polls at a segment's barrier before it sleeps between polls.
 _SPIN_SECONDS = 2e-3
@@ -73,7 +78,7 @@ def open_plane(
     local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
     one_host = local.Get_size() == size
     local.Free()
-    need = 2 * segment_bytes * size
+    need = _SETS * segment_bytes * size
     room = _free_bytes(shm_dir)
     fits = room is None or room >= 4 * need
     # Every rank must take the same path: agree on the room too (hosts see one filesystem,
@@ -92,7 +97,7 @@ def _free_bytes(path: str) -> int | None:
 
 
 class SharedPlane:
-    """Slots in one shared window: two per rank, ``segment_bytes`` each.
+    """Slots in one shared window: three per rank, ``segment_bytes`` each.
 
     Args:
         mpi_comm: Ranks that all share this host (a collective on it).
@@ -105,11 +110,11 @@ class SharedPlane:
         self.size = mpi_comm.Get_size()
         self.rank = mpi_comm.Get_rank()
         self.segment_bytes = segment_bytes
-        self.win = MPI.Win.Allocate_shared(2 * segment_bytes, 1, comm=mpi_comm)
+        self.win = MPI.Win.Allocate_shared(_SETS * segment_bytes, 1, comm=mpi_comm)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         # slots[s][r]: rank r's slot of set s, as raw bytes; typed views are made per call.
         self._raw = [
-            np.frombuffer(self.win.Shared_query(r)[0], dtype=np.uint8, count=2 * segment_bytes)
+            np.frombuffer(self.win.Shared_query(r)[0], dtype=np.uint8, count=_SETS * segment_bytes)
             for r in range(self.size)
         ]
         self._set = 0
@@ -126,9 +131,9 @@ class SharedPlane:
         self.win = None
 
     def _slots(self, dtype: np.dtype, count: int) -> list[np.ndarray]:
-        """The current set's slots, typed, ``count`` elements each; flips to the other set."""
+        """The next set's slots, typed, ``count`` elements each (the sets take turns)."""
         start = self._set * self.segment_bytes
-        self._set ^= 1
+        self._set = (self._set + 1) % _SETS
         end = start + count * dtype.itemsize
         return [raw[start:end].view(dtype) for raw in self._raw]
 
@@ -159,8 +164,19 @@ class SharedPlane:
         def barrier():
             # The ranks entered in step (the argument check came first): these waits are short,
             # so spin through them; only a rank held up by the scheduler makes the others sleep.
+            sync()
             wait_politely(comm.Ibarrier(), spin=_SPIN_SECONDS)
+            sync()
 
+        def copy_out(lo, slots, edges):
+            for r in range(n):
+                if r != me and edges[r + 1] > edges[r]:
+                    part = slice(edges[r], edges[r + 1])
+                    np.copyto(buffer[lo + part.start : lo + part.stop], slots[r][part])
+            if after is not None:
+                after(lo, lo + slots[me].size)
+
+        done = None  # (lo, slots, edges) of the segment reduced but not yet copied out
         for lo in range(0, buffer.size, step):
             hi = min(buffer.size, lo + step)
             count = hi - lo
@@ -169,27 +185,24 @@ class SharedPlane:
                 np.copyto(slots[me], buffer[lo:hi])
             else:
                 before(lo, hi, slots[me])
-            sync()
+            # Past this barrier every rank has filled this segment and reduced its slice of
+            # the previous one (which is why three sets of slots take turns: the set filled
+            # next was copied out by everyone before they reached this barrier).
             barrier()
-            sync()
+            if done is not None:
+                copy_out(*done)
             edges = [count * i // n for i in range(n + 1)]
             a, b = edges[me], edges[me + 1]
+            mine = buffer[lo + a : lo + b]
             if b > a:
-                mine = buffer[lo + a : lo + b]
                 ufunc(slots[0][a:b], slots[1][a:b], out=mine)
                 for r in range(2, n):
                     ufunc(mine, slots[r][a:b], out=mine)
             if across is not None:
-                across(buffer[lo + a : lo + b])  # every rank: its slice may be empty
+                across(mine)  # every rank: its slice may be empty
             if b > a:
-                np.copyto(slots[me][a:b], buffer[lo + a : lo + b])
-            sync()
+                np.copyto(slots[me][a:b], mine)
+            done = (lo, slots, edges)
+        if done is not None:
             barrier()
-            sync()
-            for r in range(n):
-                if r != me and edges[r + 1] > edges[r]:
-                    np.copyto(
-                        buffer[lo + edges[r] : lo + edges[r + 1]], slots[r][edges[r] : edges[r + 1]]
-                    )
-            if after is not None:
-                after(lo, hi)
+            copy_out(*done)
