@@ -376,7 +376,9 @@ class Verdict:
             how = "finished its program"
             with self._lock:
                 ended = self.exits.get(report.get("rank"))
-            if ended is not None and not ended.get("signal"):
+            # A process that vanished (os._exit) is reported by a waiting rank, with "gone";
+            # one that left through syncdp's exit handshake reports itself and ends by abort.
+            if report.get("gone") and ended is not None and not ended.get("signal"):
                 how = f"exited (code {ended.get('code') or 0})"
             place = ""
             if report.get("collective"):
