@@ -66,6 +66,7 @@ def test_os_exit_while_others_wait_names_the_rank_and_the_collective(tmp_path, n
     last = result.stderr.strip().splitlines()[-1]
     assert f"first failure: rank {leaver} (pid " in last, last
     assert f"while {who} wait" in last, last
+    assert re.search(r"exited \(code 0\) while .* in collective #\d+ barrier$", last), last
 
 
 def test_os_exit_names_the_rank_that_is_elsewhere(tmp_path):
