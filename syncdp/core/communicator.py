@@ -9,9 +9,10 @@ Each collective is numbered and announced to the :class:`~syncdp.watchdog.Watchd
 starts, which is how a rank that never arrives is detected and named.
 
 Across hosts, :meth:`Communicator.allreduce_inplace` can take a topology-aware path
-(:meth:`Communicator.set_hierarchy`): a reduce-scatter inside each host, a ring allreduce
-of each segment among the hosts, and an allgather back, so each host sends one copy of the data
-over the network instead of one per rank.
+(:meth:`Communicator.set_hierarchy`, :mod:`syncdp.core.hosts_allreduce`): a reduction inside
+each host, a ring allreduce of each segment among the hosts, and a share back, so each host
+sends one copy of the data over the network instead of one per rank. Inside one host the bytes
+move through a shared-memory window (:mod:`syncdp.core.shm`) when the ranks can map one.
 
 Under Open MPI's ULFM (elastic mode) a collective whose peer died fails with
 ``MPI_ERR_PROC_FAILED`` on the ranks that notice, while the others could wait for them forever.
@@ -29,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from syncdp.core import hosts_allreduce as _hosts
 from syncdp.core import mpi as _mpi
 from syncdp.core import shm as _shm
 from syncdp.core import stats as _stats
@@ -49,58 +51,6 @@ _UFUNC = {"sum": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multip
 def signature_digest(signature: tuple) -> int:
     """The checksum :meth:`Communicator.agree` exchanges for ``signature``."""
     return zlib.crc32(repr(signature).encode())
-
-
-def _reduce_by_host(chunk: np.ndarray, op, ufunc, local, cross, even: bool) -> None:
-    """Topology-aware allreduce of ``chunk`` in place.
-
-    When every host runs the same number of ranks (``even``): a reduce-scatter inside each
-    host (shared memory) leaves local rank ``i`` with segment ``i`` summed over its host; the
-    ranks with local rank ``i`` (one per host, ``cross``) allreduce that segment in a ring, so
-    every rank carries an equal share of the traffic between hosts, in parallel; an allgather
-    inside each host puts the segments together. Otherwise each host reduces to its local
-    rank 0, those leaders allreduce in a ring, and each host broadcasts from its leader.
-    Either way every byte crosses between hosts once per host, not once per rank.
-    """
-    MPI = _mpi.load()
-    if even:
-        n, k, me = chunk.size, local.Get_size(), local.Get_rank()
-        counts = [n // k + (1 if i < n % k else 0) for i in range(k)]
-        displs = [sum(counts[:i]) for i in range(k)]
-        mine = np.empty(counts[me], chunk.dtype)
-        local.Reduce_scatter(chunk, mine, counts, op=op)
-        _ring_allreduce(cross, mine, ufunc)
-        local.Allgatherv(mine, [chunk, (counts, displs)])
-        return
-    leader = local.Get_rank() == 0
-    local.Reduce(MPI.IN_PLACE if leader else chunk, chunk if leader else None, op=op, root=0)
-    if leader:
-        _ring_allreduce(cross, chunk, ufunc)
-    local.Bcast(chunk, root=0)
-
-
-def _ring_allreduce(comm, chunk: np.ndarray, ufunc) -> None:
-    """Ring allreduce (reduce-scatter, then allgather) of ``chunk`` in place.
-
-    Every link carries ``2 (h - 1) / h`` of the data, both ways at once, whatever Open MPI
-    would pick: its allreduce (and reduce-scatter) of two ranks reduces one way and sends the
-    result back, twice the time on a slow link. Every rank receives each reduced segment from
-    the one rank that owns it, so all hold the same bits.
-    """
-    h, me = comm.Get_size(), comm.Get_rank()
-    if h == 1:
-        return
-    edges = [chunk.size * i // h for i in range(h + 1)]
-    segment = [chunk[edges[i] : edges[i + 1]] for i in range(h)]
-    right, left = (me + 1) % h, (me - 1) % h
-    incoming = np.empty(max(s.size for s in segment), chunk.dtype)
-    for step in range(h - 1):  # afterwards this rank owns segment (me + 1) % h, reduced
-        out, into = segment[(me - step) % h], segment[(me - step - 1) % h]
-        comm.Sendrecv(out, dest=right, recvbuf=incoming[: into.size], source=left)
-        ufunc(into, incoming[: into.size], out=into)
-    for step in range(h - 1):
-        out, into = segment[(me + 1 - step) % h], segment[(me - step) % h]
-        comm.Sendrecv(out, dest=right, recvbuf=into, source=left)
 
 
 def _as_bytes(array: np.ndarray) -> np.ndarray:
@@ -371,7 +321,7 @@ class Communicator:
                 across = None
                 if hierarchy is not None:  # this host's part; a ring among the hosts between
                     cross, ufunc = hierarchy[1], _UFUNC[op]
-                    across = lambda piece: _ring_allreduce(cross, piece, ufunc)  # noqa: E731
+                    across = lambda piece: _hosts.ring_allreduce(cross, piece, ufunc)  # noqa: E731
                 plane.allreduce(buffer, op, before=before, after=after, across=across)
                 return
             for lo in range(0, size, step):
@@ -381,7 +331,7 @@ class Communicator:
                 if hierarchy is None:
                     mpi.Allreduce(in_place, buffer[lo:hi], mpi_op)
                 else:
-                    _reduce_by_host(buffer[lo:hi], mpi_op, _UFUNC[op], *hierarchy)
+                    _hosts.reduce_by_host(buffer[lo:hi], mpi_op, _UFUNC[op], *hierarchy)
                 if after is not None:
                     after(lo, hi)
 
