@@ -277,15 +277,17 @@ except CheckpointError as e:
 """
 
 
-def test_damaged_checkpoints_are_reported_and_raised_on_every_rank(tmp_path):
+@pytest.mark.parametrize("np_", [2, 3], ids=["np2", "np3"])
+def test_damaged_checkpoints_are_reported_and_raised_on_every_rank(tmp_path, np_):
     script = python_script(tmp_path, DAMAGED)
     directory = tmp_path / "ckpt" / "manager"
     fit = tmp_path / "ckpt" / "fit"
-    done = check(launch(2, "python", script, env={"CKPT_DIR": str(tmp_path / "ckpt")}, timeout=300))
+    env = {"CKPT_DIR": str(tmp_path / "ckpt")}
+    done = check(launch(np_, "python", script, env=env, timeout=300))
     out, err = done.stdout, done.stderr
     seen = out[-3000:] + err[-3000:]
     data = "ckpt.data-00000-of-00001"
-    for rank in range(2):
+    for rank in range(np_):
         say, warn = f"[{rank}]<stdout>:", f"[{rank}]<stderr>:syncdp: warning: checkpoint "
         # 1. Every rank warns, and holds rank 0's step 1.
         line = (
