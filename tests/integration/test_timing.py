@@ -1,10 +1,13 @@
 """'Where the time went': the launcher's per-rank table at the end of a training job."""
 
+import os
 import re
+import signal
+import subprocess
 
 import pytest
 
-from tests.launcher import check, launch, python_script
+from tests.launcher import check, launch, python_script, start
 
 JOB = """
 import time
@@ -46,3 +49,20 @@ def test_the_launcher_prints_each_ranks_split_and_names_the_straggler(np, tmp_pa
     # No table for a program that trains nothing.
     quiet = check(launch(np, "python", "-c", "import syncdp; syncdp.init()", timeout=120))
     assert "where the time went" not in quiet.stderr
+
+
+def test_sigusr1_prints_the_figures_so_far_and_the_job_goes_on(tmp_path):
+    script = python_script(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(4)\n")
+    proc = start(2, "python", script)
+    try:
+        assert "up" in proc.stdout.readline()
+        os.kill(proc.pid, signal.SIGUSR1)  # the launcher's default for it would be to die
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-2000:]
+    assert "syncdp-run: no timing reports yet" in err, err[-2000:]
