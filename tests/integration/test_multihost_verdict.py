@@ -118,3 +118,31 @@ def test_nothing_survives_a_sigkilled_launcher_on_any_host(cluster, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert not left, f"processes left on hosts {left}"
+
+
+def test_every_process_of_a_host_killed_fails_the_job_naming_it(cluster, tmp_path):
+    proc = _start(cluster, tmp_path)
+    try:
+        killed = time.monotonic()
+        for pid in cluster.pids("hb"):  # supervisors, ranks and Open MPI's daemon alike
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the job did not end after every process of host hb was killed")
+        ended = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    print(f"hb's processes killed -> launcher exit: {ended:.1f} s; {err.strip().splitlines()[-1]}")
+    assert proc.returncode != 0, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("syncdp-run: the job failed ("), err[-3000:]
+    assert "hb" in last and ("rank 2" in last or "ranks 2, 3" in last), last
+    assert ended < STALL + 15, f"ended {ended:.1f} s after the kill"
+    left = _wait_empty(cluster, timeout=20)
+    assert not left, f"processes left on hosts {left}"
