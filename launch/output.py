@@ -102,6 +102,8 @@ def _pump(source, sink, *, timestamps: bool, files: RankFiles | None) -> None:
     pending: dict[bytes, list[bytes]] = {}  # a rank's tag -> pieces of its unfinished line
     marked = CONTINUED + b"\n"
     for raw in iter(source.readline, b""):
+        if not raw.endswith(b"\n"):  # mpirun's last words may lack one; ours start on a new line
+            raw += b"\n"
         tag = _TAG.match(raw)
         if tag is not None:
             if raw.endswith(marked):

@@ -152,11 +152,14 @@ def _share_cores(env: dict[str, str]) -> dict[str, str]:
 def _end_here(rank: str, child: subprocess.Popen, why: str) -> None:
     """The launcher is gone: ends this rank's process group, Open MPI above it, and this
     supervisor (never returns)."""
-    print(
-        f"syncdp-run: rank {rank} on {socket.gethostname()}: {why}; ending the rank.",
-        file=sys.stderr,
-        flush=True,
-    )
+    try:
+        print(
+            f"syncdp-run: rank {rank} on {socket.gethostname()}: {why}; ending the rank.",
+            file=sys.stderr,
+            flush=True,
+        )
+    except OSError:  # Open MPI's daemon, which read our stderr, may be what is gone
+        pass
     chain = _daemon_chain(os.getpid())
     deadline = time.monotonic() + _END_GRACE_SECONDS
     if _signal_group(child.pid, signal.SIGTERM):

@@ -146,3 +146,43 @@ def test_every_process_of_a_host_killed_fails_the_job_naming_it(cluster, tmp_pat
     assert ended < STALL + 15, f"ended {ended:.1f} s after the kill"
     left = _wait_empty(cluster, timeout=20)
     assert not left, f"processes left on hosts {left}"
+
+
+def test_a_host_whose_open_mpi_daemon_dies_fails_the_job_naming_it(cluster, tmp_path):
+    proc = _start(cluster, tmp_path)
+    try:
+        daemons = []
+        for pid in cluster.pids("hb"):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"prted" in f.read().split(b"\0")[0]:
+                        daemons.append(pid)
+            except OSError:
+                pass
+        assert daemons, "no Open MPI daemon found on hb"
+        killed = time.monotonic()
+        for pid in daemons:
+            os.kill(pid, signal.SIGKILL)
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the job did not end after host hb's Open MPI daemon died")
+        ended = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    last = err.strip().splitlines()[-1]
+    print(f"hb's daemon killed -> launcher exit: {ended:.1f} s; {last}")
+    assert proc.returncode != 0, err[-3000:]
+    assert last.startswith("syncdp-run: the job failed ("), err[-3000:]
+    assert "hb" in last, last
+    assert ended < STALL + 15, f"ended {ended:.1f} s after the kill"
+    left = _wait_empty(cluster, timeout=20)
+    what = {
+        pid: open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ")[:150]
+        for pids in left.values()
+        for pid in pids
+        if os.path.exists(f"/proc/{pid}/cmdline")
+    }
+    assert not left, f"processes left on hosts {left}: {what}"
