@@ -78,20 +78,43 @@ def _wait_empty(cluster, timeout: float) -> dict:
         time.sleep(0.5)
 
 
-def test_a_host_cut_off_mid_run_fails_the_job_naming_it(cluster, tmp_path):
-    proc = _start(cluster, tmp_path)
+def _kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _command(pid: int) -> bytes:
+    """A process's command line, arguments joined by spaces (b"" once it is gone)."""
     try:
-        cut = time.monotonic()
-        cluster.cut("hb")
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ")
+    except OSError:
+        return b""
+
+
+def _end_after(proc, act, what: str) -> tuple[str, float]:
+    """Runs ``act()``, then waits for the launcher: its stderr and seconds from ``act`` to its
+    end. Fails the test (never hangs) if the job outlives 120 s; kills it in any case."""
+    try:
+        started = time.monotonic()
+        act()
         try:
             _, err = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
-            pytest.fail("the job did not end after host hb's link was cut")
-        ended = time.monotonic() - cut
+            pytest.fail(f"the job did not end after {what}")
+        return err, time.monotonic() - started
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_host_cut_off_mid_run_fails_the_job_naming_it(cluster, tmp_path):
+    proc = _start(cluster, tmp_path)
+    err, ended = _end_after(proc, lambda: cluster.cut("hb"), "host hb's link was cut")
     print(f"link of hb cut -> launcher exit: {ended:.1f} s")
     assert proc.returncode != 0, err[-3000:]
     last = err.strip().splitlines()[-1]
@@ -122,22 +145,10 @@ def test_nothing_survives_a_sigkilled_launcher_on_any_host(cluster, tmp_path):
 
 def test_every_process_of_a_host_killed_fails_the_job_naming_it(cluster, tmp_path):
     proc = _start(cluster, tmp_path)
-    try:
-        killed = time.monotonic()
-        for pid in cluster.pids("hb"):  # supervisors, ranks and Open MPI's daemon alike
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            _, err = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the job did not end after every process of host hb was killed")
-        ended = time.monotonic() - killed
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    # Supervisors, ranks and Open MPI's daemon alike.
+    err, ended = _end_after(
+        proc, lambda: _kill(cluster.pids("hb")), "every process of host hb was killed"
+    )
     print(f"hb's processes killed -> launcher exit: {ended:.1f} s; {err.strip().splitlines()[-1]}")
     assert proc.returncode != 0, err[-3000:]
     last = err.strip().splitlines()[-1]
@@ -150,28 +161,11 @@ def test_every_process_of_a_host_killed_fails_the_job_naming_it(cluster, tmp_pat
 
 def test_a_host_whose_open_mpi_daemon_dies_fails_the_job_naming_it(cluster, tmp_path):
     proc = _start(cluster, tmp_path)
-    try:
-        daemons = []
-        for pid in cluster.pids("hb"):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"prted" in f.read().split(b"\0")[0]:
-                        daemons.append(pid)
-            except OSError:
-                pass
-        assert daemons, "no Open MPI daemon found on hb"
-        killed = time.monotonic()
-        for pid in daemons:
-            os.kill(pid, signal.SIGKILL)
-        try:
-            _, err = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the job did not end after host hb's Open MPI daemon died")
-        ended = time.monotonic() - killed
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    daemons = [pid for pid in cluster.pids("hb") if b"prted" in _command(pid).split(b" ")[0]]
+    if not daemons:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("no Open MPI daemon found on hb")
+    err, ended = _end_after(proc, lambda: _kill(daemons), "host hb's Open MPI daemon died")
     last = err.strip().splitlines()[-1]
     print(f"hb's daemon killed -> launcher exit: {ended:.1f} s; {last}")
     assert proc.returncode != 0, err[-3000:]
@@ -179,10 +173,5 @@ def test_a_host_whose_open_mpi_daemon_dies_fails_the_job_naming_it(cluster, tmp_
     assert "hb" in last, last
     assert ended < STALL + 15, f"ended {ended:.1f} s after the kill"
     left = _wait_empty(cluster, timeout=20)
-    what = {
-        pid: open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ")[:150]
-        for pids in left.values()
-        for pid in pids
-        if os.path.exists(f"/proc/{pid}/cmdline")
-    }
+    what = {pid: _command(pid)[:150] for pids in left.values() for pid in pids}
     assert not left, f"processes left on hosts {left}: {what}"
