@@ -61,9 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _worker(args) -> dict | None:
     setup_threads(args.intra_threads)
     import numpy as np
-    import tensorflow as tf
     from mpi4py import MPI
-    from synthetic import training_setup
+    from synthetic import training_setup, training_step
 
     import syncdp
 
@@ -78,20 +77,8 @@ def _worker(args) -> dict | None:
     nbytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
     grads_buffer = np.ones(nbytes // 4, np.float32)
 
-    def make_step(distributed: bool):
-        @tf.function
-        def step():
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
-            if distributed:
-                tape = syncdp.DistributedGradientTape(tape)  # syncdp:
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-
-        return step
-
-    plain, synced = make_step(False), make_step(True)
+    plain = training_step(model, opt, loss_fn, x, y, distributed=False)
+    synced = training_step(model, opt, loss_fn, x, y, distributed=True)
 
     def repeat(step, after=None):
         def run():

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import alternate, machine, median, plot_lines, say, setup_threads, write_markdown
 
-__all__ = ["build_model", "main", "training_setup"]
+__all__ = ["build_model", "main", "training_setup", "training_step"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,11 +111,32 @@ def training_setup(name: str, image: int, batch_size: int, rank: int):
     return model, opt, loss_fn, x, y
 
 
+def training_step(model, opt, loss_fn, x, y, distributed: bool, compression=None):
+    """One SGD step on ``x, y`` as a ``tf.function``, its gradients averaged over the ranks
+    by ``DistributedGradientTape`` when ``distributed`` (else each rank trains alone)."""
+    import tensorflow as tf
+
+    import syncdp
+
+    compression = compression or syncdp.Compression.none
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        if distributed:
+            tape = syncdp.DistributedGradientTape(tape, compression=compression)  # syncdp:
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return step
+
+
 def _measure(args) -> dict:
     """Runs on every rank under syncdp-run; returns rank 0's figures."""
     setup_threads(args.intra_threads)
     import numpy as np
-    import tensorflow as tf
     from mpi4py import MPI
 
     import syncdp
@@ -133,15 +154,7 @@ def _measure(args) -> dict:
     compression = syncdp.Compression.fp16 if args.fp16 else syncdp.Compression.none
 
     def make_step(distributed: bool):
-        @tf.function
-        def step():
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
-            if distributed:
-                tape = syncdp.DistributedGradientTape(tape, compression=compression)  # syncdp:
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
+        step = training_step(model, opt, loss_fn, x, y, distributed, compression)
 
         def run():
             for _ in range(args.steps):
