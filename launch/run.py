@@ -113,7 +113,7 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from launch import check_build, config_file, horovodrun_flags, output, supervision
+from launch import check_build, cleanup, config_file, horovodrun_flags, output, supervision
 from launch import hosts as _hosts
 from launch.elastic import ElasticLog, check_ulfm
 from launch.lifeline import LIFELINE_VAR, LifelineServer, lost_after
@@ -597,6 +597,18 @@ def _listed_hosts(config: LaunchConfig) -> list[_hosts.Host]:
     return _hosts.listed(config.hosts, config.hostfile) or []
 
 
+def _sweeper(config: LaunchConfig, job: report.Job) -> cleanup.Sweeper:
+    """What kills the job's leftovers on hosts whose ranks never reported (:mod:`launch.cleanup`),
+    through the remote shell that started Open MPI's daemons there."""
+    shell = _hosts.remote_shell(
+        config.mpi_args,
+        ssh_port=config.ssh_port,
+        identity_file=config.ssh_identity_file,
+        connect_timeout=cleanup.SWEEP_SECONDS / 2,
+    )
+    return cleanup.Sweeper(job.id, shell, _listed_hosts(config))
+
+
 def _await_last_reports(verdict: Verdict, lifeline: LifelineServer) -> None:
     """Gives ranks still connected and heard from a moment to deliver their exit reports."""
     deadline = time.monotonic() + _LAST_REPORTS_SECONDS
@@ -699,14 +711,21 @@ def run(config: LaunchConfig) -> int:
         verdict.add(report)
 
     server.start(on_report)
+    sweeper = _sweeper(config, job)
+
+    def on_lost(host, links) -> None:
+        verdict.lost(host, links)
+        sweeper.on_lost(host, links)  # a stopped host cannot end its own processes
+
     if config.elastic:
         lifeline.start()  # a lost rank is replaced, not the end of the job
     else:
-        lifeline.start(lost_after=lost_after(ranks_config.stall_timeout), on_lost=verdict.lost)
+        lifeline.start(lost_after=lost_after(ranks_config.stall_timeout), on_lost=on_lost)
     cmd = build_command(config, env, mpirun)
     if config.settings.get("verbose") or config.log_level in _CHATTY:
         _say(shlex.join(cmd))  # the secret is exported by name (-x), never on a command line
     process = supervision.start_mpirun(cmd, env)
+    sweeper.mpirun_pid = process.pid
     pumps = output.copy_output(process, timestamps=config.timestamps, files=files)
     try:
         with supervision.StopOnSignals(process) as signals, _print_on_usr1(timings):
@@ -719,15 +738,19 @@ def run(config: LaunchConfig) -> int:
                 p.join(timeout=max(0.0, deadline - time.monotonic()))
     finally:
         server.close()
-        outcome = verdict.decide(lifeline.links(), mpirun_code=process.returncode)
+        links = lifeline.links()
+        outcome = verdict.decide(links, mpirun_code=process.returncode)
         lifeline.close()  # supervisors still running (a lost daemon's) now end their ranks
         if files is not None:
             files.close()
+        swept = None if config.elastic else sweeper.finish(verdict.unreported(), links)
     if timings.trained() and not quiet:
         print(timings.table(), file=sys.stderr, flush=True)
     rejected = describe_rejected(server.rejected + lifeline.rejected)
     if rejected:
         _say(rejected)
+    if swept:
+        _say(swept)
     if signals.received:
         name = signal.Signals(signals.received[0]).name
         _say(f"stopped by {name}; every rank was ended.")

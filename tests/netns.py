@@ -5,7 +5,8 @@ subnet (a veth pair into a bridge in the root namespace, which gets ``.1``), and
 script Open MPI uses as its remote shell (``--mca plm_rsh_agent AGENT``): ``AGENT HOST CMD``
 runs CMD in HOST's namespace under its own UTS hostname, so every host reports its own name.
 Everything it made is removed on exit, also when the test fails; traffic stays on the test
-subnet and loopback. Where namespaces cannot be made (not root, no ``ip``) it raises
+subnet and loopback. The agent cannot reach a host whose link was cut (:meth:`NamespaceHosts.cut`):
+it waits, as ssh would. Where namespaces cannot be made (not root, no ``ip``) it raises
 :class:`Unavailable` with the reason (tests skip with it; ``benchmarks/multihost.py`` says it).
 """
 
@@ -25,9 +26,15 @@ class Unavailable(RuntimeError):
 _AGENT = """#!/bin/sh
 # Open MPI's remote shell for namespace hosts: AGENT HOST COMMAND...
 host="$1"; shift
+# A host whose link is cut cannot be reached: wait, as ssh does until its connect timeout.
+[ -e "{marks}/cut-$host" ] && exec sleep {unreachable}
 exec ip netns exec "{prefix}$host" unshare --uts \\
     sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
 """
+
+
+# How long the agent waits before failing for a host whose link is cut (ssh's connect timeout).
+_UNREACHABLE = 30
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -53,7 +60,8 @@ class NamespaceHosts:
         self.subnet = f"{subnet}.0/24"
         self.gateway = f"{subnet}.1"
         self.address = {n: f"{subnet}.{11 + i}" for i, n in enumerate(self.names)}
-        self.agent = str(Path(workdir) / "netns-agent.sh")
+        self.workdir = Path(workdir)
+        self.agent = str(self.workdir / "netns-agent.sh")
 
     def __enter__(self) -> NamespaceHosts:
         if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
@@ -65,7 +73,9 @@ class NamespaceHosts:
             raise Unavailable(
                 f"cannot make namespace hosts here: {' '.join(e.cmd)}: {e.stderr.strip()}"
             ) from None
-        Path(self.agent).write_text(_AGENT.format(prefix=self.prefix))
+        Path(self.agent).write_text(
+            _AGENT.format(prefix=self.prefix, marks=self.workdir, unreachable=_UNREACHABLE)
+        )
         os.chmod(self.agent, 0o755)
         return self
 
@@ -89,8 +99,11 @@ class NamespaceHosts:
         return f"{self.tag}v{self.names.index(name)}"
 
     def cut(self, name: str) -> None:
-        """Cuts ``name``'s link: it can no longer reach or be reached by any other host."""
+        """Cuts ``name``'s link: it can no longer reach or be reached by any other host, and
+        the agent cannot reach it either (it waits :data:`_UNREACHABLE` seconds and fails, as
+        ssh to an unreachable host does)."""
         _ip("link", "set", self.outside_link(name), "down")
+        (self.workdir / f"cut-{name}").touch()
 
     def limit(self, rate: str) -> None:
         """Limits every host's link to ``rate`` (e.g. ``"1gbit"``) each way, with tbf."""

@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from launch.lifeline import lost_after
 from tests.launcher import python_script, start
 from tests.netns import NamespaceHosts, Unavailable
 
@@ -43,11 +44,13 @@ def cluster(tmp_path):
         pytest.skip(str(e))
 
 
-def _start(cluster, tmp_path):
+def _start(cluster, tmp_path, slots: int = 2):
+    """Starts WORK on ``slots`` ranks per host; returns once every rank is working."""
     script = python_script(tmp_path, WORK)
+    ranks = slots * len(HOSTS)
     flags = (
         "-H",
-        ",".join(f"{h}:2" for h in HOSTS),
+        ",".join(f"{h}:{slots}" for h in HOSTS),
         "--network-interface",
         cluster.subnet,
         "--stall-timeout",
@@ -55,15 +58,15 @@ def _start(cluster, tmp_path):
         "--mpi-args",
         f"--mca plm_rsh_agent {cluster.agent}",
     )
-    proc = start(4, "python", script, launcher_args=flags)
+    proc = start(ranks, "python", script, launcher_args=flags)
     working = 0
     deadline = time.monotonic() + 120
-    while working < 4 and time.monotonic() < deadline:
+    while working < ranks and time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
             break
         working += "working" in line
-    if working < 4:
+    if working < ranks:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail(f"the ranks did not start:\n{proc.stderr.read()[-3000:]}")
     return proc
@@ -78,12 +81,17 @@ def _wait_empty(cluster, timeout: float) -> dict:
         time.sleep(0.5)
 
 
-def _kill(pids) -> None:
+def _kill(pids, signum: int = signal.SIGKILL) -> None:
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signum)
         except ProcessLookupError:
             pass
+
+
+def _on_hb(slots: int) -> str:
+    """How the last line names host hb's ranks (hb is the second host)."""
+    return "rank 1 (on hb)" if slots == 1 else "ranks 2, 3 (on hb)"
 
 
 def _command(pid: int) -> bytes:
@@ -112,19 +120,54 @@ def _end_after(proc, act, what: str) -> tuple[str, float]:
             proc.wait()
 
 
-def test_a_host_cut_off_mid_run_fails_the_job_naming_it(cluster, tmp_path):
-    proc = _start(cluster, tmp_path)
+LAYOUTS = pytest.mark.parametrize("slots", [2, 1], ids=["2-per-host", "1-per-host"])
+
+
+@LAYOUTS
+def test_a_host_cut_off_mid_run_fails_the_job_naming_it(cluster, tmp_path, slots):
+    proc = _start(cluster, tmp_path, slots)
     err, ended = _end_after(proc, lambda: cluster.cut("hb"), "host hb's link was cut")
-    print(f"link of hb cut -> launcher exit: {ended:.1f} s")
+    print(f"{slots} per host: link of hb cut -> launcher exit: {ended:.1f} s")
     assert proc.returncode != 0, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("syncdp-run: the job failed ("), err[-3000:]
     # The launcher hears nothing from hb for 10 s (the stall timeout, at least 10 s) and ends
     # the job, or Open MPI ends it first and hb's ranks never reported: either way hb is named.
-    assert "ranks 2, 3 (on hb) " in last and "no word from hb for " in last, last
+    assert f"{_on_hb(slots)} " in last and "no word from hb for " in last, last
     assert last.endswith("(host unreachable, or its daemon lost)"), last
-    assert ended < 10 + 15, f"ended {ended:.1f} s after the cut"
+    assert ended < lost_after(STALL) + 15, f"ended {ended:.1f} s after the cut"
+    # The launcher cannot reach hb to clean up (its remote shell hangs, as ssh would, until the
+    # sweep gives up): hb's supervisors end everything there themselves.
+    assert "hb could not be cleaned up (no answer within" in err, err[-3000:]
     left = _wait_empty(cluster, timeout=20)
+    assert not left, f"processes left on hosts {left}"
+
+
+@LAYOUTS
+def test_a_host_whose_processes_are_all_stopped_fails_the_job_and_is_cleaned_up(
+    cluster, tmp_path, slots
+):
+    proc = _start(cluster, tmp_path, slots)
+    # Open MPI's daemon, the supervisors and the ranks: none of them can act any more, so only
+    # the launcher can end them (through the remote shell, with SIGKILL).
+    err, ended = _end_after(
+        proc,
+        lambda: _kill(cluster.pids("hb"), signal.SIGSTOP),
+        "every process of host hb was stopped",
+    )
+    lines = err.strip().splitlines()
+    print(f"{slots} per host: hb's processes stopped -> launcher exit: {ended:.1f} s; {lines[-1]}")
+    assert proc.returncode != 0, err[-3000:]
+    last = lines[-1]
+    assert last.startswith("syncdp-run: the job failed ("), err[-3000:]
+    assert f"{_on_hb(slots)} " in last and "no word from hb for " in last, last
+    assert ended < lost_after(STALL) + 15, f"ended {ended:.1f} s after the stop"
+    cleaned = [line for line in lines if "cleaned up what was left of the job" in line]
+    assert len(cleaned) == 1 and "on hb, " in cleaned[0], err[-3000:]
+    assert "prted" in cleaned[0] and "python" in cleaned[0], cleaned[0]
+    started = time.monotonic()
+    left = _wait_empty(cluster, timeout=15)
+    print(f"{cleaned[0]}; hosts empty {time.monotonic() - started:.1f} s after the end")
     assert not left, f"processes left on hosts {left}"
 
 

@@ -1,0 +1,256 @@
+"""The launcher's last resort: it kills what is left of the job on a host whose ranks never
+reported.
+
+A supervisor (:mod:`launch.worker`) ends its rank and Open MPI's daemon itself when the launcher
+goes away, but a process that cannot run cannot do that: on a host whose processes were all
+stopped (SIGSTOP, a frozen container, a debugger), the daemon, the supervisors and the ranks
+stay there for good. So the launcher sweeps such a host itself, through the remote shell Open
+MPI used to start the daemon there (the ``plm_rsh_agent`` in ``--mpi-args``, or ssh with the
+job's port and key; a host that is this machine needs none): the moment the host falls silent
+(:mod:`launch.lifeline` tells), and at the end of the job for every host with ranks that never
+reported how they ended.
+
+A sweep sends SIGKILL (which also ends a stopped process) to the processes of this host that
+are this job's, and to nothing else: those whose environment holds ``SYNCDP_JOB_ID`` with this
+job's id (every supervisor and rank, and whatever a rank started), and Open MPI's processes
+whose command line names this job's mpirun (``prterun-LAUNCHERHOST-PID@``, the daemon and the
+shell that started it). It looks only at processes in its own network namespace (a host is a
+network identity: containers or namespaces that share a kernel are told apart) and never at
+itself or its parents. Each sweep ends within :data:`SWEEP_SECONDS` (a remote shell that hangs
+on an unreachable host is killed), and the launcher prints one line saying what it cleaned up
+where, just before its verdict::
+
+    syncdp-run: cleaned up what was left of the job: on hb, 5 processes killed (prted x2, python
+    x2, sh); hc could not be reached (no answer within 8 s)
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from launch.hosts import Host, is_local
+
+if TYPE_CHECKING:
+    from launch.lifeline import Link
+
+__all__ = ["SWEEP_SECONDS", "Sweeper", "sweep_command"]
+
+# The most a sweep of one host takes, remote shell included.
+SWEEP_SECONDS = 5.0
+
+# Runs on the host: argv[1] is the job id, argv[2] + argv[3] the mark of its mpirun's daemons
+# (given in two parts, so that no command line, this one's included, holds it whole). Prints
+# "PID NAME" for each process it killed.
+_SWEEP = r"""
+import os, signal, sys
+job = b"\0SYNCDP_JOB_ID=" + sys.argv[1].encode() + b"\0"
+daemon = (sys.argv[2] + sys.argv[3]).encode()
+def read(pid, what):
+    try:
+        with open(f"/proc/{pid}/{what}", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+def net(pid):
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None
+mine, pid, spare = net("self"), os.getpid(), set()
+while pid > 1 and pid not in spare:
+    spare.add(pid)
+    try:
+        pid = int(read(pid, "stat").rsplit(b")", 1)[1].split()[1])
+    except (IndexError, ValueError):
+        break
+for name in os.listdir("/proc"):
+    if not name.isdigit() or int(name) in spare or net(name) != mine:
+        continue
+    ours = job in b"\0" + read(name, "environ")
+    if ours or (sys.argv[2] and daemon in read(name, "cmdline")):
+        comm = read(name, "comm").decode(errors="replace").strip() or "?"
+        try:
+            os.kill(int(name), signal.SIGKILL)
+        except OSError:
+            continue
+        print(name, comm)
+"""
+
+
+def sweep_command(
+    job_id: str, mpirun_pid: int | None, launcher_host: str | None = None
+) -> list[str]:
+    """The command that kills this job's processes on the host it runs on (see the module
+    docstring); its output is one ``PID NAME`` line per process killed.
+
+    Args:
+        job_id: The job's ``SYNCDP_JOB_ID``.
+        mpirun_pid: mpirun's process id (its daemons' mark), or None to spare Open MPI's daemons
+            that lack the job's environment.
+        launcher_host: The launcher's host name, as Open MPI writes it (short). Defaults to this
+            machine's.
+    """
+    if mpirun_pid is None:
+        mark = ("", "")
+    else:
+        name = (launcher_host or socket.gethostname()).split(".")[0]
+        mark = (f"prterun-{name}-", f"{mpirun_pid}@")
+    return [sys.executable, "-c", _SWEEP, job_id, *mark]
+
+
+def _run(cmd: list[str], timeout: float) -> tuple[str | None, str]:
+    """Runs ``cmd`` for at most ``timeout`` seconds: (its stdout, or None, and why not)."""
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # so that a hung remote shell can be killed with its children
+        )
+    except OSError as e:
+        return None, f"{cmd[0]!r} could not run: {e.strerror}"
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.communicate(timeout=1.0)
+        except subprocess.TimeoutExpired:  # a grandchild outside the group holds the pipes
+            pass
+        return None, f"no answer within {timeout:g} s"
+    if proc.returncode != 0:
+        detail = (err.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        return None, detail[:200]
+    return out, ""
+
+
+class Sweeper:
+    """Sweeps the job's hosts (see the module docstring); each host at most once.
+
+    Thread-safe: the lifeline's thread starts sweeps, the launcher's main thread finishes them.
+
+    Args:
+        job_id: The job's id.
+        shell: The remote shell, ``[*shell, HOST, COMMAND]`` (:func:`launch.hosts.remote_shell`).
+        hosts: The hosts of ``-H``/``--hostfile``, in order; empty for a job on this machine.
+        timeout: The most one sweep takes. Defaults to :data:`SWEEP_SECONDS`.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        shell: Sequence[str],
+        hosts: Sequence[Host] = (),
+        *,
+        timeout: float = SWEEP_SECONDS,
+    ):
+        self.job_id = job_id
+        self.shell = list(shell)
+        self.hosts = list(hosts)
+        self.timeout = timeout
+        self.mpirun_pid: int | None = None
+        self._threads: dict[str, threading.Thread] = {}
+        self._results: dict[str, tuple[str | None, str]] = {}
+        self._lock = threading.Lock()
+
+    def host_of(self, rank: int, reported: str | None = None) -> str:
+        """The name the remote shell reaches ``rank``'s host by: the listed host its supervisor
+        named (exactly, or by short name), else the host Open MPI's default mapping (by slot,
+        in list order) put it on; ``"localhost"`` for a job on this machine."""
+        if not self.hosts:
+            return "localhost"
+        names = [h.name for h in self.hosts]
+        if reported is not None:
+            short = reported.split(".")[0]
+            for name in names:
+                if name in (reported, short) or name.split(".")[0] == short:
+                    return name
+        first = 0
+        for h in self.hosts:
+            if rank < first + h.slots:
+                return h.name
+            first += h.slots
+        return reported or self.hosts[-1].name
+
+    def start(self, host: str) -> None:
+        """Starts sweeping ``host`` in the background, unless it was already."""
+        with self._lock:
+            if host in self._threads:
+                return
+            thread = threading.Thread(
+                target=self._sweep, args=(host,), name="syncdp-sweep", daemon=True
+            )
+            self._threads[host] = thread
+        thread.start()
+
+    def on_lost(self, host: str | None, links: Iterable[Link]) -> None:
+        """For :class:`launch.lifeline.LifelineServer`: sweeps the host that fell silent."""
+        for link in links:
+            if isinstance(link.rank, int):
+                self.start(self.host_of(link.rank, host))
+
+    def _sweep(self, host: str) -> None:
+        command = sweep_command(self.job_id, self.mpirun_pid)
+        if is_local(host):
+            result = _run(command, self.timeout)
+        else:
+            result = _run([*self.shell, host, shlex.join(command)], self.timeout)
+        with self._lock:
+            self._results[host] = result
+
+    def finish(self, ranks: Iterable[int], links: Mapping[int, Link]) -> str | None:
+        """Sweeps the hosts of ``ranks`` (those never reported how they ended) not swept yet,
+        waits for every sweep (bounded), and says what was cleaned up where.
+
+        Args:
+            ranks: The ranks that never reported; the hosts of those whose supervisors may
+                still be there (lifeline still open, or never connected) are swept.
+            links: Each rank's lifeline, for the host its supervisor named.
+
+        Returns:
+            One line for the launcher to print, or None when no sweep found anything or failed.
+        """
+        for rank in ranks:
+            link = links.get(rank)
+            if link is None:
+                self.start(self.host_of(rank))  # never connected: where mpirun put it
+            elif link.closed is None:  # a closed lifeline is a dead supervisor: its rank died too
+                self.start(self.host_of(rank, link.host))
+        deadline = time.monotonic() + self.timeout + 2.0
+        with self._lock:
+            threads = dict(self._threads)
+        for thread in threads.values():
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            results = dict(self._results)
+        parts = []
+        for host in sorted(threads):
+            out, why = results.get(host, (None, "the sweep did not finish"))
+            if out is None:
+                parts.append(f"{host} could not be cleaned up ({why})")
+                continue
+            names = collections.Counter(line.split(" ", 1)[-1] for line in out.splitlines())
+            if names:
+                count = sum(names.values())
+                what = ", ".join(
+                    f"{name} x{n}" if n > 1 else name for name, n in sorted(names.items())
+                )
+                parts.append(f"on {host}, {count} process{'es' * (count > 1)} killed ({what})")
+        if not parts:
+            return None
+        return "cleaned up what was left of the job: " + "; ".join(parts)
