@@ -13,6 +13,12 @@ heal it themselves (:mod:`syncdp.core.membership`). The launcher then only liste
 - ``elastic_abort`` (fewer than ``--min-np`` ranks left, or the reset limit hit) and an
   exception on a rank end the job as they do outside elastic mode.
 
+Warm spares (``--spares``) are known by their output labels until a membership change names one
+as added (it became a rank). A spare's exit is never the job's failure or success: one that dies
+while waiting is logged; the released ones exit 0 at the end and are not counted as ranks. Once
+every rank of the final membership has exited, a spare still running after
+:data:`SPARE_GRACE_SECONDS` (rank 0 could not release it) is killed, so the job can end.
+
 When the job ends, a rank that failed and was never recovered from (no membership change
 lists it as lost) makes the job a failure; otherwise it succeeded when every rank of the final
 membership exited 0 (mpirun's exit code is not used: Open MPI reports a killed replacement in it
@@ -28,12 +34,16 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from launch.worker import describe_exit
 
-__all__ = ["check_ulfm", "ElasticLog"]
+__all__ = ["check_ulfm", "ElasticLog", "SPARE_GRACE_SECONDS"]
+
+# After the last rank exits, how long spares get to leave by themselves before they are killed.
+SPARE_GRACE_SECONDS = 10.0
 
 
 def check_ulfm(mpirun: str) -> str | None:
@@ -89,15 +99,56 @@ class ElasticLog:
 
     Args:
         out: Where the log lines go. Defaults to ``sys.stderr``.
+        spares: The output labels of the warm spares the job starts with. Defaults to none.
     """
 
-    def __init__(self, out=None):
+    def __init__(self, out=None, spares=()):
         self.out = out or sys.stderr
         self.changes: list[dict] = []
         self._failed_exits: dict[tuple, dict] = {}  # (host, pid) -> exit report
         self._clean_exits = 0
         self._lost: set[tuple] = set()
         self._lock = threading.Lock()
+        self._spares = set(spares)  # labels of the spares still waiting
+        self._spare_pids: dict[int, tuple] = {}  # label -> (host, pid), from "started"
+        # The launcher labels the spares right after the ranks: the first label is -np.
+        self._ranks_at_start = min(self._spares) if self._spares else 0
+
+    def _spare_exit(self, report: dict) -> bool:
+        """Logs a waiting spare's exit; False when ``report`` is not one."""
+        with self._lock:
+            label = report.get("rank")
+            if label not in self._spares:
+                return False
+            self._spares.discard(label)
+            left = len(self._spares)
+        if report.get("code") or report.get("signal"):
+            code = -report["signal"] if report.get("signal") else report["code"]
+            self._say(
+                f"spare [{label}] (pid {report.get('pid')} on {report.get('host')}) "
+                f"{describe_exit(code)} while waiting; {left} spare(s) left, training goes on."
+            )
+        return True
+
+    def _promote(self, report: Mapping[str, Any]) -> None:
+        with self._lock:
+            for member in report.get("added", []):
+                self._spares.discard(member.get("label"))
+
+    def _end_spares_later(self) -> None:
+        """Every rank has exited: spares not gone within the grace period are killed."""
+
+        def end():
+            time.sleep(SPARE_GRACE_SECONDS)
+            with self._lock:
+                left = {label: self._spare_pids.get(label) for label in self._spares}
+            for label, where in sorted(left.items()):
+                if where is None:
+                    continue
+                self._say(f"spare [{label}] was not released at the end of training; killing it.")
+                _kill(*where)
+
+        threading.Thread(target=end, daemon=True).start()
 
     def _say(self, text: str) -> None:
         print(f"syncdp-run: elastic: {text}", file=self.out, flush=True)
@@ -105,11 +156,21 @@ class ElasticLog:
     def handle(self, report: dict) -> bool:
         """Takes the reports elastic mode treats differently; False for the others."""
         kind = report.get("kind")
+        if kind == "started" and report.get("rank") in self._spares:
+            with self._lock:
+                self._spare_pids[report["rank"]] = (report.get("host"), report.get("pid"))
+            return False  # the verdict records it too
+        if kind == "exit" and self._spare_exit(report):
+            return True
         if kind == "exit":
             failed = (report.get("code") or report.get("signal")) and not report.get("requested")
             if not failed and not report.get("code") and not report.get("signal"):
                 with self._lock:
                     self._clean_exits += 1
+                    size = self.changes[-1].get("new_size") if self.changes else None
+                    last = self._spares and self._clean_exits == (size or self._ranks_at_start)
+                if last:
+                    self._end_spares_later()
             if failed:
                 with self._lock:
                     self._failed_exits[(report.get("host"), report.get("pid"))] = report
@@ -117,6 +178,7 @@ class ElasticLog:
                 self._say(f"lost {_who(report)}: it {describe_exit(code)}; recovering.")
             return True
         if kind == "membership":
+            self._promote(report)
             with self._lock:
                 self.changes.append(report)
                 self._lost |= {(m.get("host"), m.get("pid")) for m in report.get("lost", [])}
@@ -144,10 +206,12 @@ class ElasticLog:
         if report.get("reason") == "grow":
             text = f"new slots found; {report.get('spawned')} rank(s) added"
         else:
-            text = (
-                f"lost {lost or 'a rank'}; {report.get('survivors')} rank(s) went on, "
-                f"{report.get('spawned')} replacement(s) started"
-            )
+            text = f"lost {lost or 'a rank'}; {report.get('survivors')} rank(s) went on, "
+            if report.get("spares_used"):
+                text += f"{report['spares_used']} spare(s) took over, "
+            text += f"{report.get('spawned')} replacement(s) started"
+            if "spares_left" in report:
+                text += f", {report['spares_left']} spare(s) left"
         if added:
             text += f" ({added})"
         return (

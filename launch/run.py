@@ -46,6 +46,7 @@ Flags of the launcher itself:
     --log-level LEVEL          the launcher's own verbosity: TRACE and DEBUG print the mpirun
                                command; ERROR and FATAL leave out its notes and timing table
     --version, --check-build   print syncdp's version, or what this install supports, and exit
+    --spares K                 elastic mode: K warm spares (see below)
 
 With hosts, before anything starts, every remote host is asked over the remote shell (ssh, or
 the agent in --mpi-args "--mca plm_rsh_agent AGENT") for its Python and syncdp versions,
@@ -81,6 +82,15 @@ Elastic mode: ``--min-np M``, ``--max-np K``, ``--elastic`` or ``--host-discover
 error before anything starts); a lost or stalled rank is replaced while training goes on, and
 the launcher logs each membership change (:mod:`launch.elastic`). ``--min-np`` defaults to
 ``-np`` and may not exceed it; ``--max-np`` may not be below it.
+
+Warm spares: ``--spares K`` (elastic mode only; exit 2 otherwise) starts K more processes than
+``-np``. They run the program up to ``syncdp.init()`` and wait there, so a lost rank is replaced
+by a process that has TensorFlow and the program's imports loaded already, instead of a spawned
+one that must load them (:mod:`syncdp.core.spares`). Their output is labelled after the ranks'
+(``[N]`` to ``[N+K-1]``); a spare that becomes a rank keeps its label. Spares hold slots: with
+``-H`` or ``--hostfile``, ``-np`` plus ``--spares`` must fit in the hosts' slots. A spare that dies
+while waiting is logged and is not a failure; when training ends, rank 0 releases the spares,
+which exit 0 without running the rest of the program. The ranks learn K from SYNCDPRUN_SPARES.
 
 Failures arrive as data, not as text to parse: ranks and their supervisors send one signed JSON
 report per event to SYNCDP_REPORT_ADDR (:mod:`syncdp.core.report`); the launcher listens only on
@@ -120,7 +130,7 @@ from launch.lifeline import LIFELINE_VAR, LifelineServer, lost_after
 from launch.report_server import ReportServer, describe_rejected
 from launch.summary import TimingBoard
 from launch.verdict import Verdict
-from syncdp.core import report, settings
+from syncdp.core import report, settings, spares
 from syncdp.core.errors import ConfigError
 
 __all__ = [
@@ -171,6 +181,7 @@ class LaunchConfig:
         log_level: The launcher's verbosity, one of :data:`LOG_LEVELS`.
         notes: Lines the launcher says before it starts (flags that change nothing, config
             file keys it ignored).
+        spares: Warm spares started besides the ``num_proc`` ranks (elastic mode only).
     """
 
     num_proc: int
@@ -188,6 +199,7 @@ class LaunchConfig:
     timestamps: bool = False
     log_level: str = "WARNING"
     notes: tuple[str, ...] = ()
+    spares: int = 0
 
     @property
     def multihost(self) -> bool:
@@ -287,6 +299,14 @@ def _add_launcher_flags(p: argparse.ArgumentParser) -> None:
         help="no RDMA between hosts: mpirun gets " + " ".join(_TCP_ONLY),
     )
     p.add_argument("--mpi-args", default="", metavar="ARGS", help="extra mpirun arguments, quoted")
+    p.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        metavar="K",
+        help="elastic mode: start K warm spares, waiting in syncdp.init() to replace a lost "
+        "rank without loading TensorFlow then (default 0)",
+    )
     p.add_argument(
         "--binding-args",
         default="",
@@ -462,6 +482,7 @@ def parse_args(
         parser.error(f"{least} ({given['min_np']}) must not exceed -np ({args.num_proc})")
     if given.get("max_np") and given["max_np"] < args.num_proc:
         parser.error(f"{most} ({given['max_np']}) must be at least -np ({args.num_proc})")
+    _check_spares(args.spares, args.num_proc, given, listed)
     return LaunchConfig(
         num_proc=args.num_proc,
         command=tuple(command),
@@ -478,7 +499,29 @@ def parse_args(
         timestamps=args.timestamps,
         log_level=args.log_level or "WARNING",
         notes=tuple(notes + horovodrun_flags.notes(args, spelled)),
+        spares=args.spares,
     )
+
+
+def _check_spares(spares: int, num_proc: int, given: Mapping[str, Any], listed) -> None:
+    """Exits 2 with one line when ``--spares`` cannot be honoured: not elastic, negative, or
+    more processes than the listed hosts have slots (spares hold slots too)."""
+    problem = None
+    if spares < 0:
+        problem = f"--spares must be 0 or more; got {spares}"
+    elif spares and not any(given.get(name) for name in _ELASTIC_SETTINGS):
+        problem = (
+            f"--spares {spares} needs elastic mode: add --min-np M (or --max-np, --elastic, "
+            "--host-discovery-script)"
+        )
+    elif spares and listed and num_proc + spares > sum(h.slots for h in listed):
+        problem = (
+            f"-np {num_proc} and --spares {spares} need {num_proc + spares} slots, and the hosts "
+            f"have {sum(h.slots for h in listed)}; spares hold slots too. Add slots or use fewer "
+            "spares."
+        )
+    if problem is not None:
+        _setting_error(problem)
 
 
 def build_env(
@@ -518,6 +561,9 @@ def build_env(
     env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     env["SYNCDP_LAUNCHER"] = "1"
+    env.pop(spares.SPARES_VAR, None)
+    if config.spares:
+        env[spares.SPARES_VAR] = str(config.spares)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     if not config.multihost and not os.path.isdir("/sys/class/infiniband"):
         # No RDMA device: Open MPI's UCX one-sided component would print an error for every
@@ -547,7 +593,7 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
     Returns:
         The command, a list of arguments.
     """
-    cmd = [mpirun, "-np", str(config.num_proc), "--oversubscribe"]
+    cmd = [mpirun, "-np", str(config.num_proc + config.spares), "--oversubscribe"]
     cmd += list(config.binding_args) or ["--bind-to", "none"]
     if config.tcp:
         cmd += _TCP_ONLY
@@ -573,7 +619,7 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
         k
         for k in env
         if k.startswith(("SYNCDP_", "OMPI_ALLOW", "TF_"))
-        or k in ("PYTHONUNBUFFERED", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH")
+        or k in ("PYTHONUNBUFFERED", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH", spares.SPARES_VAR)
     )
     for key in exported:
         cmd += ["-x", key]
@@ -685,7 +731,10 @@ def run(config: LaunchConfig) -> int:
     )
     job = report.Job.new()
     server = ReportServer(
-        job, host=host, advertise=advertise, max_connections=64 + 2 * config.num_proc
+        job,
+        host=host,
+        advertise=advertise,
+        max_connections=64 + 2 * (config.num_proc + config.spares),
     )
     lifeline = LifelineServer(job, host=host, advertise=advertise)
     env = build_env(config, report_addr=server.address, lifeline_addr=lifeline.address, job=job)
@@ -702,7 +751,9 @@ def run(config: LaunchConfig) -> int:
         config.num_proc,
         start_timeout=ranks_config.start_timeout,
         stall_timeout=ranks_config.stall_timeout,
-        elastic=ElasticLog() if config.elastic else None,
+        elastic=ElasticLog(spares=range(config.num_proc, config.num_proc + config.spares))
+        if config.elastic
+        else None,
     )
     timings = TimingBoard()
 
@@ -722,6 +773,10 @@ def run(config: LaunchConfig) -> int:
     else:
         lifeline.start(lost_after=lost_after(ranks_config.stall_timeout), on_lost=on_lost)
     cmd = build_command(config, env, mpirun)
+    if config.spares and not quiet:
+        first, last = config.num_proc, config.num_proc + config.spares - 1
+        labels = f"[{first}]" if first == last else f"[{first}] to [{last}]"
+        _say(f"elastic: {config.spares} warm spare(s), output labelled {labels}, wait in init().")
     if config.settings.get("verbose") or config.log_level in _CHATTY:
         _say(shlex.join(cmd))  # the secret is exported by name (-x), never on a command line
     process = supervision.start_mpirun(cmd, env)

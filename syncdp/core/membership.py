@@ -30,10 +30,20 @@ import subprocess
 import sys
 import time
 
-from syncdp.core import mpi
+from syncdp.core import mpi, spares
 from syncdp.core.errors import ElasticAbortError
 
-__all__ = ["Member", "Plan", "me", "join_parent", "recover", "grow", "discover_slots"]
+__all__ = [
+    "Member",
+    "Plan",
+    "me",
+    "join_parent",
+    "join_reserve",
+    "recover",
+    "reseat",
+    "grow",
+    "discover_slots",
+]
 
 REPLACEMENT_VAR = "SYNCDP_REPLACEMENT"
 # Recovery attempts in a row before the job ends instead (each one follows a new failure).
@@ -68,6 +78,7 @@ class Plan:
         seen_hosts: Every host the script has listed; one it stops listing has vanished.
         vanished: Hosts never to be used again.
         command: What a replacement runs: the program as this job started it.
+        spares: The warm spares waiting (:mod:`syncdp.core.spares`); they hold slots too.
     """
 
     target: int
@@ -80,6 +91,7 @@ class Plan:
     seen_hosts: tuple[str, ...] = ()
     vanished: tuple[str, ...] = ()
     command: tuple[str, ...] = ()
+    spares: tuple[Member, ...] = ()
 
 
 def me() -> Member:
@@ -88,13 +100,15 @@ def me() -> Member:
     return Member(socket.gethostname(), os.getpid(), int(label))
 
 
-def first_plan(config, size: int) -> Plan:
-    """The plan of a job that just started with ``size`` ranks."""
+def first_plan(config, size: int, waiting: tuple[Member, ...] = ()) -> Plan:
+    """The plan of a job that just started with ``size`` ranks and the spares ``waiting``
+    (labelled after the ranks: replacements are labelled after both)."""
     return Plan(
         target=size,
         min_np=config.min_np or size,
         max_np=max(config.max_np or size, size),
-        next_label=size,
+        next_label=size + len(waiting),
+        spares=tuple(waiting),
         reset_limit=config.reset_limit,
         script=config.host_discovery_script,
         command=(sys.executable, *sys.orig_argv[1:]),
@@ -117,6 +131,16 @@ def join_parent():
     parent.Disconnect()  # see _spawn
     merged.Agree(1)
     return merged
+
+
+def join_reserve(merged):
+    """A replacement's side of :func:`reseat` once merged (a job with spares): its seat.
+
+    Returns:
+        ``(reserve, training)``: the new reserve, and the training communicator (None when
+        this process is to wait as a spare).
+    """
+    return _take_seats(merged, merged.bcast(None, root=0))
 
 
 def _local(host: str) -> str:
@@ -261,6 +285,129 @@ def recover(base, plan: Plan) -> tuple[object, Plan, dict]:
             time.sleep(0.1)
 
 
+def _decide_seats(plan: Plan, alive: list[Member], trainers: int, growing: bool):
+    """Rank 0's decision for :func:`reseat`: spares to take, processes to spawn, and where.
+
+    After a failure the spares fill the lost places first, and processes are spawned only
+    for what they cannot fill; growing spawns into free slots and leaves the spares waiting.
+    Spares hold slots: the discovery script's free slots are counted with them in.
+    """
+    waiting = len(alive) - trainers
+    want = plan.max_np if growing else plan.target
+    take = 0 if growing else min(waiting, max(0, want - trainers))
+    free, hosts = _free_slots(plan, alive)
+    count = max(0, want - trainers - take)
+    if free is not None:
+        count = min(count, free)
+    if growing:
+        plan.target = trainers + count
+    plan.spares = tuple(alive[trainers + take :])
+    return plan, take, count, hosts
+
+
+def _take_seats(merged, layout):
+    """Splits ``merged`` into the new reserve and the training communicator (a collective of
+    every process in it, each finding its own seat from the broadcast ``layout``)."""
+    MPI = mpi.load()
+    trains, key = spares.seat(merged.Get_rank(), *layout)
+    reserve = merged.Split(0, key)
+    training = reserve.Split(0 if trains else MPI.UNDEFINED, key)
+    return reserve, (training if trains else None)
+
+
+def _revoke(*comms) -> None:
+    MPI = mpi.load()
+    for comm in comms:
+        if comm is None:
+            continue
+        try:
+            comm.Revoke()
+        except MPI.Exception:
+            pass
+
+
+def reseat(
+    reserve, plan: Plan | None, *, trains: bool, failure: bool, growing: bool = False, training=None
+):
+    """Rebuilds a job that has warm spares, on its reserve: every rank and spare calls it.
+
+    After a failure (``failure``): revoke the reserve (and ``training``), shrink it to the
+    processes alive, let spares take the lost places, spawn only what they cannot fill (at
+    most the free slots), then split the new reserve and training communicators
+    (:func:`syncdp.core.spares.seat`). Growing (``growing``, no failure): spawn into free slots,
+    the spares stay. A failure meanwhile starts over from the shrink.
+
+    Args:
+        reserve: The reserve communicator: ranks by rank, then spares.
+        plan: This process's plan (a spare's is None: rank 0's is the one used).
+        trains: Whether this process is a rank (True) or a spare.
+        failure: Whether a process was lost.
+        growing: Whether to grow into free slots. Defaults to False.
+        training: The training communicator, revoked with the reserve. Defaults to None.
+
+    Returns:
+        ``(reserve, training, plan, change)``: ``training`` is None for a process that stays a
+        spare; ``change`` has ``survivors`` (ranks left), ``spawned``, ``spares_used`` and
+        ``spares_left``.
+
+    Raises:
+        ElasticAbortError: No rank survived (a spare cannot restore the training state), or
+            :data:`RECOVERY_ATTEMPTS` attempts in a row failed.
+    """
+    MPI = mpi.load()
+    attempts = 0
+    while True:
+        attempts += 1
+        shrunk = None
+        try:
+            if failure:
+                _revoke(training, reserve)
+                shrunk = reserve.Shrink()
+            else:
+                shrunk = reserve
+            rows = shrunk.allgather((dataclasses.astuple(me()), trains))
+            alive = [Member(*m) for m, _ in rows]
+            trainers = sum(1 for _, t in rows if t)
+            if not rows[0][1]:  # ranks come first: none is left
+                raise ElasticAbortError(
+                    "every training rank was lost; a spare cannot restore the training state. "
+                    "Ending the job."
+                )
+            decision = None
+            if shrunk.Get_rank() == 0:
+                decision = _decide_seats(plan, alive, trainers, growing)
+            plan, take, count, hosts = shrunk.bcast(decision, root=0)
+            layout = (trainers, len(rows) - trainers, take, count)
+            merged = shrunk
+            if count:
+                merged = _spawn(shrunk, plan, count, hosts)
+                merged.bcast(layout, root=0)  # what the spawned learn in join_reserve
+            plan.next_label += count
+            new_reserve, new_training = _take_seats(merged, layout)
+            change = {
+                "survivors": trainers,
+                "spawned": count,
+                "spares_used": take,
+                "spares_left": len(rows) - trainers - take,
+            }
+            return new_reserve, new_training, plan, change
+        except MPI.Exception as e:
+            if attempts >= RECOVERY_ATTEMPTS:
+                raise ElasticAbortError(
+                    f"elastic recovery failed {attempts} times in a row (last: {e}); ending the "
+                    "job."
+                ) from None
+            print(
+                f"syncdp: elastic recovery attempt {attempts} failed ({e}); retrying.",
+                file=sys.stderr,
+                flush=True,
+            )
+            if shrunk is not None:
+                reserve = shrunk
+            failure = True
+            time.sleep(0.1)
+
+
 def grow(comm, plan: Plan) -> tuple[object, Plan, dict]:
     """Adds ranks in the slots the discovery script offers, up to ``max_np`` (collective)."""
     alive = [Member(*m) for m in comm.allgather(dataclasses.astuple(me()))]
@@ -283,6 +430,7 @@ def slots_added(comm, plan: Plan, alive: list[Member], last_check: list[float]) 
     """
     grow_now = False
     if comm.rank == 0 and plan.script and len(alive) < plan.max_np:
+        alive = list(alive) + list(plan.spares)  # spares hold slots too
         now = time.monotonic()
         if now - last_check[0] >= DISCOVERY_INTERVAL_SECONDS:
             last_check[0] = now

@@ -31,7 +31,7 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from syncdp.core import membership, mpi, report, settings, stats
+from syncdp.core import membership, mpi, report, settings, spares, stats
 from syncdp.core.communicator import Communicator
 from syncdp.core.errors import ElasticAbortError, NotInitializedError
 from syncdp.core.timeline import Timeline
@@ -81,6 +81,8 @@ class _State:
     plan = None
     # Functions called after every membership change (step counters, Horovod's callbacks).
     reset_callbacks: list = []
+    # Warm spares (syncdp.core.spares): every live process of the job, ranks then spares.
+    reserve = None
 
 
 _state = _State()
@@ -125,10 +127,11 @@ def init(comm=None, process_sets=None, **options) -> None:
     if world_rank is None:
         report.send("started", MPI.COMM_WORLD.Get_rank())
     base = MPI.COMM_WORLD if comm is None else comm
+    plan = None
     if config.elastic:
-        base = membership.join_parent() or base
+        base, plan = _elastic_base(base, config, spawned=membership.join_parent())
     timeline = Timeline(config.timeline) if config.timeline else None
-    world = _build(base, config, timeline, plan=None)
+    world = _build(base, config, timeline, plan=plan)
     if timeline is not None:
         world.mpi.Barrier()  # leave together, so every rank's clock starts at the same moment
         timeline.start(world.rank)
@@ -147,6 +150,79 @@ def init(comm=None, process_sets=None, **options) -> None:
             f"{config}",
             file=sys.stderr,
         )
+
+
+def _elastic_base(base, config: settings.Config, spawned):
+    """The communicator this process trains on in elastic mode, and rank 0's first plan.
+
+    A replacement (``spawned``: its side of the merge) trains with the job it was spawned
+    for. With warm spares (:mod:`syncdp.core.spares`), the last of the processes mpirun started
+    are spares: they wait here until a recovery makes them ranks, and a released one never
+    returns.
+    """
+    waiting = spares.count()
+    if spawned is not None and not waiting:
+        return spawned, None
+    plan = None
+    if spawned is not None:
+        _state.reserve, training = membership.join_reserve(spawned)
+    elif waiting and _state.reserve is None:
+        training, plan = _split_off_spares(base, config, waiting)
+    else:
+        return base, None
+    if training is None:
+        training = _serve_as_spare()
+    return training, plan
+
+
+def _split_off_spares(world, config: settings.Config, waiting: int):
+    """Splits the processes mpirun started into the ranks (the first) and ``waiting`` spares.
+
+    Returns:
+        ``(training, plan)``: the ranks' communicator (None on a spare), and the first plan on
+        rank 0 (None elsewhere).
+    """
+    MPI = mpi.load()
+    everyone = _arrive(world, config.start_timeout)
+    found = everyone.allgather(membership.me())
+    ranks = everyone.Get_size() - waiting
+    if ranks < 1:
+        raise ValueError(
+            f"{waiting} spare(s) need at least one more process to train; the job has "
+            f"{everyone.Get_size()}. Start it with syncdp-run --spares."
+        )
+    trains = everyone.Get_rank() < ranks
+    training = everyone.Split(0 if trains else MPI.UNDEFINED, everyone.Get_rank())
+    _state.reserve = everyone
+    plan = None
+    if everyone.Get_rank() == 0:
+        plan = membership.first_plan(config, ranks, tuple(found[ranks:]))
+    return (training if trains else None), plan
+
+
+def _serve_as_spare():
+    """A spare's life: wait; join each recovery; return the training communicator once made a
+    rank, or end the process when released (the rest of the program never runs)."""
+    reserve = _state.reserve
+    while True:
+        what = spares.wait(reserve)
+        if what == spares.RELEASE:
+            spares.leave()
+        try:
+            reserve, training, _, _ = membership.reseat(
+                reserve,
+                None,
+                trains=False,
+                failure=what == spares.FAILURE,
+                growing=what == spares.GROW,
+            )
+        except ElasticAbortError as e:
+            print(f"syncdp: spare {membership.me().label}: {e}", file=sys.stderr, flush=True)
+            sys.stderr.flush()
+            os._exit(1)
+        _state.reserve = reserve
+        if training is not None:
+            return training
 
 
 def _build(base, config: settings.Config, timeline, plan) -> Communicator:
@@ -202,16 +278,12 @@ def reset(grow: bool = False) -> dict:
     comm = communicator()
     started = time.monotonic()
     config, plan, before = _state.config, _state.plan, list(_state.members)
-    base = comm.mpi
-    if grow:
-        merged, plan, change = membership.grow(base, plan)
-    else:
-        try:
-            merged, plan, change = membership.recover(base, plan)
-        except ElasticAbortError as e:
-            print(f"syncdp: elastic: {e}", file=sys.stderr, flush=True)
-            report.send("elastic_abort", comm.rank, str(e))
-            raise
+    try:
+        merged, plan, change = _change_membership(comm, plan, grow)
+    except ElasticAbortError as e:
+        print(f"syncdp: elastic: {e}", file=sys.stderr, flush=True)
+        report.send("elastic_abort", comm.rank, str(e))
+        raise
     _drop(broken=not grow)
     plan.resets += 1
     world = _build(merged, config, comm.timeline, plan)
@@ -251,6 +323,21 @@ def reset(grow: bool = False) -> dict:
     if problem is not None:
         raise ElasticAbortError(problem)
     return change
+
+
+def _change_membership(comm: Communicator, plan, grow: bool):
+    """Recovers or grows, on the reserve when there are warm spares (they join in)."""
+    if _state.reserve is None:
+        if grow:
+            return membership.grow(comm.mpi, plan)
+        return membership.recover(comm.mpi, plan)
+    if grow and comm.rank == 0:
+        spares.wake(_state.reserve, comm.size, spares.GROW)
+    reserve, merged, plan, change = membership.reseat(
+        _state.reserve, plan, trains=True, failure=not grow, growing=grow, training=comm.mpi
+    )
+    _state.reserve = reserve
+    return merged, plan, change
 
 
 def _drop(broken: bool) -> None:
@@ -462,6 +549,10 @@ def shutdown() -> None:
     if comm.timeline is not None and not comm.broken:
         timeline, comm.timeline = comm.timeline, None  # the gather itself is not recorded
         timeline.gather_and_write(comm.mpi)
+    if _state.reserve is not None and not comm.broken:
+        if comm.rank == 0:  # training is over: the spares leave
+            spares.wake(_state.reserve, comm.size, spares.RELEASE)
+        _state.reserve = None
     _drop(broken=comm.broken)
     _state.config = None
 

@@ -1,0 +1,145 @@
+"""Warm spares: processes that wait inside ``init()``, ready to take a lost rank's place.
+
+``syncdp-run --min-np M --spares K -np N`` starts N + K processes. Every one of them runs the
+program up to ``syncdp.init()`` (so TensorFlow and the program's imports are loaded); there the
+last K become spares and wait, without taking a core, instead of returning. All of them, ranks
+and spares, share the *reserve* communicator; the ranks train on a communicator split from it.
+The reserve is kept in this order, always: the ranks by rank, then the spares.
+
+A spare waits for a message from rank 0 on the reserve (:func:`wait`):
+
+- the reserve is revoked (the ranks lost one of theirs and are recovering) or rank 0 itself
+  failed: the spare joins the recovery (:func:`syncdp.core.membership.reseat`), which either
+  makes it a rank (it returns from ``init()`` as a replacement would) or leaves it a spare;
+- :data:`GROW`: the ranks grow into new slots; the spare joins, and stays a spare;
+- :data:`RELEASE`: the job is over; the spare exits 0 without running the rest of the program
+  (:func:`leave`).
+
+A spare that dies while it waits disturbs nobody: the next recovery leaves it out.
+
+Which process trains after a change is :func:`seat`'s pure arithmetic, the same on every process
+(survivors, spares and processes just spawned), so no process needs to be told its place.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from syncdp.core import mpi
+
+__all__ = ["SPARES_VAR", "RELEASE", "GROW", "FAILURE", "count", "seat", "wait", "wake", "leave"]
+
+# The number of spares the launcher started (read once by init(); spawned processes inherit it).
+# Not a SYNCDP_* name: those are settings, and an unknown one is an error.
+SPARES_VAR = "SYNCDPRUN_SPARES"
+# What wakes a spare: rank 0's message (RELEASE, GROW) or a failure (the reserve revoked).
+RELEASE, GROW, FAILURE = 0, 1, 2
+_TAG = 7301
+# A waiting spare looks this often: its wake-up costs at most this much of a recovery, and it
+# costs the training ranks almost no CPU.
+_POLL_SECONDS = 0.005
+
+
+def count(environ=None) -> int:
+    """The number of spares this job started with (0 when none, or outside the launcher)."""
+    text = (os.environ if environ is None else environ).get(SPARES_VAR, "")
+    return int(text) if text.isdigit() else 0
+
+
+def seat(index: int, trainers: int, spares: int, take: int, spawned: int) -> tuple[bool, int]:
+    """Where process ``index`` of a reserve being rebuilt goes: whether it trains, and its place.
+
+    The reserve being rebuilt holds ``trainers`` ranks (by rank), then ``spares`` spares, then
+    ``spawned`` processes just started for it. The surviving ranks keep their order (rank 0
+    stays the lowest survivor, whose state the others receive); the first ``take`` spares, then
+    the spawned processes, become the next ranks; the other spares stay spares, after every
+    rank.
+
+    Args:
+        index: The process's rank in the reserve being rebuilt.
+        trainers: Ranks that survived.
+        spares: Spares that survived.
+        take: Spares that become ranks.
+        spawned: Processes spawned (they always train).
+
+    Returns:
+        ``(trains, key)``: whether it trains, and its rank in the new reserve (which is its
+        rank in training too, for a process that trains).
+
+    Raises:
+        ValueError: ``take`` is not between 0 and ``spares``, or ``index`` is out of range.
+
+    Example:
+        >>> [seat(i, 2, 2, 1, 0) for i in range(4)]
+        [(True, 0), (True, 1), (True, 2), (False, 3)]
+    """
+    if not 0 <= take <= spares:
+        raise ValueError(f"take must be between 0 and spares ({spares}); got {take}")
+    if not 0 <= index < trainers + spares + spawned:
+        raise ValueError(f"index {index} is not in a reserve of {trainers + spares + spawned}")
+    if index < trainers:
+        return True, index
+    if index >= trainers + spares:
+        return True, trainers + take + (index - trainers - spares)
+    j = index - trainers
+    if j < take:
+        return True, trainers + j
+    return False, trainers + take + spawned + (j - take)
+
+
+def wait(reserve) -> int:
+    """A spare's wait for rank 0 on the reserve; returns RELEASE, GROW or FAILURE.
+
+    Polls a receive every few milliseconds: a spare must not take a core from the ranks that
+    train (Open MPI's own waits spin). A revoked reserve, or rank 0 lost, is a FAILURE: the
+    ranks are recovering, and the spare joins them.
+    """
+    MPI = mpi.load()
+    message = bytearray(8)
+    request = reserve.Irecv([message, MPI.BYTE], source=0, tag=_TAG)
+    while True:
+        try:
+            if request.Test():
+                return GROW if message[0] == GROW else RELEASE
+        except MPI.Exception:
+            return FAILURE
+        time.sleep(_POLL_SECONDS)
+
+
+def wake(reserve, first_spare: int, what: int) -> None:
+    """Rank 0 sends ``what`` (RELEASE or GROW) to every spare of the reserve; never raises.
+
+    Args:
+        reserve: The reserve communicator (rank 0's side).
+        first_spare: The reserve rank of the first spare (the number of training ranks).
+        what: RELEASE or GROW.
+    """
+    MPI = mpi.load()
+    message = bytes([what]) + bytes(7)
+    requests = []
+    for spare in range(first_spare, reserve.Get_size()):
+        try:
+            requests.append(reserve.Isend([message, MPI.BYTE], dest=spare, tag=_TAG))
+        except MPI.Exception:  # a spare that died while waiting
+            pass
+    deadline = time.monotonic() + 5.0
+    for request in requests:
+        try:
+            while not request.Test() and time.monotonic() < deadline:
+                time.sleep(_POLL_SECONDS)
+        except MPI.Exception:
+            pass
+
+
+def leave() -> None:
+    """A released spare ends: MPI finalized, exit 0, the rest of the program not run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI = mpi.load()
+    try:
+        MPI.Finalize()
+    except MPI.Exception:
+        pass
+    os._exit(0)
