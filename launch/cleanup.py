@@ -198,6 +198,11 @@ class Sweeper:
             self._threads[host] = thread
         thread.start()
 
+    def start_all(self) -> None:
+        """Starts sweeping every host of the job (this machine for a job without hosts)."""
+        for host in self.hosts or [Host("localhost", 1)]:
+            self.start(host.name)
+
     def on_lost(self, host: str | None, links: Iterable[Link]) -> None:
         """For :class:`launch.lifeline.LifelineServer`: sweeps the host that fell silent."""
         for link in links:

@@ -210,12 +210,22 @@ class LifelineServer:
     def _check_silence(self, open_links: dict, lost: set[int], now: float) -> None:
         if self.on_lost is None or self.lost_after is None:
             return
-        by_host: dict[str | None, list[Link]] = {}
-        for link in open_links.values():
-            if id(link) not in lost and link.silent_for(now) >= self.lost_after:
-                lost.add(id(link))
-                by_host.setdefault(link.host, []).append(link)
-        for host, links in by_host.items():
+        hosts = {
+            link.host
+            for link in open_links.values()
+            if id(link) not in lost and link.silent_for(now) >= self.lost_after
+        }
+        for host in hosts:
+            # The host's other silent links too: they went quiet together, a beat apart, and
+            # the verdict names all of the host's ranks at once.
+            links = [
+                link
+                for link in open_links.values()
+                if link.host == host
+                and id(link) not in lost
+                and (link.silent(now) or link.silent_for(now) >= self.lost_after)
+            ]
+            lost.update(id(link) for link in links)
             self.on_lost(host, links)
 
     def _accept(self, selector, pending) -> None:

@@ -782,9 +782,12 @@ def run(config: LaunchConfig) -> int:
     process = supervision.start_mpirun(cmd, env)
     sweeper.mpirun_pid = process.pid
     pumps = output.copy_output(process, timestamps=config.timestamps, files=files)
+    hung = False
     try:
         with supervision.StopOnSignals(process) as signals, _print_on_usr1(timings):
-            supervision.supervise(process, verdict)
+            hung = supervision.supervise(process, verdict)
+            if hung:  # a daemon that cannot finish (on a stopped host?) may be left anywhere
+                sweeper.start_all()
             _await_last_reports(verdict, lifeline)
             # The last lines, once mpirun has ended. Not long after a failure: processes on a
             # host that vanished may hold the pipes open until they notice, seconds later.
@@ -804,6 +807,11 @@ def run(config: LaunchConfig) -> int:
     rejected = describe_rejected(server.rejected + lifeline.rejected)
     if rejected:
         _say(rejected)
+    if hung:
+        _say(
+            "every rank had reported how it ended, but mpirun did not exit within "
+            f"{supervision.FINISHED_GRACE_SECONDS:g} s; it was stopped"
+        )
     if swept:
         _say(swept)
     if signals.received:

@@ -5,7 +5,9 @@
   mpirun gets SIGTERM and ends the job. The supervisors' lifelines (:mod:`launch.lifeline`)
   end whatever is left, on every host, within seconds.
 - :func:`supervise` waits for mpirun, and ends the job when a rank reported a failure or the
-  ranks did not all reach ``init()`` within the start timeout.
+  ranks did not all reach ``init()`` within the start timeout; and when every rank has reported
+  how it ended, the job is over whatever mpirun does: mpirun gets a short grace to exit, then it
+  is stopped (an Open MPI daemon that cannot run, on a stopped host, would keep it waiting).
 - :class:`StopOnSignals` turns SIGINT, SIGTERM and SIGHUP to the launcher into stopping the job
   (mpirun is asked first, then killed after a grace), and remembers the signal.
 """
@@ -34,6 +36,9 @@ TERMINATE_GRACE_SECONDS = 10.0
 FAILURE_GRACE_SECONDS = 5.0
 # Between SIGTERM and SIGKILL when a job that never started is stopped.
 START_STOP_GRACE_SECONDS = 2.0
+# Once every rank has reported how it ended, mpirun gets this long to exit, then as long again
+# after SIGTERM.
+FINISHED_GRACE_SECONDS = 5.0
 
 
 def _end_with_launcher() -> None:
@@ -79,9 +84,21 @@ def stop(
         process.wait()
 
 
-def supervise(process: subprocess.Popen, verdict: Verdict) -> None:
-    """Waits for mpirun; ends the job on a failure report or a start timeout."""
+def supervise(process: subprocess.Popen, verdict: Verdict) -> bool:
+    """Waits for mpirun; ends the job on a failure report or a start timeout, or once every rank
+    has reported how it ended and mpirun has not exited within a grace.
+
+    Returns:
+        Whether mpirun had to be stopped after every rank had reported (a daemon somewhere did
+        not finish: the hosts may hold leftovers).
+    """
+    finished: float | None = None  # time.monotonic() when every rank had reported
     while process.poll() is None:
+        if finished is None and verdict.elastic is None and not verdict.unreported():
+            finished = time.monotonic()
+        if finished is not None and time.monotonic() > finished + FINISHED_GRACE_SECONDS:
+            stop(process, grace=FINISHED_GRACE_SECONDS)
+            return True
         if verdict.check_start():
             # The ranks' own start timeout did not end the job: nothing will. Training never
             # began, so there is nothing to let the ranks finish: a short grace.
@@ -92,6 +109,7 @@ def supervise(process: subprocess.Popen, verdict: Verdict) -> None:
             while process.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.2)
             stop(process, grace=FAILURE_GRACE_SECONDS)
+    return False
 
 
 class StopOnSignals:

@@ -44,13 +44,14 @@ def cluster(tmp_path):
         pytest.skip(str(e))
 
 
-def _start(cluster, tmp_path, slots: int = 2):
-    """Starts WORK on ``slots`` ranks per host; returns once every rank is working."""
-    script = python_script(tmp_path, WORK)
-    ranks = slots * len(HOSTS)
+def _start(cluster, tmp_path, slots: int = 2, first: str = "ha", program: str = WORK):
+    """Starts ``program`` on ``slots`` ranks on each of ``first`` (``"localhost"``: the
+    launcher's own host) and hb; returns once every rank is working."""
+    script = python_script(tmp_path, program)
+    ranks = 2 * slots
     flags = (
         "-H",
-        ",".join(f"{h}:{slots}" for h in HOSTS),
+        f"{first}:{slots},hb:{slots}",
         "--network-interface",
         cluster.subnet,
         "--stall-timeout",
@@ -72,10 +73,20 @@ def _start(cluster, tmp_path, slots: int = 2):
     return proc
 
 
-def _wait_empty(cluster, timeout: float) -> dict:
+def _wait_empty(cluster, timeout: float, script=None) -> dict:
+    """Waits until no namespace host runs a process, nor the launcher's host one that runs
+    ``script`` (a supervisor or rank there); returns what is left, by host."""
     deadline = time.monotonic() + timeout
     while True:
         left = {h: cluster.pids(h) for h in HOSTS if cluster.pids(h)}
+        if script is not None:
+            mine = [
+                pid
+                for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                if str(script).encode() in _command(pid)
+            ]
+            if mine:
+                left["the launcher's host"] = mine
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.5)
@@ -120,14 +131,20 @@ def _end_after(proc, act, what: str) -> tuple[str, float]:
             proc.wait()
 
 
-LAYOUTS = pytest.mark.parametrize("slots", [2, 1], ids=["2-per-host", "1-per-host"])
+# (ranks per host, the other host): every rank remote at 2 and at 1 per host, or the launcher's
+# own host running ranks besides hb.
+LAYOUTS = pytest.mark.parametrize(
+    "slots, first",
+    [(2, "ha"), (1, "ha"), (2, "localhost")],
+    ids=["2-per-host", "1-per-host", "launcher-host-too"],
+)
 
 
 @LAYOUTS
-def test_a_host_cut_off_mid_run_fails_the_job_naming_it(cluster, tmp_path, slots):
-    proc = _start(cluster, tmp_path, slots)
+def test_a_host_cut_off_mid_run_fails_the_job_naming_it(cluster, tmp_path, slots, first):
+    proc = _start(cluster, tmp_path, slots, first)
     err, ended = _end_after(proc, lambda: cluster.cut("hb"), "host hb's link was cut")
-    print(f"{slots} per host: link of hb cut -> launcher exit: {ended:.1f} s")
+    print(f"{slots} per host, {first} and hb: link of hb cut -> launcher exit: {ended:.1f} s")
     assert proc.returncode != 0, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("syncdp-run: the job failed ("), err[-3000:]
@@ -139,15 +156,15 @@ def test_a_host_cut_off_mid_run_fails_the_job_naming_it(cluster, tmp_path, slots
     # The launcher cannot reach hb to clean up (its remote shell hangs, as ssh would, until the
     # sweep gives up): hb's supervisors end everything there themselves.
     assert "hb could not be cleaned up (no answer within" in err, err[-3000:]
-    left = _wait_empty(cluster, timeout=20)
+    left = _wait_empty(cluster, timeout=20, script=tmp_path / "job.py")
     assert not left, f"processes left on hosts {left}"
 
 
 @LAYOUTS
 def test_a_host_whose_processes_are_all_stopped_fails_the_job_and_is_cleaned_up(
-    cluster, tmp_path, slots
+    cluster, tmp_path, slots, first
 ):
-    proc = _start(cluster, tmp_path, slots)
+    proc = _start(cluster, tmp_path, slots, first)
     # Open MPI's daemon, the supervisors and the ranks: none of them can act any more, so only
     # the launcher can end them (through the remote shell, with SIGKILL).
     err, ended = _end_after(
@@ -156,7 +173,8 @@ def test_a_host_whose_processes_are_all_stopped_fails_the_job_and_is_cleaned_up(
         "every process of host hb was stopped",
     )
     lines = err.strip().splitlines()
-    print(f"{slots} per host: hb's processes stopped -> launcher exit: {ended:.1f} s; {lines[-1]}")
+    layout = f"{slots} per host, {first} and hb"
+    print(f"{layout}: hb's processes stopped -> launcher exit: {ended:.1f} s; {lines[-1]}")
     assert proc.returncode != 0, err[-3000:]
     last = lines[-1]
     assert last.startswith("syncdp-run: the job failed ("), err[-3000:]
@@ -166,7 +184,7 @@ def test_a_host_whose_processes_are_all_stopped_fails_the_job_and_is_cleaned_up(
     assert len(cleaned) == 1 and "on hb, " in cleaned[0], err[-3000:]
     assert "prted" in cleaned[0] and "python" in cleaned[0], cleaned[0]
     started = time.monotonic()
-    left = _wait_empty(cluster, timeout=15)
+    left = _wait_empty(cluster, timeout=15, script=tmp_path / "job.py")
     print(f"{cleaned[0]}; hosts empty {time.monotonic() - started:.1f} s after the end")
     assert not left, f"processes left on hosts {left}"
 
@@ -218,3 +236,33 @@ def test_a_host_whose_open_mpi_daemon_dies_fails_the_job_naming_it(cluster, tmp_
     left = _wait_empty(cluster, timeout=20)
     what = {pid: _command(pid)[:150] for pids in left.values() for pid in pids}
     assert not left, f"processes left on hosts {left}: {what}"
+
+
+# Each rank on hb stops Open MPI's daemon above its supervisor, then finishes: every rank
+# reports a clean exit, but mpirun waits for that daemon for good.
+FREEZE_DAEMON = """
+import os, signal, socket, time
+print("working", flush=True)
+time.sleep(1)
+if socket.gethostname() == "hb":
+    with open(f"/proc/{os.getppid()}/stat") as f:
+        os.kill(int(f.read().rsplit(")", 1)[1].split()[1]), signal.SIGSTOP)
+print("done", flush=True)
+"""
+
+
+def test_a_job_whose_ranks_all_finished_ends_though_mpirun_waits_for_a_stopped_daemon(
+    cluster, tmp_path
+):
+    proc = _start(cluster, tmp_path, program=FREEZE_DAEMON)
+    err, ended = _end_after(proc, lambda: None, "hb's daemon was stopped")
+    lines = err.strip().splitlines()
+    print(f"ranks finished, hb's daemon stopped -> launcher exit: {ended:.1f} s")
+    # The verdict comes from the ranks: all four reported a clean exit.
+    assert proc.returncode == 0, err[-3000:]
+    assert any("mpirun did not exit within" in line for line in lines), err[-3000:]
+    cleaned = [line for line in lines if "cleaned up what was left of the job" in line]
+    assert len(cleaned) == 1 and "on hb, " in cleaned[0] and "prted" in cleaned[0], err[-3000:]
+    assert ended < 20, f"ended {ended:.1f} s after the ranks started working"
+    left = _wait_empty(cluster, timeout=15)
+    assert not left, f"processes left on hosts {left}"
