@@ -785,7 +785,7 @@ def run(config: LaunchConfig) -> int:
     hung = False
     try:
         with supervision.StopOnSignals(process) as signals, _print_on_usr1(timings):
-            hung = supervision.supervise(process, verdict)
+            hung = supervision.supervise(process, verdict, links=lifeline.links)
             if hung:  # a daemon that cannot finish (on a stopped host?) may be left anywhere
                 sweeper.start_all()
             _await_last_reports(verdict, lifeline)

@@ -20,9 +20,11 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from launch.lifeline import Link
     from launch.verdict import Verdict
 
 __all__ = ["start_mpirun", "stop", "supervise", "StopOnSignals"]
@@ -84,9 +86,22 @@ def stop(
         process.wait()
 
 
-def supervise(process: subprocess.Popen, verdict: Verdict) -> bool:
+def supervise(
+    process: subprocess.Popen,
+    verdict: Verdict,
+    *,
+    links: Callable[[], Mapping[int, Link]] | None = None,
+) -> bool:
     """Waits for mpirun; ends the job on a failure report or a start timeout, or once every rank
     has reported how it ended and mpirun has not exited within a grace.
+
+    Args:
+        process: mpirun.
+        verdict: What the ranks reported.
+        links: The supervisors' lifelines (:meth:`launch.lifeline.LifelineServer.links`): the
+            grace starts only once every supervisor has exited too (it sends its report before
+            the last of its rank's output, which mpirun still forwards). Defaults to None (the
+            grace starts at the last report).
 
     Returns:
         Whether mpirun had to be stopped after every rank had reported (a daemon somewhere did
@@ -95,7 +110,8 @@ def supervise(process: subprocess.Popen, verdict: Verdict) -> bool:
     finished: float | None = None  # time.monotonic() when every rank had reported
     while process.poll() is None:
         if finished is None and verdict.elastic is None and not verdict.unreported():
-            finished = time.monotonic()
+            if links is None or all(link.closed is not None for link in links().values()):
+                finished = time.monotonic()
         if finished is not None and time.monotonic() > finished + FINISHED_GRACE_SECONDS:
             stop(process, grace=FINISHED_GRACE_SECONDS)
             return True
