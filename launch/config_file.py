@@ -9,13 +9,13 @@ The layout is horovodrun 0.28's; every section and key is optional::
       cache_capacity: 1024             # --cache-capacity (changes nothing)
       hierarchical_allreduce: true     # --hierarchical-allreduce / --no-hierarchical-allreduce
       hierarchical_allgather: false    # (changes nothing)
-    autotune:                          # (changes nothing)
-      enabled: false
-      log_file: autotune.csv
-      warmup_samples: 3
-      steps_per_sample: 10
-      bayes_opt_max_samples: 20
-      gaussian_process_noise: 0.8
+    autotune:
+      enabled: false                   # --autotune / --no-autotune
+      log_file: autotune.csv           # --autotune-log-file
+      warmup_samples: 3                # --autotune-warmup-samples
+      steps_per_sample: 10             # --autotune-steps-per-sample
+      bayes_opt_max_samples: 20        # --autotune-bayes-opt-max-samples
+      gaussian_process_noise: 0.8      # (changes nothing)
     timeline:
       filename: timeline.json          # --timeline-filename
       mark_cycles: false               # (changes nothing)

@@ -109,9 +109,6 @@ class Flag:
     setting: str | None = None
 
 
-_NO_AUTOTUNER = (
-    "syncdp has no autotuner; set --fusion-threshold-mb, --first-bucket-mb and --chunk-mb by hand"
-)
 _NO_CYCLES = "syncdp orders collectives when the graph is traced, so there is no negotiation cycle"
 _NO_LOG_TIMESTAMPS = (
     "syncdp's own messages carry no timestamp to show or hide; "
@@ -242,34 +239,51 @@ FLAGS: tuple[Flag, ...] = (
         dest="hierarchical_allgather",
         const=False,
     ),
-    Flag(("--autotune",), INERT, _NO_AUTOTUNER, dest="autotune"),
-    Flag(("--no-autotune",), INERT, _NO_AUTOTUNER, dest="autotune", const=False),
-    Flag(("--autotune-log-file",), INERT, _NO_AUTOTUNER, dest="autotune_log_file", value=str),
+    Flag(
+        ("--autotune",),
+        SAME,
+        "tunes the fusion threshold, first bucket, chunk size and (across hosts) hierarchical "
+        "allreduce from step times measured while the job trains, then keeps the fastest "
+        "(SYNCDP_AUTOTUNE)",
+        setting="autotune",
+    ),
+    Flag(
+        ("--no-autotune",),
+        MAPS,
+        "autotuning off, the default (SYNCDP_AUTOTUNE=0)",
+        dest="autotune",
+        const=False,
+    ),
+    Flag(
+        ("--autotune-log-file",),
+        SAME,
+        "rank 0 writes every sample and the choice as CSV (SYNCDP_AUTOTUNE_LOG_FILE)",
+        setting="autotune_log_file",
+    ),
     Flag(
         ("--autotune-warmup-samples",),
-        INERT,
-        _NO_AUTOTUNER,
-        dest="autotune_warmup_samples",
-        value=_count,
+        SAME,
+        "samples thrown away before measuring (SYNCDP_AUTOTUNE_WARMUP_SAMPLES)",
+        setting="autotune_warmup_samples",
     ),
     Flag(
         ("--autotune-steps-per-sample",),
-        INERT,
-        _NO_AUTOTUNER,
-        dest="autotune_steps_per_sample",
-        value=_count,
+        SAME,
+        "training steps per sample (SYNCDP_AUTOTUNE_STEPS_PER_SAMPLE)",
+        setting="autotune_steps_per_sample",
     ),
     Flag(
         ("--autotune-bayes-opt-max-samples",),
-        INERT,
-        _NO_AUTOTUNER,
-        dest="autotune_bayes_opt_max_samples",
-        value=_count,
+        MAPS,
+        "most samples measured; syncdp searches one setting at a time instead of by Bayesian "
+        "optimization, so this bounds that search (SYNCDP_AUTOTUNE_MAX_SAMPLES)",
+        setting="autotune_max_samples",
     ),
     Flag(
         ("--autotune-gaussian-process-noise",),
         INERT,
-        _NO_AUTOTUNER,
+        "syncdp's search fits no Gaussian process: it scores each sample by its median step "
+        "and keeps a choice's best score over repeated samples",
         dest="autotune_gaussian_process_noise",
         value=_fraction,
     ),

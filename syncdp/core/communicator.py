@@ -75,6 +75,8 @@ class Communicator:
         self.rank = self.mpi.Get_rank()
         self.size = self.mpi.Get_size()
         self.config = config
+        # Most bytes per MPI message: the setting, until autotuning picks another.
+        self.chunk_bytes = config.chunk_bytes
         self.timeline = timeline
         self.seq = 0
         self._checked_at: float | None = None  # when the last argument check began
@@ -302,7 +304,7 @@ class Communicator:
         Returns:
             ``buffer``, now holding the reduction.
         """
-        step = max(1, self.config.chunk_bytes // max(1, buffer.itemsize))
+        step = max(1, self.chunk_bytes // max(1, buffer.itemsize))
         size = buffer.size
         if self.size == 1:  # no collective, only the local passes
             for lo in range(0, size, step):
@@ -338,6 +340,12 @@ class Communicator:
         nbytes = buffer.nbytes if nbytes is None else nbytes
         self._run(name, reduce, nbytes=nbytes, dtype=str(buffer.dtype), info=info)
         return buffer
+
+    def moves_through_mpi(self) -> bool:
+        """Whether an allreduce here sends its bytes through Open MPI in chunks (so the chunk
+        size matters), not through a shared-memory plane. A collective the first time (it may
+        open the plane): every rank must ask at the same point."""
+        return self.size > 1 and self._shared_plane() is None
 
     def _shared_plane(self) -> _shm.SharedPlane | None:
         """The shared-memory plane for the current path, opened on first use (a collective:

@@ -193,6 +193,49 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("auto", "on", "off"),
     ),
     Setting(
+        "autotune",
+        "SYNCDP_AUTOTUNE",
+        "--autotune",
+        bool,
+        False,
+        "tune the fusion threshold, first bucket, chunk size and hierarchical allreduce from "
+        "step times measured during the first steps, then keep the fastest",
+    ),
+    Setting(
+        "autotune_log_file",
+        "SYNCDP_AUTOTUNE_LOG_FILE",
+        "--autotune-log-file",
+        str,
+        "",
+        "autotune: rank 0 writes every sample and the choice to this CSV file",
+    ),
+    Setting(
+        "autotune_warmup_samples",
+        "SYNCDP_AUTOTUNE_WARMUP_SAMPLES",
+        "--autotune-warmup-samples",
+        int,
+        3,
+        "autotune: samples thrown away before measuring (tracing, first use of buffers)",
+    ),
+    Setting(
+        "autotune_steps_per_sample",
+        "SYNCDP_AUTOTUNE_STEPS_PER_SAMPLE",
+        "--autotune-steps-per-sample",
+        int,
+        10,
+        "autotune: training steps per sample; a sample scores the median step",
+        minimum=1,
+    ),
+    Setting(
+        "autotune_max_samples",
+        "SYNCDP_AUTOTUNE_MAX_SAMPLES",
+        "--autotune-max-samples",
+        int,
+        20,
+        "autotune: most samples measured before the fastest choice is kept",
+        minimum=1,
+    ),
+    Setting(
         "elastic",
         "SYNCDP_ELASTIC",
         "--elastic",
@@ -321,7 +364,7 @@ def validate(
     Args:
         setting: The row of :data:`SETTINGS`, or its name.
         value: For ``source="flag"`` the flag's text, in the flag's unit (MiB for the ``-mb``
-            flags; True for a boolean flag); for ``"env"`` the variable's text; for
+            flags; True or False for a boolean flag); for ``"env"`` the variable's text; for
             ``"keyword"`` the Python value (``init()``'s keyword, a :class:`Config` field).
         source: Where the value came from: ``"flag"``, ``"env"`` or ``"keyword"``. Defaults to
             ``"keyword"``.
@@ -349,7 +392,8 @@ def validate(
     unit = s.flag_unit if source == "flag" else 1
     typed = value
     ok = True
-    if source != "keyword" and not (s.type is bool and value is True):
+    # A boolean flag stores True (``--autotune``) or False (``--no-autotune``), not text.
+    if source != "keyword" and not (s.type is bool and isinstance(value, bool)):
         try:
             typed = _parse_text(s, value, unit)
         except (TypeError, ValueError):
@@ -418,6 +462,11 @@ class Config:
     verify_every: int = _default("verify_every")
     hierarchical_allreduce: str = _default("hierarchical_allreduce")
     shared_memory: str = _default("shared_memory")
+    autotune: bool = _default("autotune")
+    autotune_log_file: str = _default("autotune_log_file")
+    autotune_warmup_samples: int = _default("autotune_warmup_samples")
+    autotune_steps_per_sample: int = _default("autotune_steps_per_sample")
+    autotune_max_samples: int = _default("autotune_max_samples")
     elastic: bool = _default("elastic")
     min_np: int = _default("min_np")
     max_np: int = _default("max_np")
@@ -493,7 +542,8 @@ def launcher_env(flag_values: Mapping[str, Any]) -> dict[str, str]:
         value = flag_values.get(s.name)
         if value is None or (s.type is bool and not value):
             continue
-        if s.name == "timeline" or (s.name == "host_discovery_script" and os.path.exists(value)):
+        named_file = s.name in ("timeline", "autotune_log_file")
+        if named_file or (s.name == "host_discovery_script" and os.path.exists(value)):
             value = os.path.abspath(value)  # ranks may start in another working directory
         env[s.env] = s.env_text(value)
     return env

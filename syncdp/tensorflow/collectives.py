@@ -26,6 +26,8 @@ from syncdp import engine
 from syncdp.core import process_sets, runtime
 from syncdp.core.communicator import signature_digest
 from syncdp.core.process_sets import global_process_set
+from syncdp.tensorflow import autotuning as _autotuning
+from syncdp.tensorflow import graph
 from syncdp.tensorflow.compression import Compression
 from syncdp.tensorflow.graph import InvalidArgument, ordered_call, standalone
 
@@ -139,6 +141,13 @@ def _spec(tensor) -> engine.TensorSpec:
     return engine.TensorSpec(nbytes, tensor.dtype)
 
 
+def _tunable(process_set) -> bool:
+    """Whether autotuning may change how this set's gradients are bucketed: the whole job's,
+    in eager code or a ``tf.function`` (not a TF1 graph)."""
+    whole = process_set is None or process_set is global_process_set
+    return whole and not graph.in_v1_graph()
+
+
 def _check_reducible(tensors) -> None:
     for t in tensors:  # the same error at any size, so a 1-rank test catches it
         if t.dtype not in _REDUCIBLE:
@@ -227,33 +236,44 @@ def fused_allreduce(
         wire.append(sent)
         ctxs.append(ctx)
     _check_reducible(wire)
-    results = [None] * len(wire)
-    agreed = None
+    specs = [_spec(w) for w in wire]
+
+    def plan_for(first_bytes: int, cap_bytes: int) -> list:
+        return engine.plan(specs, first_bytes=first_bytes, cap_bytes=cap_bytes, reverse=reverse)
+
+    def run_plan(buckets: list) -> tuple[list, tf.Tensor | None]:
+        results, agreed = [None] * len(wire), None
+        for b, bucket in enumerate(buckets):
+            members = [wire[i] for i in bucket.indices]
+            reducer = engine.BucketReducer(
+                members[0].dtype.as_numpy_dtype,
+                op.value,
+                prescale=prescale,
+                postscale=postscale,
+                name=f"{name}.bucket{b}",
+                info={"bucket": b, "tensors": len(members), "op": op.value},
+                carry_step=step is not None and b == 0,
+            )
+            with tf.name_scope(f"syncdp_bucket{b}"):
+                reduced, carried = _reduce_bucket(
+                    members, reducer, step if b == 0 else None, process_set
+                )
+            agreed = carried if carried is not None else agreed
+            for i, piece in zip(bucket.indices, reduced):
+                results[i] = piece
+        return results, agreed
+
+    tuning = _autotuning.tuner() if reverse and _tunable(process_set) else None
     if op is Adasum:  # per tensor (its dot products are the tensor's own), never bucketed
         results = [_adasum(w, name, process_set, prescale, postscale) for w in wire]
-        buckets = []
+        agreed = None
+    elif tuning is not None:  # gradients, with the fusion threshold and first bucket tuned
+        site = (name, tuple(s.nbytes for s in specs))
+        results, agreed = _autotuning.reduce_tuned(
+            tuning, plan_for, run_plan, site, with_step=step is not None
+        )
     else:
-        buckets = engine.plan(
-            [_spec(w) for w in wire], first_bytes=first, cap_bytes=cap, reverse=reverse
-        )
-    for b, bucket in enumerate(buckets):
-        members = [wire[i] for i in bucket.indices]
-        reducer = engine.BucketReducer(
-            members[0].dtype.as_numpy_dtype,
-            op.value,
-            prescale=prescale,
-            postscale=postscale,
-            name=f"{name}.bucket{b}",
-            info={"bucket": b, "tensors": len(members), "op": op.value},
-            carry_step=step is not None and b == 0,
-        )
-        with tf.name_scope(f"syncdp_bucket{b}"):
-            reduced, carried = _reduce_bucket(
-                members, reducer, step if b == 0 else None, process_set
-            )
-        agreed = carried if carried is not None else agreed
-        for i, piece in zip(bucket.indices, reduced):
-            results[i] = piece
+        results, agreed = run_plan(plan_for(first, cap))
     out = []
     for t, r, ctx in zip(tensors, results, ctxs):
         r = compression.decompress(r, ctx)

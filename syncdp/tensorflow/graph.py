@@ -125,6 +125,17 @@ def ordered_call(fn, inputs: Sequence[tf.Tensor], out_dtypes, out_shapes, name: 
     return outs
 
 
+def follow_collective(op) -> None:
+    """Makes ``op`` the last collective of the graph being built, so that the next ordered call
+    waits for it: for collectives built as one op (a ``tf.switch_case`` whose branches each
+    hold a chain of their own)."""
+    own_chain = getattr(_standalone, "chain", None)
+    if own_chain is None:
+        _last_collective[tf.compat.v1.get_default_graph()] = op
+    else:
+        own_chain[0] = op
+
+
 @contextlib.contextmanager
 def creating_variables():
     """Variables created here are made eagerly, even inside a ``tf.function``'s later trace.

@@ -434,14 +434,27 @@ def test_a_horovod_config_file_sets_what_its_keys_stand_for(tmp_path, monkeypatc
         "stall_warning": 120.0,
         "timeline": "timeline.json",
         "hierarchical_allreduce": "off",
+        "autotune": True,
+        "autotune_log_file": "autotune.csv",
+        "autotune_warmup_samples": 5,
+        "autotune_steps_per_sample": 20,
+        "autotune_max_samples": 50,
     }
     env = env_of(c)
     assert env["SYNCDP_FUSION_THRESHOLD"] == str(32 * 1024 * 1024)
     assert env["SYNCDP_TIMELINE"] == str(tmp_path / "timeline.json")
+    assert env["SYNCDP_AUTOTUNE"] == "1"
+    assert env["SYNCDP_AUTOTUNE_LOG_FILE"] == str(tmp_path / "autotune.csv")
+    assert env["SYNCDP_AUTOTUNE_MAX_SAMPLES"] == "50"
     assert c.log_level == "INFO"
     said = "\n".join(c.notes)
-    for key in ("params.cycle_time_ms", "autotune.enabled", "library_options.thread_affinity"):
+    for key in (
+        "params.cycle_time_ms",
+        "autotune.gaussian_process_noise",
+        "library_options.thread_affinity",
+    ):
         assert f"{key} in {path} changes nothing: " in said, said
+    assert "autotune.enabled" not in said
 
 
 def test_flags_on_the_command_line_win_over_the_file(tmp_path):

@@ -1,0 +1,129 @@
+"""``syncdp-run --autotune``: the search runs, logs, settles, and never changes the arithmetic.
+
+The job trains a 7 MiB MLP (so the tuned fusion thresholds give different buckets and the traced
+step really switches plans) with full-batch SGD, each rank on its share of the batch, while the
+tuner moves between choices every two steps. The result must equal one process training on the
+whole batch (plans only regroup tensors; every element is still the same sum), and the CSV log
+must show the warmup, the samples and a choice that is the fastest sample.
+"""
+
+import csv
+
+import pytest
+
+from tests.launcher import check, launch, python_script
+
+JOB = """
+import sys
+import numpy as np
+import tensorflow as tf
+import syncdp.tensorflow as hvd
+
+mode = sys.argv[1]
+hvd.init()
+STEPS, BATCH = 60, 24
+
+
+def build():
+    return tf.keras.Sequential([
+        tf.keras.Input((256,)),
+        tf.keras.layers.Dense(1024, activation="tanh"),
+        tf.keras.layers.Dense(1024, activation="tanh"),
+        tf.keras.layers.Dense(512, activation="tanh"),
+        tf.keras.layers.Dense(10),
+    ])
+
+
+data = np.random.default_rng(1)
+x = tf.constant(data.normal(size=(BATCH, 256)), tf.float32)
+y = tf.constant(data.integers(0, 10, size=BATCH), tf.int32)
+start = hvd.broadcast_object(build().get_weights(), root_rank=0)
+
+
+lossf = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+# The reference: one process, the whole batch, no syncdp.
+ref = build()
+ref.set_weights(start)
+ref_opt = tf.keras.optimizers.SGD(0.05)
+if mode == "keras":
+    ref.compile(optimizer=ref_opt, loss=lossf)
+    ref.fit(x, y, batch_size=BATCH, epochs=STEPS, shuffle=False, verbose=0)
+else:
+    for _ in range(STEPS):
+        with tf.GradientTape() as tape:
+            loss = lossf(y, ref(x))
+        ref_opt.apply_gradients(zip(tape.gradient(loss, ref.trainable_variables),
+                                    ref.trainable_variables))
+
+model = build()
+model.set_weights(start)
+mine = slice(hvd.rank() * BATCH // hvd.size(), (hvd.rank() + 1) * BATCH // hvd.size())
+xs, ys = x[mine], y[mine]
+opt = tf.keras.optimizers.SGD(0.05)
+
+if mode == "keras":
+    model.compile(optimizer=hvd.DistributedOptimizer(opt), loss=lossf)
+    model.fit(xs, ys, batch_size=BATCH // hvd.size(), epochs=STEPS, shuffle=False, verbose=0)
+else:
+    def step():
+        with tf.GradientTape() as tape:
+            loss = lossf(ys, model(xs))
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    if mode == "function":
+        step = tf.function(step)
+    for _ in range(STEPS):
+        step()
+
+for a, b in zip(model.variables, ref.variables):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=2e-4, atol=2e-6)
+print("matches one process", flush=True)
+"""
+
+
+def _rows(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize(
+    ("np", "mode"), [(2, "function"), (3, "function"), (2, "eager"), (2, "keras")]
+)
+def test_autotune_searches_settles_and_matches_one_process(np, mode, tmp_path):
+    log = tmp_path / "tune.csv"
+    result = check(
+        launch(
+            np,
+            "python",
+            python_script(tmp_path, JOB),
+            mode,
+            launcher_args=(
+                "--autotune",
+                "--autotune-warmup-samples",
+                "1",
+                "--autotune-steps-per-sample",
+                "2",
+                "--autotune-log-file",
+                str(log),
+            ),
+            timeout=240,
+        )
+    )
+    assert result.stdout.count("matches one process") == np, result.stdout
+    rows = _rows(log)
+    kinds = [r["kind"] for r in rows]
+    assert kinds[0] == "warmup" and kinds[1] == "sample" and kinds[-1] == "chosen", kinds
+    assert kinds.count("warmup") == 1 and kinds.count("chosen") == 1
+    samples = [r for r in rows if r["kind"] == "sample"]
+    assert len(samples) <= 20
+    # For 7 MiB of gradients a 2 MiB cap gives other buckets than 8, 25 or 64 MiB: the traced
+    # step ran both plans.
+    caps = {r["fusion_threshold_mb"] for r in samples}
+    assert "2" in caps and caps & {"8", "25", "64"}, rows
+    chosen = rows[-1]
+    fastest = min(float(r["step_ms"]) for r in samples)
+    assert float(chosen["step_ms"]) == fastest, rows
+    assert "syncdp: autotune chose fusion threshold " in result.stderr, result.stderr[-3000:]
