@@ -13,12 +13,18 @@ Three measurements, each started here through the real launcher:
 3. ULFM's overhead: the same 2-rank training job without and with elastic mode
    (``--with-ft ulfm``), alternating launches; steps per second and their ratio.
 
+4. With ``--spares``, only recovery, with and without a warm spare (``syncdp-run --spares 1``):
+   the same kill at N = 2 and 3, the two cases alternating launch by launch, ``--repeats``
+   times each; the spare waits in ``init()`` with TensorFlow loaded, so recovery skips the
+   replacement's start.
+
 Usage::
 
     python benchmarks/elastic.py            # all three, about 4 minutes on 2 cores
     python benchmarks/elastic.py --quick    # N = 2, 3 only, fewer repeats
+    python benchmarks/elastic.py --spares --repeats 3   # spare against spawn, side by side
 
-Results go to ``benchmarks/results/elastic.md``.
+Results go to ``benchmarks/results/elastic.md`` (``elastic_spares.md`` with ``--spares``).
 """
 
 from __future__ import annotations
@@ -48,8 +54,10 @@ def _rank_env() -> dict[str, str]:
     return env
 
 
-def _launch(np_: int, *args: str, elastic: bool = True, timeout: float = 400):
+def _launch(np_: int, *args: str, elastic: bool = True, timeout: float = 400, spares: int = 0):
     flags = ["--min-np", "1"] if elastic else []
+    if spares:
+        flags += ["--spares", str(spares)]
     cmd = [sys.executable, "-m", "launch", "-np", str(np_), *flags, sys.executable, __file__]
     proc = subprocess.run(
         [*cmd, *args], capture_output=True, text=True, env=_rank_env(), cwd=ROOT, timeout=timeout
@@ -152,9 +160,9 @@ def _result(out: str) -> dict:
     return json.loads(re.findall(r"<stdout>:RESULT (\{.*\})", out)[-1])
 
 
-def recovery(np_: int) -> tuple[float, float]:
+def recovery(np_: int, spares: int = 0) -> tuple[float, float]:
     """Seconds from the kill to the first full-size step, and the launcher's "recovered in"."""
-    proc = _launch(np_, "--worker", "recovery", "--steps", "80")
+    proc = _launch(np_, "--worker", "recovery", "--steps", "80", spares=spares)
     killed = float(re.findall(r"<stdout>:KILLED ([0-9.]+)", proc.stdout)[0])
     steps = re.findall(r"<stdout>:STEP ([0-9.]+) (\d+) (\d+)", proc.stdout)
     # The first step after the membership change, at full size again.
@@ -163,14 +171,55 @@ def recovery(np_: int) -> tuple[float, float]:
     return back - killed, logged
 
 
+def spares_against_spawn(sizes: list[int], repeats: int) -> None:
+    """Recovery with a warm spare against recovery by spawning, alternating launches."""
+    rows = []
+    for n in sizes:
+        measured = {0: [], 1: []}
+        for _ in range(repeats):
+            for spares in (0, 1):
+                measured[spares].append(recovery(n, spares)[0])
+                print(f"np={n} spares={spares}: {measured[spares][-1]:.2f} s", flush=True)
+        spawn, spare = median(measured[0]), median(measured[1])
+        each = "; ".join(
+            f"{label}: " + ", ".join(f"{t:.2f}" for t in measured[k])
+            for k, label in ((0, "spawn"), (1, "spare"))
+        )
+        rows.append(
+            [
+                f"recovery, np={n}",
+                f"{spare:.2f} s with --spares 1",
+                f"{spawn:.2f} s without (spawn)",
+                f"spare / spawn = {spare / spawn:.2f} (median of {repeats}; {each} s)",
+            ]
+        )
+        print(rows[-1], flush=True)
+    path = write_markdown(
+        "elastic_spares",
+        "Elastic recovery: a warm spare against a spawned replacement",
+        ["what", "measured", "against", "note"],
+        rows,
+        notes=machine(
+            "seconds from rank 1's SIGKILL to rank 0's first step at full size again; each rank "
+            "1 intra-op thread; the two cases alternate launch by launch in one run"
+        ),
+    )
+    print(f"wrote {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", choices=["recovery", "commit", "throughput"])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--spares", action="store_true", help="only: recovery with a spare vs without")
+    p.add_argument("--repeats", type=int, default=3, help="launches per case with --spares")
     args = p.parse_args()
     if args.worker:
         _worker(args.worker, args.steps)
+        return
+    if args.spares:
+        spares_against_spawn([2, 3], args.repeats)
         return
     sizes = [2, 3] if args.quick else [2, 3, 4]
     repeats = 1 if args.quick else 2

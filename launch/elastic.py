@@ -113,6 +113,7 @@ class ElasticLog:
         self._spare_pids: dict[int, tuple] = {}  # label -> (host, pid), from "started"
         # The launcher labels the spares right after the ranks: the first label is -np.
         self._ranks_at_start = min(self._spares) if self._spares else 0
+        self._spares_lost = 0
 
     def _spare_exit(self, report: dict) -> bool:
         """Logs a waiting spare's exit; False when ``report`` is not one."""
@@ -122,7 +123,9 @@ class ElasticLog:
                 return False
             self._spares.discard(label)
             left = len(self._spares)
-        if report.get("code") or report.get("signal"):
+            failed = bool(report.get("code") or report.get("signal"))
+            self._spares_lost += failed
+        if failed:
             code = -report["signal"] if report.get("signal") else report["code"]
             self._say(
                 f"spare [{label}] (pid {report.get('pid')} on {report.get('host')}) "
@@ -236,10 +239,13 @@ class ElasticLog:
 
     def summary(self) -> str:
         """One line on what elastic mode did, for the end of a successful job."""
+        with self._lock:
+            lost = self._spares_lost
+        spares = f" {lost} spare(s) died while waiting." if lost else ""
         if not self.changes:
-            return "no rank was lost."
+            return "no rank was lost." + spares
         last = self.changes[-1]
         return (
             f"{len(self.changes)} membership change(s); the job finished with "
-            f"{last.get('new_size')} rank(s)."
+            f"{last.get('new_size')} rank(s)." + spares
         )

@@ -816,7 +816,13 @@ def run(config: LaunchConfig) -> int:
         _say(swept)
     if signals.received:
         name = signal.Signals(signals.received[0]).name
-        _say(f"stopped by {name}; every rank was ended.")
+        # The reports say how the ranks ended, not mpirun (elastic mode keeps its own).
+        missing = [] if config.elastic else verdict.unreported()
+        if not missing:
+            _say(f"stopped by {name}; every rank was ended.")
+        else:
+            ranks = ("rank " if len(missing) == 1 else "ranks ") + ", ".join(map(str, missing))
+            _say(f"stopped by {name}; {ranks} never reported how they ended.")
         return 128 + signals.received[0]
     for line in outcome.lines:
         _say(line)

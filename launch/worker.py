@@ -43,7 +43,7 @@ import time
 
 from launch.lifeline import LIFELINE_VAR, Lifeline, lost_after
 from launch.output import CONTINUED, PIECE_BYTES
-from syncdp.core import report, settings  # neither imports TensorFlow or MPI
+from syncdp.core import report, settings, spares  # none imports TensorFlow or MPI
 
 __all__ = ["main", "describe_exit"]
 
@@ -134,6 +134,7 @@ def _share_cores(env: dict[str, str]) -> dict[str, str]:
     TensorFlow gives every process as many threads per op as the host has cores: N ranks on
     one host would run N times as many threads as cores, contending for them. Each rank gets
     its share instead (at least 1), unless the user set ``TF_NUM_INTRAOP_THREADS`` already.
+    Warm spares on a single host are not counted: they wait without computing.
     """
     if "TF_NUM_INTRAOP_THREADS" in env:
         return env
@@ -143,8 +144,11 @@ def _share_cores(env: dict[str, str]) -> dict[str, str]:
         cores = os.cpu_count() or 1
     try:
         local = max(1, int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")))
+        world = int(env.get("OMPI_COMM_WORLD_SIZE", "1"))
     except ValueError:
-        local = 1
+        local = world = 1
+    if local == world:  # one host: its warm spares wait without computing (syncdp.core.spares)
+        local = max(1, local - spares.count(env))
     env["TF_NUM_INTRAOP_THREADS"] = str(max(1, cores // local))
     return env
 

@@ -17,6 +17,10 @@ runs in ``init()`` (:func:`join_parent` gives it its side of the merge), and ran
 launcher a ``membership`` report. A failure during recovery (a survivor or a replacement lost
 meanwhile) starts it over from the shrink.
 
+With warm spares (:mod:`syncdp.core.spares`) :func:`reseat` does the same on the *reserve*
+(ranks and spares together): the spares alive take the lost places, and only what they cannot
+fill is spawned.
+
 The :class:`Plan` (target size, limits, labels, hosts) lives on every rank and is broadcast by
 rank 0 whenever the membership changes, so replacements learn it too.
 """

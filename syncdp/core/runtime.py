@@ -18,7 +18,10 @@ import: every layer above asks :func:`communicator` for the current one.
 
 In elastic mode :func:`reset` swaps it after a rank failure (:mod:`syncdp.core.membership`:
 revoke, shrink, spawn, merge) and rebuilds everything above on the new one with the same code
-``init()`` runs, which a replacement runs too, so both sides make the same collectives.
+``init()`` runs, which a replacement runs too, so both sides make the same collectives. With
+warm spares (``syncdp-run --spares K``, :mod:`syncdp.core.spares`) the last K processes wait
+inside ``init()``; a recovery makes one of them a rank, and it returns from ``init()`` as a
+replacement would. ``shutdown()`` on rank 0 releases the spares still waiting.
 """
 
 from __future__ import annotations
@@ -261,15 +264,18 @@ def _build(base, config: settings.Config, timeline, plan) -> Communicator:
 def reset(grow: bool = False) -> dict:
     """Rebuilds the job after a rank failure, or to grow into new slots (elastic mode).
 
-    A collective of every surviving rank (replacements join from ``init()``). After a failure:
-    revoke, shrink, spawn replacements, merge (:func:`syncdp.core.membership.recover`); with
-    ``grow``: spawn into the free slots and merge. Then the communicator, topology and watchdog
+    A collective of every surviving rank (replacements and warm spares join from ``init()``).
+    After a failure: revoke, shrink, spawn replacements, merge
+    (:func:`syncdp.core.membership.recover`), or with warm spares let them take the lost places
+    first (:func:`syncdp.core.membership.reseat`); with ``grow``: spawn into the free slots and
+    merge. Then the communicator, topology and watchdog
     are rebuilt, registered process sets are dropped (register them again), the reset
     callbacks run, and rank 0 tells the launcher what changed.
 
     Returns:
         The change: ``old_size``, ``survivors``, ``spawned``, ``new_size``, ``seconds``,
-        ``lost`` and ``added`` (members, as dicts).
+        ``lost`` and ``added`` (members, as dicts); with spares also ``spares_used`` and
+        ``spares_left``.
 
     Raises:
         ElasticAbortError: Fewer ranks than ``min_np`` are left, or the reset limit was hit.

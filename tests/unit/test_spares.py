@@ -1,0 +1,163 @@
+"""Warm spares in one process: who sits where after a change, the launcher's flag, the log.
+
+The waiting and the recovery themselves are tested through the real launcher in
+tests/integration/test_spares.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from launch import elastic, run
+from syncdp.core import membership, settings, spares
+
+
+@pytest.mark.parametrize(
+    ("trainers", "waiting", "take", "spawned"),
+    [(2, 1, 1, 0), (2, 2, 1, 0), (3, 0, 0, 1), (1, 2, 2, 1), (2, 3, 0, 0), (4, 2, 0, 2)],
+)
+def test_every_process_gets_its_own_seat_ranks_first(trainers, waiting, take, spawned):
+    total = trainers + waiting + spawned
+    seats = [spares.seat(i, trainers, waiting, take, spawned) for i in range(total)]
+    assert sorted(key for _, key in seats) == list(range(total))
+    ranks = trainers + take + spawned
+    assert sorted(key for trains, key in seats if trains) == list(range(ranks))
+    # Survivors keep their ranks; the taken spares come next, then the spawned processes.
+    assert seats[:trainers] == [(True, i) for i in range(trainers)]
+    assert [key for _, key in seats[trainers : trainers + take]] == list(
+        range(trainers, trainers + take)
+    )
+    assert all(not trains for trains, _ in seats[trainers + take : trainers + waiting])
+
+
+def test_a_seat_outside_the_reserve_or_a_bad_take_is_refused():
+    with pytest.raises(ValueError, match="take must be between 0 and spares"):
+        spares.seat(0, 2, 1, 2, 0)
+    with pytest.raises(ValueError, match="index 3 is not in a reserve of 3"):
+        spares.seat(3, 2, 1, 0, 0)
+
+
+def test_the_spare_count_comes_from_the_launcher():
+    assert spares.count({}) == 0
+    assert spares.count({spares.SPARES_VAR: "2"}) == 2
+    assert spares.count({spares.SPARES_VAR: "x"}) == 0
+    # Not a SYNCDP_* name, so the settings never reject it.
+    settings.from_env({spares.SPARES_VAR: "2"})
+
+
+def _plan(target=3, **kw):
+    return membership.Plan(target=target, min_np=1, max_np=kw.pop("max_np", target), **kw)
+
+
+def _members(n, host="h"):
+    return [membership.Member(host, 100 + i, i) for i in range(n)]
+
+
+def test_spares_fill_lost_places_first_and_spawning_covers_the_rest():
+    plan, take, count, _ = membership._decide_seats(_plan(3, next_label=4), _members(3), 2, False)
+    assert (take, count) == (1, 0) and plan.spares == ()
+    plan, take, count, _ = membership._decide_seats(_plan(3, next_label=4), _members(2), 1, False)
+    assert (take, count) == (1, 1)
+    alive = _members(4)
+    plan, take, count, _ = membership._decide_seats(_plan(3, next_label=5), alive, 3, False)
+    assert (take, count) == (0, 0) and plan.spares == (alive[3],)
+
+
+def test_growing_leaves_the_spares_waiting(tmp_path):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho h:5\n")
+    script.chmod(0o755)
+    plan = _plan(2, max_np=4, next_label=3, script=str(script))
+    alive = _members(3)  # 2 ranks and 1 spare hold 3 of the 5 slots
+    plan, take, count, _ = membership._decide_seats(plan, alive, 2, True)
+    assert (take, count) == (0, 2) and plan.target == 4 and plan.spares == (alive[2],)
+
+
+def test_spares_need_elastic_mode(capsys):
+    with pytest.raises(SystemExit) as e:
+        run.parse_args(["-np", "2", "--spares", "1", "python", "t.py"], environ={})
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--spares 1 needs elastic mode: add --min-np" in err[0]
+
+
+def test_spares_hold_slots(capsys):
+    argv = ["-np", "2", "--min-np", "1", "--spares", "1", "-H", "localhost:2", "python", "t.py"]
+    with pytest.raises(SystemExit) as e:
+        run.parse_args(argv, environ={})
+    assert e.value.code == 2
+    assert "need 3 slots, and the hosts have 2; spares hold slots too" in capsys.readouterr().err
+
+
+def test_mpirun_starts_ranks_and_spares_and_every_rank_learns_how_many():
+    c = run.parse_args(["-np", "2", "--min-np", "2", "--spares", "2", "python", "t.py"], environ={})
+    assert c.num_proc == 2 and c.spares == 2
+    env = run.build_env(c, environ={spares.SPARES_VAR: "9"})
+    assert env[spares.SPARES_VAR] == "2"
+    cmd = run.build_command(c, env)
+    assert cmd[1:3] == ["-np", "4"]
+    assert ["-x", spares.SPARES_VAR] == cmd[
+        cmd.index(spares.SPARES_VAR) - 1 : cmd.index(spares.SPARES_VAR) + 1
+    ]
+    plain = run.parse_args(["-np", "2", "--min-np", "2", "python", "t.py"], environ={})
+    assert spares.SPARES_VAR not in run.build_env(plain, environ={spares.SPARES_VAR: "9"})
+
+
+def _exit(rank, pid, code=0, signal=None):
+    return {"kind": "exit", "rank": rank, "host": "h", "pid": pid, "code": code, "signal": signal}
+
+
+def test_a_spare_that_dies_waiting_is_no_failure_and_no_rank(capsys):
+    log = elastic.ElasticLog(spares=range(2, 4))
+    assert log.handle(_exit(3, 13, code=None, signal=9))
+    assert log.unexplained() == []
+    err = capsys.readouterr().err
+    assert "spare [3] (pid 13 on h) was killed by signal 9 (SIGKILL) while waiting; 1 spare(s)" in (
+        err
+    )
+    log.handle(_exit(2, 12))  # a released spare exits 0: not one of the ranks
+    log.handle(_exit(0, 10))
+    assert not log.finished(2)
+    log.handle(_exit(1, 11))
+    assert log.finished(2)
+    assert log.summary() == "no rank was lost. 1 spare(s) died while waiting."
+
+
+def test_a_spare_that_took_over_counts_as_a_rank():
+    log = elastic.ElasticLog(spares=[2])
+    log.handle(_exit(1, 11, code=None, signal=9))
+    log.handle(
+        {
+            "kind": "membership",
+            "lost": [{"rank": 1, "host": "h", "pid": 11, "label": 1}],
+            "added": [{"rank": 1, "host": "h", "pid": 12, "label": 2}],
+            "old_size": 2,
+            "survivors": 1,
+            "spawned": 0,
+            "spares_used": 1,
+            "spares_left": 0,
+            "new_size": 2,
+            "seconds": 0.1,
+        }
+    )
+    assert log.unexplained() == []
+    log.handle(_exit(0, 10))
+    log.handle(_exit(2, 12))
+    assert log.finished(2)
+
+
+def test_spares_still_running_after_the_ranks_are_killed(monkeypatch):
+    killed = []
+    monkeypatch.setattr(elastic, "_kill", lambda host, pid: killed.append((host, pid)))
+    monkeypatch.setattr(elastic, "SPARE_GRACE_SECONDS", 0.05)
+    log = elastic.ElasticLog(spares=[2])
+    log.handle({"kind": "started", "rank": 2, "host": "h", "pid": 12})
+    log.handle(_exit(0, 10))
+    assert not killed
+    log.handle(_exit(1, 11))
+    deadline = time.monotonic() + 5
+    while not killed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert killed == [("h", 12)]
