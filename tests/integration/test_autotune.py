@@ -8,10 +8,17 @@ must show the warmup, the samples and a choice that is the fastest sample.
 """
 
 import csv
+import math
 
 import pytest
 
+from syncdp import engine
+from syncdp.core import timeline
 from tests.launcher import check, launch, python_script
+
+MiB = 1 << 20
+# The job's model: its trainable variables' sizes, in order.
+SHAPES = [(256, 1024), (1024,), (1024, 1024), (1024,), (1024, 512), (512,), (512, 10), (10,)]
 
 JOB = """
 import sys
@@ -84,6 +91,18 @@ print("matches one process", flush=True)
 """
 
 
+def _buckets_per_step(trace):
+    """Rank 0's gradient buckets, one list of bucket indices per step, in order."""
+    steps = []
+    for event in timeline.load(str(trace))[0]:
+        if event.get("ph") != "X" or ".bucket" not in event["name"]:
+            continue
+        if event["args"]["bucket"] == 0:
+            steps.append([])
+        steps[-1].append(event["args"]["bucket"])
+    return steps
+
+
 def _rows(path):
     with open(path) as f:
         return list(csv.DictReader(f))
@@ -94,6 +113,7 @@ def _rows(path):
 )
 def test_autotune_searches_settles_and_matches_one_process(np, mode, tmp_path):
     log = tmp_path / "tune.csv"
+    trace = tmp_path / "trace.json"
     result = check(
         launch(
             np,
@@ -108,6 +128,8 @@ def test_autotune_searches_settles_and_matches_one_process(np, mode, tmp_path):
                 "2",
                 "--autotune-log-file",
                 str(log),
+                "--timeline-filename",
+                str(trace),
             ),
             timeout=240,
         )
@@ -127,3 +149,10 @@ def test_autotune_searches_settles_and_matches_one_process(np, mode, tmp_path):
     fastest = min(float(r["step_ms"]) for r in samples)
     assert float(chosen["step_ms"]) == fastest, rows
     assert "syncdp: autotune chose fusion threshold " in result.stderr, result.stderr[-3000:]
+    # The traced step switched plans while searching, and runs the chosen one once settled.
+    specs = [engine.TensorSpec(4 * int(math.prod(s)), "float32") for s in SHAPES]
+    first, cap = (int(float(chosen[k]) * MiB) for k in ("first_bucket_mb", "fusion_threshold_mb"))
+    planned = engine.plan(specs, first_bytes=first, cap_bytes=cap, reverse=True)
+    steps = _buckets_per_step(trace)
+    assert steps[-1] == list(range(len(planned))), (steps[-1], planned)
+    assert len({len(s) for s in steps}) > 1, "every step ran the same number of buckets"
