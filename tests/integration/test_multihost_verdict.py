@@ -1,4 +1,5 @@
-"""Verdicts and lifelines across hosts: two namespace hosts, both remote from the launcher.
+"""Verdicts and lifelines across hosts: namespace hosts ha and hb, remote from the launcher (at 2
+and at 1 rank per host), or hb beside ranks on the launcher's own host.
 
 tests/netns.py makes the hosts (own addresses on a test subnet, own hostnames; everything it
 made is removed on exit, also when a test fails). The programs never call ``init()``, so only
@@ -7,6 +8,11 @@ the supervisors' reports and lifelines can tell the launcher how they ended.
 - Host hb's link is cut mid-run (issue 20.1). Open MPI then prints "A daemon failed to report
   back" and may exit 0; the launcher must fail the job and name hb's ranks and why, and hb's
   supervisors must end everything there once the launcher has been unreachable long enough.
+- Every process of hb (daemon, supervisors, ranks) is stopped with SIGSTOP: they cannot act, so
+  the launcher fails the job naming hb's ranks, and kills what is left there through the remote
+  shell (:mod:`launch.cleanup`); nothing remains on any host.
+- hb's daemon is stopped after every rank reported a clean exit: the job succeeds (the reports
+  say so) although mpirun would wait for that daemon for good.
 - The launcher is SIGKILLed (issue 21.2): nothing of the job may survive on any host.
 """
 
