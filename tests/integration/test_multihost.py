@@ -95,6 +95,53 @@ def test_six_ranks_on_three_hosts(cluster, tmp_path):
         assert f"[{r}]<stdout>:rank {r} on {HOSTS[r // 2]}: ok" in result.stdout
 
 
+TUNED = """
+import numpy as np
+import tensorflow as tf
+import syncdp.tensorflow as hvd
+
+hvd.init()
+w = tf.Variable(tf.ones([600_000]))  # 2.4 MB of gradients
+
+
+@tf.function
+def step():
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * w) * float(hvd.rank() + 1)
+    (g,) = hvd.DistributedGradientTape(tape).gradient(loss, [w])
+    w.assign_sub(0.01 * g)
+
+
+for _ in range(40):
+    step()
+# Every step scaled w by 1 - 0.01 * 2 * mean(rank + 1), whatever the tuner picked.
+expected = (1 - 0.02 * (hvd.size() + 1) / 2) ** 40
+np.testing.assert_allclose(w.numpy(), expected, rtol=1e-5)
+hvd.verify_synchronized([w])
+print(f"rank {hvd.rank()}: tuned ok", flush=True)
+"""
+
+
+def test_autotune_across_hosts_also_tries_the_hierarchy(cluster, tmp_path):
+    log = tmp_path / "tune.csv"
+    tune = (
+        "--autotune",
+        "--autotune-warmup-samples",
+        "1",
+        "--autotune-steps-per-sample",
+        "2",
+        "--autotune-log-file",
+        str(log),
+    )
+    script = python_script(tmp_path, TUNED)
+    result = check(launch(6, "python", script, launcher_args=_flags(cluster, *tune), timeout=300))
+    assert result.stdout.count("tuned ok") == 6, result.stdout
+    samples = [line.split(",") for line in log.read_text().splitlines()[1:]]
+    hierarchical = {row[5] for row in samples if row[1] == "sample"}
+    assert hierarchical == {"0", "1"}, samples
+    assert samples[-1][1] == "chosen"
+
+
 LOOP = """
 import time, sys
 import numpy as np
