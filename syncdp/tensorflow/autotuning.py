@@ -14,8 +14,9 @@ the other ranks (the largest median step) before the tuner moves on. The chunk s
 hierarchy are run-time settings of the job's communicator and are set there too. Every rank
 makes the same calls in the same order, so every rank picks the same branch.
 
-Eagerly, the plan is simply made for the current choice at each call. TF1 graphs and process
-sets other than the whole job keep the configured plan.
+Eagerly, the plan is simply made for the current choice at each call. TF1 graphs, process sets
+other than the whole job, and elastic jobs (a replacement could not join a search mid-way) keep
+the configured plan.
 """
 
 from __future__ import annotations
@@ -35,18 +36,31 @@ from syncdp.tensorflow import graph
 __all__ = ["tuner", "reduce_tuned"]
 
 _TUNER: autotune.Tuner | None = None
+_ELASTIC_SAID = False
 
 
 def tuner() -> autotune.Tuner | None:
     """This process's tuner when ``--autotune`` is on (made at first use), else None."""
-    global _TUNER
+    global _TUNER, _ELASTIC_SAID
     config = runtime.get_config()
     if not config.autotune:
         return None
+    if config.elastic:
+        # A replacement would join with a fresh search while the others are mid-way, and
+        # pick other buckets than they do.
+        if not _ELASTIC_SAID and runtime.communicator().rank == 0:
+            print(
+                "syncdp: --autotune is off in elastic mode (a rank that joins later could not "
+                "share the search); the configured buckets are used.",
+                file=sys.stderr,
+                flush=True,
+            )
+        _ELASTIC_SAID = True
+        return None
     if _TUNER is None:
-        comm = runtime.communicator()
 
         def active(name: str) -> bool:
+            comm = runtime.communicator()
             if name == "chunk_bytes":
                 return comm.moves_through_mpi()
             if name == "hierarchical":
