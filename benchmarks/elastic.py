@@ -16,7 +16,8 @@ Three measurements, each started here through the real launcher:
 4. With ``--spares``, only recovery, with and without a warm spare (``syncdp-run --spares 1``):
    the same kill at N = 2 and 3, the two cases alternating launch by launch, ``--repeats``
    times each; the spare waits in ``init()`` with TensorFlow loaded, so recovery skips the
-   replacement's start.
+   replacement's start. Then what a waiting spare costs the ranks: steps per second of a
+   2-rank job with and without one, alternating.
 
 Usage::
 
@@ -194,6 +195,25 @@ def spares_against_spawn(sizes: list[int], repeats: int) -> None:
             ]
         )
         print(rows[-1], flush=True)
+    rates = {0: [], 1: []}
+    for _ in range(repeats):
+        for spares in (0, 1):
+            out = _launch(2, "--worker", "throughput", "--steps", "300", spares=spares).stdout
+            rates[spares].append(_result(out)["steps_per_s"])
+    plain, waiting = median(rates[0]), median(rates[1])
+    rows.append(
+        [
+            "throughput, np=2, small MLP, commit every step (elastic mode)",
+            f"{waiting:.0f} steps/s with a spare waiting",
+            f"{plain:.0f} steps/s without",
+            f"with / without = {waiting / plain:.3f}; with: "
+            + ", ".join(f"{r:.0f}" for r in rates[1])
+            + "; without: "
+            + ", ".join(f"{r:.0f}" for r in rates[0])
+            + " (3 processes on 2 cores: Open MPI yields when idle, see the README)",
+        ]
+    )
+    print(rows[-1], flush=True)
     path = write_markdown(
         "elastic_spares",
         "Elastic recovery: a warm spare against a spawned replacement",

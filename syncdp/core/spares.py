@@ -17,8 +17,13 @@ A spare waits for a message from rank 0 on the reserve (:func:`wait`):
 
 A spare that dies while it waits disturbs nobody: the next recovery leaves it out.
 
-Which process trains after a change is :func:`seat`'s pure arithmetic, the same on every process
-(survivors, spares and processes just spawned), so no process needs to be told its place.
+Which process trains after a change is :func:`seat`'s pure arithmetic on four counts rank 0
+decides (ranks and spares alive, spares taken, processes spawned), the same on every process:
+survivors, spares and the processes just spawned (which receive the counts) each find their own
+place.
+
+Not done yet: replacing a consumed or dead spare in the background. A spare is replaced only in
+the sense that, once the spares run out, recovery spawns as it does without them.
 """
 
 from __future__ import annotations
