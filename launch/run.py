@@ -90,7 +90,7 @@ one that must load them (:mod:`syncdp.core.spares`). Their output is labelled af
 (``[N]`` to ``[N+K-1]``); a spare that becomes a rank keeps its label. Spares hold slots: with
 ``-H`` or ``--hostfile``, ``-np`` plus ``--spares`` must fit in the hosts' slots. A spare that dies
 while waiting is logged and is not a failure; when training ends, rank 0 releases the spares,
-which exit 0 without running the rest of the program. The ranks learn K from SYNCDPRUN_SPARES.
+which exit 0 without running the rest of the program. The ranks learn K from SYNCDP_SPARES.
 
 Failures arrive as data, not as text to parse: ranks and their supervisors send one signed JSON
 report per event to SYNCDP_REPORT_ADDR (:mod:`syncdp.core.report`); the launcher listens only on
@@ -619,7 +619,7 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
         k
         for k in env
         if k.startswith(("SYNCDP_", "OMPI_ALLOW", "TF_"))
-        or k in ("PYTHONUNBUFFERED", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH", spares.SPARES_VAR)
+        or k in ("PYTHONUNBUFFERED", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH")
     )
     for key in exported:
         cmd += ["-x", key]

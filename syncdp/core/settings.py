@@ -424,6 +424,7 @@ def _variable_value(s: Setting, typed: Any, unit: int) -> Any:
 #   SYNCDP_REPLACEMENT  set by launch.worker on a rank spawned by elastic recovery: its label
 #   SYNCDP_JOB_ID, SYNCDP_REPORT_SECRET  the job's id and the key its reports are signed with
 #   SYNCDP_LIFELINE_ADDR  host:port every supervisor holds a connection to (launch.lifeline)
+#   SYNCDP_SPARES       how many of the job's last processes are warm spares (syncdp.core.spares)
 INTERNAL_VARS = frozenset(
     {
         "SYNCDP_LAUNCHER",
@@ -432,6 +433,7 @@ INTERNAL_VARS = frozenset(
         "SYNCDP_JOB_ID",
         "SYNCDP_REPORT_SECRET",
         "SYNCDP_LIFELINE_ADDR",
+        "SYNCDP_SPARES",
     }
 )
 

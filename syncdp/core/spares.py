@@ -37,8 +37,8 @@ from syncdp.core import mpi
 __all__ = ["SPARES_VAR", "RELEASE", "GROW", "FAILURE", "count", "seat", "wait", "wake", "leave"]
 
 # The number of spares the launcher started (read once by init(); spawned processes inherit it).
-# Not a SYNCDP_* name: those are settings, and an unknown one is an error.
-SPARES_VAR = "SYNCDPRUN_SPARES"
+# One of the launcher's own variables (settings.INTERNAL_VARS), not a setting.
+SPARES_VAR = "SYNCDP_SPARES"
 # What wakes a spare: rank 0's message (RELEASE, GROW) or a failure (the reserve revoked).
 RELEASE, GROW, FAILURE = 0, 1, 2
 _TAG = 7301

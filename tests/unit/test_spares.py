@@ -43,7 +43,7 @@ def test_the_spare_count_comes_from_the_launcher():
     assert spares.count({}) == 0
     assert spares.count({spares.SPARES_VAR: "2"}) == 2
     assert spares.count({spares.SPARES_VAR: "x"}) == 0
-    # Not a SYNCDP_* name, so the settings never reject it.
+    # One of the launcher's own variables, which the settings never reject.
     settings.from_env({spares.SPARES_VAR: "2"})
 
 
