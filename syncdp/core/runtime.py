@@ -135,9 +135,6 @@ def init(comm=None, process_sets=None, **options) -> None:
         base, plan = _elastic_base(base, config, spawned=membership.join_parent())
     timeline = Timeline(config.timeline) if config.timeline else None
     world = _build(base, config, timeline, plan=plan)
-    if timeline is not None:
-        world.mpi.Barrier()  # leave together, so every rank's clock starts at the same moment
-        timeline.start(world.rank)
     _pin_gpu(_state.topology.local_rank)
     _install_failure_hook()
     if not _state.atexit_registered:
@@ -258,7 +255,29 @@ def _build(base, config: settings.Config, timeline, plan) -> Communicator:
         _state.members = list(found)
         if world.watchdog is not None:
             world.watchdog.members = [(m.host, m.pid) for m in found]
+    if config.timeline:  # the setting, the same on every rank (a timeline object may not be)
+        _sync_clock(world, timeline)
     return world
+
+
+def _sync_clock(world: Communicator, timeline: Timeline | None) -> None:
+    """Makes every rank's timeline clock read the same (a collective of :func:`_build`).
+
+    The ranks leave one barrier together; a rank whose clock is not running yet starts it at
+    rank 0's reading: 0 when the job starts, and the job's time so far for a rank that joins a
+    running job (a replacement, a promoted spare), so that its events line up with the
+    others'. The survivors of a reset make the same calls, so the joining rank never waits in
+    a barrier the others skip.
+    """
+    world.mpi.Barrier()
+    reading = timeline.reading() if timeline is not None and timeline.started else 0.0
+    reading = world.mpi.bcast(reading, root=0)
+    if timeline is None:  # stopped with stop_timeline(): the others' clocks still need rank 0's
+        return
+    if timeline.started:
+        timeline.rank = world.rank
+    else:
+        timeline.start(world.rank, reading)
 
 
 def reset(grow: bool = False) -> dict:

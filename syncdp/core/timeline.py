@@ -41,11 +41,18 @@ class Timeline:
         self.rank = 0
         self.events: list[dict] = []
         self._origin = time.perf_counter()
+        self.started = False
 
-    def start(self, rank: int) -> None:
-        """Sets this rank's number and starts its clock (``init()`` calls it after a barrier)."""
+    def start(self, rank: int, reading: float = 0.0) -> None:
+        """Sets this rank's number and starts its clock at ``reading`` seconds (``init()``
+        calls it after a barrier, with rank 0's reading for a rank joining a running job)."""
         self.rank = rank
-        self._origin = time.perf_counter()
+        self._origin = time.perf_counter() - reading
+        self.started = True
+
+    def reading(self) -> float:
+        """Seconds on this rank's clock."""
+        return time.perf_counter() - self._origin
 
     def mark(self, name: str, when: float) -> None:
         """Records an instant on the gradients row, e.g. when a gradient was computed."""

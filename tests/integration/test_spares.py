@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from syncdp.core import timeline
 from tests.integration.test_elastic import (
     EPOCHS,
     EXAMPLE,
@@ -153,3 +154,23 @@ def test_spares_without_elastic_mode_is_a_usage_error():
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--spares 1 needs elastic mode" in lines[0], result.stderr
+
+
+def test_a_timeline_goes_on_through_a_spare_and_a_replacement(tmp_path):
+    # Both join a running job: each starts its clock at rank 0's reading in the barrier the
+    # survivors make too (before, a joining rank waited in that barrier forever).
+    trace = tmp_path / "trace.json"
+    result = _run(
+        tmp_path,
+        2,
+        "1:0:3",
+        "2:1:2",
+        launcher=("--spares", "1", "--timeline-filename", str(trace)),
+    )
+    _assert_finished(result, size=2, changes=2)
+    events = timeline.load(str(trace))
+    assert sorted(events) == [0, 1]
+    # The last rank 1 joined late: its first collective comes after rank 0's first.
+    first = {r: min(e["ts"] for e in evs if e.get("ph") == "X") for r, evs in events.items()}
+    assert first[1] > first[0], first
+    _assert_nothing_left(tmp_path / "data")
