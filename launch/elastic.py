@@ -9,7 +9,9 @@ heal it themselves (:mod:`syncdp.core.membership`). The launcher then only liste
 - rank 0 reports each ``membership`` change: the launcher logs who was lost, who replaced
   them and how long recovery took;
 - a rank's watchdog reports a ``stall`` naming the stalled processes: the launcher kills them
-  (SIGKILL, on their host), which turns the stall into a failure the job recovers from;
+  (SIGKILL, on their host: through the remote shell Open MPI uses to reach it, the
+  ``plm_rsh_agent`` in ``--mpi-args`` or ssh, as :mod:`launch.cleanup` does), which turns the
+  stall into a failure the job recovers from;
 - ``elastic_abort`` (fewer than ``--min-np`` ranks left, or the reset limit hit) and an
   exception on a rank end the job as they do outside elastic mode.
 
@@ -28,9 +30,9 @@ even after the job recovered).
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,12 +40,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from launch.hosts import is_local
 from launch.worker import describe_exit
 
 __all__ = ["check_ulfm", "ElasticLog", "SPARE_GRACE_SECONDS"]
 
 # After the last rank exits, how long spares get to leave by themselves before they are killed.
 SPARE_GRACE_SECONDS = 10.0
+# The most a kill on another host may take, remote shell included.
+_REMOTE_KILL_SECONDS = 15.0
 
 
 def check_ulfm(mpirun: str) -> str | None:
@@ -79,19 +84,39 @@ def _who(report: Mapping[str, Any]) -> str:
     return f"rank {report.get('rank', '?')} (pid {report.get('pid')} on {report.get('host')})"
 
 
-def _kill(host: str, pid: int) -> None:
-    """SIGKILLs process ``pid`` on ``host`` (this host directly, another through ssh)."""
-    if host == socket.gethostname():
+def _kill(host: str, pid: int, shell: list[str]) -> None:
+    """SIGKILLs process ``pid`` on ``host``: this host directly, another through ``shell``
+    (``[*shell, HOST, COMMAND]``, :func:`launch.hosts.remote_shell`)."""
+    if host is None or is_local(host):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         return
-    subprocess.run(
-        ["ssh", "-o", "BatchMode=yes", host, "kill", "-KILL", str(pid)],
-        capture_output=True,
-        timeout=15,
-    )
+    try:
+        out = subprocess.run(
+            [*shell, host, f"kill -KILL {int(pid)}"],
+            capture_output=True,
+            text=True,
+            timeout=_REMOTE_KILL_SECONDS,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        why = f"{e}" if isinstance(e, OSError) else f"no answer within {_REMOTE_KILL_SECONDS:g} s"
+        print(
+            f"syncdp-run: elastic: could not kill pid {pid} on {host} through "
+            f"{shlex.join(shell)}: {why}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    if out.returncode != 0 and "No such process" not in out.stderr:
+        detail = (out.stderr.strip().splitlines() or ["no message"])[-1]
+        print(
+            f"syncdp-run: elastic: could not kill pid {pid} on {host} (exit {out.returncode}): "
+            f"{detail}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class ElasticLog:
@@ -100,10 +125,13 @@ class ElasticLog:
     Args:
         out: Where the log lines go. Defaults to ``sys.stderr``.
         spares: The output labels of the warm spares the job starts with. Defaults to none.
+        shell: The remote shell that reaches the job's other hosts, ``[*shell, HOST, COMMAND]``
+            (:func:`launch.hosts.remote_shell`). Defaults to ssh in batch mode.
     """
 
-    def __init__(self, out=None, spares=()):
+    def __init__(self, out=None, spares=(), shell=None):
         self.out = out or sys.stderr
+        self._shell = list(shell) if shell else ["ssh", "-o", "BatchMode=yes"]
         self.changes: list[dict] = []
         self._failed_exits: dict[tuple, dict] = {}  # (host, pid) -> exit report
         self._clean_exits = 0
@@ -149,7 +177,7 @@ class ElasticLog:
                 if where is None:
                     continue
                 self._say(f"spare [{label}] was not released at the end of training; killing it.")
-                _kill(*where)
+                _kill(*where, self._shell)
 
         threading.Thread(target=end, daemon=True).start()
 
@@ -193,7 +221,7 @@ class ElasticLog:
                     f"rank {report.get('ranks')} (pid {pid} on {host}) stalled past the stall "
                     "timeout; killing it so the job goes on without it."
                 )
-                threading.Thread(target=_kill, args=(host, pid), daemon=True).start()
+                threading.Thread(target=_kill, args=(host, pid, self._shell), daemon=True).start()
             return True
         return False
 

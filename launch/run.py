@@ -751,7 +751,14 @@ def run(config: LaunchConfig) -> int:
         config.num_proc,
         start_timeout=ranks_config.start_timeout,
         stall_timeout=ranks_config.stall_timeout,
-        elastic=ElasticLog(spares=range(config.num_proc, config.num_proc + config.spares))
+        elastic=ElasticLog(
+            spares=range(config.num_proc, config.num_proc + config.spares),
+            shell=_hosts.remote_shell(
+                config.mpi_args,
+                ssh_port=config.ssh_port,
+                identity_file=config.ssh_identity_file,
+            ),
+        )
         if config.elastic
         else None,
     )

@@ -195,7 +195,11 @@ def _free_slots(plan: Plan, alive: list[Member]) -> tuple[int | None, list[str]]
     plan.vanished = tuple(sorted(set(plan.vanished) | gone))
     plan.seen_hosts = tuple(sorted(set(plan.seen_hosts) | set(slots)))
     hosts = []
-    for host, count in sorted(slots.items()):
+    # Hosts where ranks still run come first: Open MPI 5.0's runtime (PRRTE 3) can lose its
+    # daemon on a host whose every rank died when a replacement is spawned there, and that
+    # ends the whole job; the other hosts follow in name order.
+    busy = {m.host for m in alive}
+    for host, count in sorted(slots.items(), key=lambda item: (item[0] not in busy, item[0])):
         if host in plan.vanished:
             continue
         used = sum(1 for m in alive if m.host == host)

@@ -1,0 +1,183 @@
+"""Elastic mode across hosts: namespace hosts ha, hb and hc as real hosts (issue 20.5).
+
+tests/netns.py makes the hosts (own addresses on a test subnet, own hostnames, an agent Open
+MPI uses as its remote shell); everything it made is removed on exit, also when a test fails.
+The launcher runs outside them, as on a login node. The job is examples/elastic_custom_loop.py
+(as in test_elastic.py), started through a wrapper that first prints the host it runs on, so a
+replacement says where it was spawned. Whatever the failures, the final weights must equal one
+process's result, the launcher must exit 0, and no process of the job may remain on any host.
+
+- A rank on hb is SIGKILLed: its replacement starts where the discovery script lists a free
+  slot (hb, or hc when the script lists ha and hc).
+- A rank on hb stalls (SIGSTOP): the launcher kills it on hb through the agent, and the job
+  recovers.
+- Every process of hc (daemon, supervisor, rank) is SIGKILLed, and the script stops listing
+  hc: with --min-np still met, the job goes on smaller.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.integration.test_elastic import EPOCHS, EXAMPLE, _assert_finished
+from tests.launcher import ROOT, launch, python_script, start
+from tests.netns import NamespaceHosts, Unavailable
+
+HOSTS = ["ha", "hb", "hc"]
+STALL = 4.0
+TIMEOUT = 150  # seconds a job may take before the test fails (about 30 s when all is well)
+
+# Prints "HOST label hostname" and runs the example as its own __main__ (a replacement runs
+# this wrapper too: the job's command is what a replacement runs).
+WRAPPER = f"""
+import os, runpy, socket, sys
+label = os.environ.get("SYNCDP_REPLACEMENT") or os.environ.get("OMPI_COMM_WORLD_RANK")
+print(f"HOST {{label}} {{socket.gethostname()}}", flush=True)
+sys.argv = [{str(ROOT / EXAMPLE)!r}, *sys.argv[1:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    try:
+        # Its own tag and subnet: other namespace tests may run at the same time.
+        with NamespaceHosts(tmp_path, HOSTS, subnet="10.213.11", tag="sde") as hosts:
+            yield hosts
+    except Unavailable as e:
+        pytest.skip(str(e))
+
+
+def _discovery(tmp_path, lines: str, *, unless: str = "", then: str = "") -> str:
+    """A discovery script printing ``lines``, or ``then`` once the file ``unless`` exists."""
+    script = tmp_path / "discover.sh"
+    body = f"printf '{lines}\\n'"
+    if unless:
+        body = f"if [ -e {unless} ]; then printf '{then}\\n'; else {body}; fi"
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def _command(cluster, tmp_path, hosts, script, *kills, extra=()):
+    """The launcher's flags and the job's command: ``(launcher_args, *command)``."""
+    args = ["--data", str(tmp_path / "data"), "--epochs", str(EPOCHS), *extra]
+    for kill in kills:
+        args += ["--kill", kill]
+    flags = (
+        "--min-np",
+        "2",
+        "-H",
+        hosts,
+        "--host-discovery-script",
+        script,
+        "--stall-timeout",
+        str(STALL),
+        "--network-interface",
+        cluster.subnet,
+        "--mpi-args",
+        f"--mca plm_rsh_agent {cluster.agent} --mca mpi_yield_when_idle 1",
+    )
+    wrapper = python_script(tmp_path, WRAPPER, "wrapper.py")
+    return flags, "python", wrapper, *args
+
+
+def _run(cluster, tmp_path, np_, hosts, script, *kills, timeout=TIMEOUT):
+    flags, *command = _command(cluster, tmp_path, hosts, script, *kills)
+    return launch(np_, *command, launcher_args=flags, timeout=timeout)
+
+
+def _where(stdout: str) -> dict[int, str]:
+    """Output label -> the host that process ran on, as it printed."""
+    return {int(label): host for label, host in re.findall(r"<stdout>:HOST (\d+) (\S+)", stdout)}
+
+
+def _assert_nothing_left(cluster) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(cluster.pids(h) for h in HOSTS):
+        time.sleep(0.5)
+    left = {h: cluster.pids(h) for h in HOSTS if cluster.pids(h)}
+    assert not left, f"processes left on hosts {left}"
+
+
+@pytest.mark.parametrize(
+    ("hosts", "np_", "listed", "victim", "expected"),
+    [
+        # hb keeps a rank and has a free slot again: the replacement starts there.
+        ("ha:1,hb:2", 3, "ha:1\\nhb:2\\nhc:1", 2, "hb"),
+        # The script no longer lists hb, and offers hc (in the job's hosts, no rank there yet).
+        ("ha:1,hb:1,hc:1", 2, "ha:1\\nhc:1", 1, "hc"),
+    ],
+)
+def test_a_killed_rank_is_replaced_where_the_script_has_a_free_slot(
+    cluster, tmp_path, hosts, np_, listed, victim, expected
+):
+    script = _discovery(tmp_path, listed)
+    result = _run(cluster, tmp_path, np_, hosts, script, f"{victim}:0:4")
+    _assert_finished(result, size=np_, changes=1)
+    where = _where(result.stdout)
+    assert where.get(0) == "ha" and where.get(victim) == "hb", where
+    assert where.get(np_) == expected, (where, result.stderr[-3000:])
+    assert re.search(rf"elastic: lost rank {victim} \(pid \d+ on hb\)", result.stderr)
+    assert re.search(
+        rf"started \(rank {np_ - 1} \(pid \d+ on {expected}, output \[{np_}\]\)", result.stderr
+    ), result.stderr[-3000:]
+    _assert_nothing_left(cluster)
+
+
+def test_a_stalled_rank_on_a_remote_host_is_killed_there_and_replaced(cluster, tmp_path):
+    script = _discovery(tmp_path, "ha:1\\nhb:2")
+    result = _run(cluster, tmp_path, 3, "ha:1,hb:2", script, "2:0:4:STOP")
+    _assert_finished(result, size=3, changes=1)
+    assert re.search(
+        r"elastic: rank \[2\] \(pid \d+ on hb\) stalled past the stall timeout", result.stderr
+    ), result.stderr[-3000:]
+    assert "could not kill" not in result.stderr
+    assert re.search(r"lost rank 2 \(pid \d+ on hb\): it was killed by signal 9", result.stderr)
+    assert _where(result.stdout).get(3) == "hb"
+    _assert_nothing_left(cluster)
+
+
+def test_a_whole_host_lost_with_min_np_still_met_goes_on_smaller(cluster, tmp_path):
+    # Rank 0 creates the marker in epoch 0; from then on the script no longer lists hc, and the
+    # test kills every process there (Open MPI's daemon, the supervisor, the rank).
+    marker = tmp_path / "hc-gone"
+    script = _discovery(tmp_path, "ha:1\\nhb:1\\nhc:1", unless=str(marker), then="ha:1\\nhb:1")
+    flags, *command = _command(
+        cluster,
+        tmp_path,
+        "ha:1,hb:1,hc:1",
+        script,
+        extra=("--touch", f"0:3:{marker}", "--step-seconds", "0.2"),
+    )
+    proc = start(3, *command, launcher_args=flags)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists(), "training never reached the marker"
+        for pid in cluster.pids("hc"):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            out, err = proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"the job did not end after hc was lost\n{err[-5000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    _assert_finished(result, size=2, changes=1)
+    assert "0 replacement(s) started; size 3 -> 2" in err, err[-3000:]
+    assert re.search(r"lost rank 2 \(pid \d+ on hc\)", err), err[-3000:]
+    _assert_nothing_left(cluster)
