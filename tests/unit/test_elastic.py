@@ -114,7 +114,7 @@ def test_elastic_log_needs_every_final_rank_to_exit_cleanly():
 
 def test_a_stall_report_kills_the_stalled_process(monkeypatch):
     killed = []
-    monkeypatch.setattr(elastic, "_kill", lambda host, pid: killed.append((host, pid)))
+    monkeypatch.setattr(elastic, "_kill", lambda host, pid, shell: killed.append((host, pid)))
     log = elastic.ElasticLog()
     assert log.handle({"kind": "stall", "elastic": True, "ranks": [2], "pids": [["h", 77]]})
     deadline = time.monotonic() + 5

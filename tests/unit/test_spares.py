@@ -150,7 +150,7 @@ def test_a_spare_that_took_over_counts_as_a_rank():
 
 def test_spares_still_running_after_the_ranks_are_killed(monkeypatch):
     killed = []
-    monkeypatch.setattr(elastic, "_kill", lambda host, pid: killed.append((host, pid)))
+    monkeypatch.setattr(elastic, "_kill", lambda host, pid, shell: killed.append((host, pid)))
     monkeypatch.setattr(elastic, "SPARE_GRACE_SECONDS", 0.05)
     log = elastic.ElasticLog(spares=[2])
     log.handle({"kind": "started", "rank": 2, "host": "h", "pid": 12})

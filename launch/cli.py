@@ -1,0 +1,448 @@
+"""``syncdp-run``'s command line: flags, ``--config-file`` and the environment, checked and
+turned into one :class:`LaunchConfig` before anything starts (:func:`parse_args`).
+
+The command line is horovodrun's: every flag of horovodrun 0.28 is accepted with Horovod's
+spelling and argument type (:mod:`launch.horovodrun_flags` has the table). :mod:`launch.run`
+turns the LaunchConfig into mpirun's environment and command and runs the job.
+
+Flags of the launcher itself:
+
+    -np, --num-proc N          number of ranks (mpirun -np); under Slurm defaults to the
+                               allocation's task count, with -H to the hosts' slots
+    -H, --hosts H:S,...        hosts and slots (mpirun --host)
+    --hostfile FILE            "host slots=N" lines (mpirun --hostfile)
+    --slots-per-host N         slots of a host listed without a count (default 1)
+    -p, --ssh-port N           the remote shell's port (ssh -p, for Open MPI's daemons too)
+    -i, --ssh-identity-file F  the remote shell's key (ssh -i)
+    --network-interface IF     NIC name or CIDR subnet for MPI's TCP traffic and Open MPI's
+                               out-of-band channel (and the launcher's own address); may be
+                               repeated, or a comma-separated list (--network-interfaces)
+    --tcp                      no RDMA between hosts: --mca pml ob1, btl self,sm,tcp
+    --mpi-args "ARGS"          extra arguments for mpirun, split like a shell would
+    --binding-args "ARGS"      mpirun's binding arguments, instead of --bind-to none
+    --output-filename DIR      each rank's stdout and stderr also go to DIR/rank.N/stdout and
+                               DIR/rank.N/stderr (:mod:`launch.output`)
+    --prefix-output-with-timestamp
+                               every output line starts with the time it arrived
+    --config-file FILE         horovodrun's YAML settings; flags on the command line win
+                               (:mod:`launch.config_file`)
+    --log-level LEVEL          the launcher's own verbosity: TRACE and DEBUG print the mpirun
+                               command; ERROR and FATAL leave out its notes and timing table
+    --version, --check-build   print syncdp's version, or what this install supports, and exit
+    --spares K                 elastic mode: K warm spares (see below)
+
+Every other flag is a row of :data:`syncdp.core.settings.SETTINGS` and sets exactly that row's
+``SYNCDP_*`` variable on every rank (flags ending in ``-mb`` take MiB; the variable holds
+bytes). ``syncdp-run --help`` lists them with their defaults. Every value, given as a flag or
+as a ``SYNCDP_*`` variable in the launcher's environment or a key of ``--config-file``, is
+checked before anything starts
+(:func:`syncdp.core.settings.validate`, the check ``init()`` also runs): NaN, infinity, text
+where a number belongs, a value below the minimum, or an unknown ``SYNCDP_*`` name exits 2
+with one line naming it, the value and what is allowed. horovodrun's spellings of settings
+flags (``--stall-check-shutdown-time-seconds`` for ``--stall-timeout``,
+``--stall-check-warning-time-seconds`` for ``--stall-warning``, ``--min-num-proc``,
+``--max-num-proc``, ``--no-hierarchical-allreduce``) set the same variables; ``--no-stall-check``
+sets SYNCDP_STALL_TIMEOUT=0 and SYNCDP_STALL_WARNING=0.
+
+Warm spares: ``--spares K`` (elastic mode only; exit 2 otherwise) starts K more processes than
+``-np``. They run the program up to ``syncdp.init()`` and wait there, so a lost rank is replaced
+by a process that has TensorFlow and the program's imports loaded already, instead of a spawned
+one that must load them (:mod:`syncdp.core.spares`). Their output is labelled after the ranks'
+(``[N]`` to ``[N+K-1]``); a spare that becomes a rank keeps its label. Spares hold slots: with
+``-H`` or ``--hostfile``, ``-np`` plus ``--spares`` must fit in the hosts' slots. A spare that dies
+while waiting is logged and is not a failure; when training ends, rank 0 releases the spares,
+which exit 0 without running the rest of the program. The ranks learn K from SYNCDP_SPARES.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import shutil
+import sys
+import types
+from collections.abc import Mapping
+from typing import Any
+
+from launch import check_build, config_file, horovodrun_flags
+from launch import hosts as _hosts
+from syncdp.core import settings
+from syncdp.core.errors import ConfigError
+
+__all__ = ["LaunchConfig", "LOG_LEVELS", "TCP_ONLY", "build_parser", "parse_args"]
+
+# The settings that switch elastic mode on.
+_ELASTIC_SETTINGS = ("elastic", *settings.ELASTIC_IMPLIED_BY)
+# horovodrun's --log-level words (the launcher says more at TRACE and DEBUG, less at ERROR and
+# FATAL).
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+# --tcp: Open MPI's point-to-point over its TCP and shared-memory transports only, and no UCX
+# one-sided component, so nothing between hosts goes over RDMA.
+TCP_ONLY = ("--mca", "pml", "ob1", "--mca", "btl", "self,sm,tcp", "--mca", "osc", "^ucx")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Everything the launcher was asked to do.
+
+    Attributes:
+        num_proc: Number of ranks.
+        command: The program and its arguments, run on every rank.
+        hosts: mpirun's ``--host`` value, or None.
+        hostfile: mpirun's ``--hostfile`` value, or None.
+        settings: The settings given as flags, by setting name (``stall_timeout``), each in
+            the flag's unit (MiB for the ``-mb`` flags); settings not given are absent.
+        mpi_args: Extra mpirun arguments.
+        ssh_port: The remote shell's port, or None.
+        ssh_identity_file: The remote shell's identity file, or None.
+        network_interfaces: The NIC names or CIDR subnets for MPI traffic.
+        tcp: Whether messages between hosts must go over TCP (no RDMA).
+        binding_args: mpirun's binding arguments, replacing ``--bind-to none``.
+        output_filename: The directory for each rank's output files, or None.
+        timestamps: Whether every output line starts with the time it arrived.
+        log_level: The launcher's verbosity, one of :data:`LOG_LEVELS`.
+        notes: Lines the launcher says before it starts (flags that change nothing, config
+            file keys it ignored).
+        spares: Warm spares started besides the ``num_proc`` ranks (elastic mode only).
+    """
+
+    num_proc: int
+    command: tuple[str, ...]
+    hosts: str | None = None
+    hostfile: str | None = None
+    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    mpi_args: tuple[str, ...] = ()
+    ssh_port: int | None = None
+    ssh_identity_file: str | None = None
+    network_interfaces: tuple[str, ...] = ()
+    tcp: bool = False
+    binding_args: tuple[str, ...] = ()
+    output_filename: str | None = None
+    timestamps: bool = False
+    log_level: str = "WARNING"
+    notes: tuple[str, ...] = ()
+    spares: int = 0
+
+    @property
+    def multihost(self) -> bool:
+        """Whether hosts were named (the job may span machines)."""
+        return bool(self.hosts or self.hostfile)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job runs in elastic mode (ULFM; lost ranks are replaced)."""
+        return any(self.settings.get(name) for name in _ELASTIC_SETTINGS)
+
+
+def _setting_help(s: settings.Setting) -> str:
+    unit = " MiB" if s.flag_unit == settings.MiB else ""
+    text = f"{s.doc} (default {s.default_text()}{unit}; sets {s.env})"
+    if s.flag in horovodrun_flags.BARE_VALUES:
+        text += f"; alone, as in horovodrun: {horovodrun_flags.BARE_VALUES[s.flag]}"
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
+class _Interfaces(argparse.Action):
+    """Adds NIC names or subnets, comma-separated, to the list (horovodrun's
+    ``--network-interface`` may be repeated, ``--network-interfaces`` takes a list)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        found = list(getattr(namespace, self.dest) or [])
+        found += [v for v in values.split(",") if v and v not in found]
+        setattr(namespace, self.dest, found)
+
+
+class _CheckBuild(argparse.Action):
+    """``-cb``: prints what this install supports and exits 0, as horovodrun does."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(check_build.report(shutil.which("mpirun")), flush=True)
+        parser.exit(0)
+
+
+def _add_launcher_flags(p: argparse.ArgumentParser) -> None:
+    """The launcher's own flags: where and how mpirun starts the ranks, and their output."""
+    import syncdp
+
+    p.add_argument(
+        "-v",
+        "--version",
+        action="version",
+        version=syncdp.__version__,
+        help="print syncdp's version and exit",
+    )
+    p.add_argument(
+        "-np",
+        "--num-proc",
+        dest="num_proc",
+        type=int,
+        metavar="N",
+        help="number of ranks (default: the Slurm allocation's tasks, or the hosts' slots)",
+    )
+    p.add_argument(
+        "-cb",
+        "--check-build",
+        action=_CheckBuild,
+        nargs=0,
+        help="print what this install supports (frameworks, MPI, ULFM, GPUs) and exit",
+    )
+    p.add_argument(
+        "--config-file",
+        metavar="FILE",
+        help="horovodrun's YAML settings file; flags on the command line win",
+    )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", help="hosts and slots, e.g. host1:2,host2:2")
+    where.add_argument(
+        "--hostfile", "-hostfile", metavar="FILE", help="file of 'host slots=N' lines"
+    )
+    p.add_argument(
+        "--slots-per-host",
+        type=int,
+        metavar="N",
+        help="slots of a -H or --hostfile host listed without a count (default 1)",
+    )
+    p.add_argument("-p", "--ssh-port", type=int, metavar="N", help="remote shell port (ssh -p)")
+    p.add_argument(
+        "-i", "--ssh-identity-file", metavar="FILE", help="remote shell identity file (ssh -i)"
+    )
+    p.add_argument(
+        "--network-interface",
+        "--network-interfaces",
+        dest="network_interfaces",
+        action=_Interfaces,
+        metavar="IF",
+        help="NIC name or CIDR subnet for MPI's TCP and out-of-band traffic, e.g. eth1; "
+        "repeat it or separate several with commas",
+    )
+    p.add_argument(
+        "--tcp",
+        action="store_true",
+        help="no RDMA between hosts: mpirun gets " + " ".join(TCP_ONLY),
+    )
+    p.add_argument("--mpi-args", default="", metavar="ARGS", help="extra mpirun arguments, quoted")
+    p.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        metavar="K",
+        help="elastic mode: start K warm spares, waiting in syncdp.init() to replace a lost "
+        "rank without loading TensorFlow then (default 0)",
+    )
+    p.add_argument(
+        "--binding-args",
+        default="",
+        metavar="ARGS",
+        help="mpirun's process binding arguments, quoted (default: --bind-to none)",
+    )
+    p.add_argument(
+        "--output-filename",
+        metavar="DIR",
+        help="also write each rank's stdout and stderr to DIR/rank.N/stdout and DIR/rank.N/stderr",
+    )
+    p.add_argument(
+        "--prefix-output-with-timestamp",
+        "-prefix-timestamp",
+        dest="timestamps",
+        action="store_true",
+        help="start every output line with the time it arrived",
+    )
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="the launcher's verbosity: TRACE and DEBUG print the mpirun command; ERROR and "
+        "FATAL leave out its notes and timing table (default WARNING)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser: the launcher's own flags, one flag per setting (with horovodrun's
+    spellings of it), and horovodrun's other flags (:mod:`launch.horovodrun_flags`).
+
+    Returns:
+        A parser whose settings flags store into ``dest`` = the setting's name, None when the
+        flag is not given.
+    """
+    p = argparse.ArgumentParser(
+        prog="syncdp-run",
+        description="Run a program on N synchronous data-parallel ranks through mpirun.",
+        usage="syncdp-run -np N [options] COMMAND [ARGS...]",
+    )
+    _add_launcher_flags(p)
+    group = p.add_argument_group(
+        "settings", "each sets one SYNCDP_* variable on every rank (syncdp.core.settings)"
+    )
+    for s in settings.SETTINGS:
+        spellings = (s.flag, *horovodrun_flags.ALIASES.get(s.name, ()))
+        if s.type is bool:
+            group.add_argument(
+                *spellings, dest=s.name, action="store_true", default=None, help=_setting_help(s)
+            )
+            continue
+        # Kept as text: parse_args checks every value with settings.validate, the one check
+        # init() also uses, and names the flag, the value and what is allowed.
+        if s.choices:
+            metavar = "{" + ",".join(s.choices) + "}"
+        elif s.type is str:
+            metavar = "STR"
+        elif s.flag_unit == settings.MiB:
+            metavar = "MiB"  # fractions of a MiB are fine: the variable is bytes
+        else:
+            metavar = s.type.__name__.upper()
+        group.add_argument(*spellings, dest=s.name, metavar=metavar, help=_setting_help(s))
+    horovodrun_flags.add_arguments(p)
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
+    return p
+
+
+def _setting_error(message: str) -> None:
+    """Exits 2 with one line: a setting's value is not allowed."""
+    print(f"syncdp-run: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _check_settings(
+    args: argparse.Namespace, environ: Mapping[str, str], spelled: Mapping[str, str]
+) -> dict[str, Any]:
+    """Every setting's value, from its flag and from the caller's ``SYNCDP_*`` variables,
+    checked before anything starts; exits 2 naming the first one not allowed, as it was given
+    (the flag's spelling, or the config file's key).
+
+    Returns:
+        The settings given as flags, by name, in the flag's unit.
+    """
+    given = {}
+    try:
+        for s in settings.SETTINGS:
+            value = getattr(args, s.name)
+            if value is not None:
+                spelling = spelled.get(s.name)
+                given[s.name] = settings.validate(s, value, source="flag", spelling=spelling)
+        # The variables the ranks inherit, except those a flag replaces: unknown names and bad
+        # values are found here, not by every rank after it has loaded TensorFlow.
+        flagged = {s.env for s in settings.SETTINGS if s.name in given}
+        settings.from_env({k: v for k, v in environ.items() if k not in flagged})
+    except ConfigError as e:
+        _setting_error(str(e))
+    return given
+
+
+def parse_args(
+    argv: list[str] | None = None, *, environ: Mapping[str, str] | None = None
+) -> LaunchConfig:
+    """Parses the command line into a LaunchConfig; exits 2 with a message on a bad one.
+
+    Every setting is checked here, flags, ``--config-file`` keys and ``SYNCDP_*`` variables
+    alike (NaN, infinity, text where a number belongs, values below the minimum, unknown
+    variable names), before anything starts; so are horovodrun's flags that ask for what syncdp
+    does not do (``--gloo``, ``--jsrun``). ``--version`` and ``--check-build`` print and exit 0.
+
+    Args:
+        argv: The arguments after the program name. Defaults to ``sys.argv[1:]``.
+        environ: The environment the ranks will inherit. Defaults to ``os.environ``.
+
+    Returns:
+        The LaunchConfig.
+    """
+    environ = os.environ if environ is None else environ
+    parser = build_parser()
+    try:
+        argv, spelled = horovodrun_flags.scan(sys.argv[1:] if argv is None else argv, parser)
+    except ValueError as e:
+        parser.error(str(e))
+    args = parser.parse_args(argv)
+    on_command_line = set(spelled)
+    notes = []
+    try:
+        if args.config_file:
+            notes += config_file.apply(args.config_file, parser, args, spelled)
+        refused = horovodrun_flags.refusal(args, spelled)
+        if refused:
+            raise ValueError(refused)
+        horovodrun_flags.resolve_stall_check(args, spelled, on_command_line)
+    except ValueError as e:  # config_file.ConfigFileError included
+        _setting_error(str(e))
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        parser.error("missing the command to run, e.g. syncdp-run -np 2 python train.py")
+    if args.slots_per_host is not None and args.slots_per_host < 1:
+        parser.error(f"--slots-per-host must be at least 1; got {args.slots_per_host}")
+    if args.hostfile and not os.path.isfile(args.hostfile):
+        parser.error(f"--hostfile {args.hostfile!r} does not exist")
+    try:
+        listed = _hosts.listed(args.hosts, args.hostfile, slots_per_host=args.slots_per_host)
+    except _hosts.HostError as e:
+        parser.error(str(e))
+    if args.slots_per_host is not None and listed:
+        # mpirun counts one slot for a host without a count: give each its slots on -H.
+        args.hosts, args.hostfile = _hosts.format_hosts(listed), None
+    elif args.slots_per_host is not None:
+        notes.append(
+            "--slots-per-host changes nothing without -H or --hostfile: it gives the slots of "
+            "hosts listed there without a count (a discovery script's host without :N has one)"
+        )
+    if args.num_proc is None:
+        if environ.get("SLURM_NTASKS", "").isdigit():
+            args.num_proc = int(environ["SLURM_NTASKS"])  # the allocation decides
+        elif listed:
+            args.num_proc = sum(h.slots for h in listed)
+        else:
+            parser.error("-np is required outside a Slurm allocation and without hosts")
+    if args.num_proc < 1:
+        parser.error(f"-np must be at least 1; got {args.num_proc}")
+    if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
+        parser.error(f"--ssh-port must be a TCP port (1-65535); got {args.ssh_port}")
+    if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
+        parser.error(f"--ssh-identity-file {args.ssh_identity_file!r} does not exist")
+    given = _check_settings(args, environ, spelled)
+    # Each flag sets only its own variable; the ranks read -np's defaults from the job's size.
+    least, most = spelled.get("min_np", "--min-np"), spelled.get("max_np", "--max-np")
+    if (given.get("min_np") or 0) > args.num_proc:
+        parser.error(f"{least} ({given['min_np']}) must not exceed -np ({args.num_proc})")
+    if given.get("max_np") and given["max_np"] < args.num_proc:
+        parser.error(f"{most} ({given['max_np']}) must be at least -np ({args.num_proc})")
+    _check_spares(args.spares, args.num_proc, given, listed)
+    return LaunchConfig(
+        num_proc=args.num_proc,
+        command=tuple(command),
+        hosts=args.hosts,
+        hostfile=args.hostfile,
+        settings=types.MappingProxyType(given),
+        mpi_args=tuple(shlex.split(args.mpi_args)),
+        ssh_port=args.ssh_port,
+        ssh_identity_file=args.ssh_identity_file,
+        network_interfaces=tuple(args.network_interfaces or ()),
+        tcp=args.tcp,
+        binding_args=tuple(shlex.split(args.binding_args)),
+        output_filename=args.output_filename,
+        timestamps=args.timestamps,
+        log_level=args.log_level or "WARNING",
+        notes=tuple(notes + horovodrun_flags.notes(args, spelled)),
+        spares=args.spares,
+    )
+
+
+def _check_spares(spares: int, num_proc: int, given: Mapping[str, Any], listed) -> None:
+    """Exits 2 with one line when ``--spares`` cannot be honoured: not elastic, negative, or
+    more processes than the listed hosts have slots (spares hold slots too)."""
+    problem = None
+    if spares < 0:
+        problem = f"--spares must be 0 or more; got {spares}"
+    elif spares and not any(given.get(name) for name in _ELASTIC_SETTINGS):
+        problem = (
+            f"--spares {spares} needs elastic mode: add --min-np M (or --max-np, --elastic, "
+            "--host-discovery-script)"
+        )
+    elif spares and listed and num_proc + spares > sum(h.slots for h in listed):
+        problem = (
+            f"-np {num_proc} and --spares {spares} need {num_proc + spares} slots, and the hosts "
+            f"have {sum(h.slots for h in listed)}; spares hold slots too. Add slots or use fewer "
+            "spares."
+        )
+    if problem is not None:
+        _setting_error(problem)
