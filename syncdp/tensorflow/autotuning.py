@@ -21,6 +21,7 @@ the configured plan.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -68,6 +69,7 @@ def tuner() -> autotune.Tuner | None:
                 return comm.hierarchy is not None and 1 < hosts < comm.size
             return True
 
+        atexit.register(_say_if_unfinished)
         _TUNER = autotune.Tuner(
             autotune.Choice(
                 cap_bytes=config.fusion_threshold,
@@ -81,6 +83,21 @@ def tuner() -> autotune.Tuner | None:
             active=active,
         )
     return _TUNER
+
+
+def _say_if_unfinished() -> None:
+    """At exit, rank 0 says when the job ended before the search did (it ran as searched)."""
+    t = _TUNER
+    if t is None or t.settled or not runtime.is_initialized() or runtime.rank() != 0:
+        return
+    measured = sum(1 for r in t.rows if r["kind"] == "sample")
+    print(
+        f"syncdp: autotune did not finish: the job ended after {measured} of up to "
+        f"{t.samples_left + measured} samples (plus {len(t.rows) - measured} warmup); give it "
+        "more steps, or fewer or shorter samples (--autotune-steps-per-sample).",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _select(t: autotune.Tuner) -> int:

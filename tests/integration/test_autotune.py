@@ -156,3 +156,42 @@ def test_autotune_searches_settles_and_matches_one_process(np, mode, tmp_path):
     steps = _buckets_per_step(trace)
     assert steps[-1] == list(range(len(planned))), (steps[-1], planned)
     assert len({len(s) for s in steps}) > 1, "every step ran the same number of buckets"
+
+
+SHORT = """
+import tensorflow as tf
+import syncdp.tensorflow as hvd
+
+hvd.init()
+w = tf.Variable(tf.ones([1000]))
+
+
+@tf.function
+def step():
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * w)
+    (g,) = hvd.DistributedGradientTape(tape).gradient(loss, [w])
+    w.assign_sub(0.01 * g)
+
+
+for _ in range(8):
+    step()
+"""
+
+
+def test_a_job_shorter_than_the_search_says_so(tmp_path):
+    result = check(
+        launch(
+            2,
+            "python",
+            python_script(tmp_path, SHORT),
+            launcher_args=("--autotune", "--autotune-steps-per-sample", "2"),
+            timeout=120,
+        )
+    )
+    # 8 steps: 7 step times, 3 warmup samples of 2, then the job ends.
+    assert (
+        "syncdp: autotune did not finish: the job ended after 0 of up to 20 samples "
+        "(plus 3 warmup)" in result.stderr
+    ), result.stderr[-2000:]
+    assert "autotune chose" not in result.stderr
