@@ -47,6 +47,9 @@ __all__ = ["check_ulfm", "ElasticLog", "SPARE_GRACE_SECONDS"]
 
 # After the last rank exits, how long spares get to leave by themselves before they are killed.
 SPARE_GRACE_SECONDS = 10.0
+# A replacement that exited is given this long to show up in a membership change (it may have
+# joined just before it died) before the launcher decides it never joined.
+JOIN_GRACE_SECONDS = 5.0
 # The most a kill on another host may take, remote shell included.
 _REMOTE_KILL_SECONDS = 15.0
 
@@ -122,15 +125,27 @@ def _kill(host: str, pid: int, shell: list[str]) -> None:
 class ElasticLog:
     """Reads the reports of an elastic job; logs its membership changes and removes stalls.
 
+    A replacement that ends before it joined the job (it exits or dies before ``init()``, or
+    in ``MPI_Init``) leaves the survivors waiting in ``MPI_Comm_spawn`` for good: Open MPI does
+    not fail the spawn. The log notices (an exit report from a replacement's label that no
+    membership change added within :data:`JOIN_GRACE_SECONDS`) and calls ``on_abort`` with an
+    ``elastic_abort`` report, which ends the job naming it, instead of a hang.
+
     Args:
         out: Where the log lines go. Defaults to ``sys.stderr``.
         spares: The output labels of the warm spares the job starts with. Defaults to none.
+        ranks: The ranks the job starts with (``-np``): labels from there on, other than the
+            spares', are replacements. Defaults to the first spare's label; with neither, no
+            exit is taken for a replacement's.
+        on_abort: Called with a report that must end the job. Defaults to doing nothing (the
+            launcher's :class:`~launch.verdict.Verdict` sets it).
         shell: The remote shell that reaches the job's other hosts, ``[*shell, HOST, COMMAND]``
             (:func:`launch.hosts.remote_shell`). Defaults to ssh in batch mode.
     """
 
-    def __init__(self, out=None, spares=(), shell=None):
+    def __init__(self, out=None, spares=(), shell=None, ranks=None, on_abort=None):
         self.out = out or sys.stderr
+        self.on_abort = on_abort or (lambda report: None)
         self._shell = list(shell) if shell else ["ssh", "-o", "BatchMode=yes"]
         self.changes: list[dict] = []
         self._failed_exits: dict[tuple, dict] = {}  # (host, pid) -> exit report
@@ -141,7 +156,50 @@ class ElasticLog:
         self._spare_pids: dict[int, tuple] = {}  # label -> (host, pid), from "started"
         # The launcher labels the spares right after the ranks: the first label is -np.
         self._ranks_at_start = min(self._spares) if self._spares else 0
+        if ranks is not None:
+            self._ranks_at_start = ranks
+        # Labels from here on are replacements (None: not known, so none is judged).
+        known = ranks is not None or self._spares
+        self._first_replacement = self._ranks_at_start + len(self._spares) if known else None
+        self._joined: set = set()  # labels of replacements a membership change added
         self._spares_lost = 0
+
+    def _unjoined_exit(self, report: dict) -> bool:
+        """Takes the exit of a replacement that has not joined (yet); False for other exits.
+
+        If no membership change adds it within the grace period, the survivors are stuck in
+        the spawn that started it: the job is ended through ``on_abort``.
+        """
+        label = report.get("rank")
+        with self._lock:
+            first = self._first_replacement
+            if first is None or not isinstance(label, int) or label < first:
+                return False
+            if label in self._joined:
+                return False
+        code = -report["signal"] if report.get("signal") else report.get("code") or 0
+        what = f"replacement [{label}] (pid {report.get('pid')} on {report.get('host')})"
+
+        def judge():
+            time.sleep(JOIN_GRACE_SECONDS)
+            with self._lock:
+                joined = label in self._joined
+            if joined:  # it joined just before it ended: an ordinary loss, recovered from
+                with self._lock:
+                    if code:
+                        self._failed_exits[(report.get("host"), report.get("pid"))] = report
+                    else:
+                        self._clean_exits += 1
+                return
+            message = (
+                f"{what} {describe_exit(code)} before it joined the job, so the survivors "
+                "cannot finish the recovery (Open MPI's spawn would wait for it forever)"
+            )
+            self._say(f"{message}; ending the job.")
+            self.on_abort({"kind": "elastic_abort", "rank": label, "message": message})
+
+        threading.Thread(target=judge, daemon=True).start()
+        return True
 
     def _spare_exit(self, report: dict) -> bool:
         """Logs a waiting spare's exit; False when ``report`` is not one."""
@@ -165,6 +223,10 @@ class ElasticLog:
         with self._lock:
             for member in report.get("added", []):
                 self._spares.discard(member.get("label"))
+            # A member added or lost had joined (a report may name a rank lost in the middle
+            # of the recovery that added it, without the report that added it).
+            for member in [*report.get("added", []), *report.get("lost", [])]:
+                self._joined.add(member.get("label"))
 
     def _end_spares_later(self) -> None:
         """Every rank has exited: spares not gone within the grace period are killed."""
@@ -192,6 +254,8 @@ class ElasticLog:
                 self._spare_pids[report["rank"]] = (report.get("host"), report.get("pid"))
             return False  # the verdict records it too
         if kind == "exit" and self._spare_exit(report):
+            return True
+        if kind == "exit" and self._unjoined_exit(report):
             return True
         if kind == "exit":
             failed = (report.get("code") or report.get("signal")) and not report.get("requested")

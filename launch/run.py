@@ -335,6 +335,7 @@ def run(config: LaunchConfig) -> int:
         stall_timeout=ranks_config.stall_timeout,
         elastic=ElasticLog(
             spares=range(config.num_proc, config.num_proc + config.spares),
+            ranks=config.num_proc,
             shell=_hosts.remote_shell(
                 config.mpi_args,
                 ssh_port=config.ssh_port,

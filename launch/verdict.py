@@ -110,6 +110,8 @@ class Verdict:
     ):
         self.num_proc = num_proc
         self.elastic = elastic
+        if elastic is not None:
+            elastic.on_abort = self.add  # a recovery that cannot finish ends the job
         self.start_timeout = start_timeout
         self.stall_timeout = stall_timeout
         self.started: dict[int, dict] = {}

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.launcher import ROOT, launch, start
+from tests.launcher import ROOT, launch, python_script, start
 
 EXAMPLE = "examples/elastic_custom_loop.py"
 EPOCHS, RECORDS, GLOBAL_BATCH, LR = 2, 600, 60, 0.05
@@ -211,3 +211,47 @@ def test_keras_example_survives_a_random_kill(tmp_path):
     assert "1 membership change(s); the job finished with 3 rank(s)" in err, log
     accuracy = float(re.findall(r"held-out accuracy: ([0-9.]+)", out)[-1])
     assert accuracy > 0.85, log
+
+
+NEVER_JOINS = """
+import os, signal, sys, time
+if os.environ.get("SYNCDP_REPLACEMENT"):
+    sys.exit(3)  # a replacement that cannot start: it ends before init()
+import syncdp
+import syncdp.elastic
+
+syncdp.init()
+state = syncdp.elastic.ObjectState(
+    bcast_object=syncdp.broadcast_object, get_rank=syncdp.rank, step=0
+)
+
+
+@syncdp.elastic.run
+def train(state):
+    while state.step < 1000:
+        syncdp.barrier()
+        state.step += 1
+        state.commit()
+        if state.step == 10 and syncdp.rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.01)
+
+
+train(state)
+"""
+
+
+def test_a_replacement_that_never_joins_ends_the_job_instead_of_a_hang(tmp_path):
+    # Open MPI's spawn would wait for it forever; the launcher sees it end unjoined.
+    result = launch(
+        2,
+        "python",
+        python_script(tmp_path, NEVER_JOINS),
+        launcher_args=("--min-np", "2"),
+        timeout=120,
+    )
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert "the job failed (elastic)" in last, result.stderr[-3000:]
+    assert "replacement [2] (pid " in last and "exited with code 3 before it joined" in last
+    assert result.elapsed < 60, result.elapsed

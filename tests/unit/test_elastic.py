@@ -284,3 +284,43 @@ def test_run_fn_reraises_an_ordinary_error_without_a_reset(monkeypatch):
     with pytest.raises(KeyError):
         elastic.run_fn(train, lambda: calls.append("reset"))(_RecordingState(calls))
     assert calls == ["sync"]
+
+
+def _wait_for(condition, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_replacement_that_ends_before_joining_ends_the_job(monkeypatch):
+    monkeypatch.setattr(elastic, "JOIN_GRACE_SECONDS", 0.05)
+    aborted = []
+    log = elastic.ElasticLog(ranks=2, on_abort=aborted.append)
+    # Rank 1 is lost; its replacement (label 2) exits 3 before it ever joins.
+    assert log.handle(_exit(pid=11, code=3, rank=1))
+    assert log.handle(_exit(pid=12, code=3, rank=2))
+    assert _wait_for(lambda: aborted)
+    (report,) = aborted
+    assert report["kind"] == "elastic_abort" and report["rank"] == 2
+    assert "replacement [2] (pid 12 on h) exited with code 3 before it joined" in report["message"]
+
+
+def test_a_replacement_that_joined_is_an_ordinary_loss(monkeypatch):
+    monkeypatch.setattr(elastic, "JOIN_GRACE_SECONDS", 0.05)
+    aborted = []
+    log = elastic.ElasticLog(ranks=2, on_abort=aborted.append)
+    joined = {"label": 2, "rank": 1, "host": "h", "pid": 12}
+    # Its exit may arrive before the report of the recovery that added it, or that lost it.
+    assert log.handle(_exit(pid=12, code=None, signal=9, rank=2))
+    log.handle({"kind": "membership", "added": [joined], "lost": [], "new_size": 2})
+    time.sleep(0.3)
+    assert not aborted
+    assert [r["pid"] for r in log.unexplained()] == [12]  # until a change lists it as lost
+    log.handle({"kind": "membership", "added": [], "lost": [joined], "new_size": 2})
+    assert not log.unexplained() and not aborted
+    # Original ranks and spares are never taken for replacements.
+    spare_log = elastic.ElasticLog(ranks=2, spares=[2], on_abort=aborted.append)
+    spare_log.handle(_exit(pid=13, code=1, rank=1))
+    time.sleep(0.2)
+    assert not aborted
