@@ -101,7 +101,9 @@ class Tuner:
         active: Callable[[str], bool] = lambda name: True,
     ):
         if steps_per_sample < 1 or max_samples < 1 or warmup_samples < 0:
-            raise ValueError("steps_per_sample and max_samples must be at least 1")
+            raise ValueError(
+                "steps_per_sample and max_samples must be at least 1, warmup_samples at least 0"
+            )
         self.start = self.choice = self.best = start
         self.warmup_left = warmup_samples
         self.steps_per_sample = steps_per_sample
@@ -118,6 +120,7 @@ class Tuner:
         self._sweep: list[Choice] = []  # every choice of the current sweep
         self._fresh: list[Choice] = []  # the choices of the current sweep measured so far
         self.tuned: tuple[str, ...] = ()  # the dimensions searched, known once warmup ends
+        self._begun = False
         values = {name: list(v) for name, v in DIMENSIONS.items()}
         for name, mine in dataclasses.asdict(start).items():
             if mine not in values[name]:
@@ -179,7 +182,10 @@ class Tuner:
             self.rows.append(self._row(measured, score, "warmup"))
             if self.warmup_left == 0:
                 self._begin()
+                self._advance()
             return
+        if not self._begun:  # no warmup: the first sample is the configured choice's
+            self._begin()
         self.samples_left -= 1
         # A twin runs identically, so it shares every measurement.
         for choice in [measured, *(c for c in self.scores if self.same(c, measured))]:
@@ -197,7 +203,7 @@ class Tuner:
                 dims.append(name)
         self.tuned = tuple(dims)
         self._sweeps = dims * _PASSES
-        self._advance()
+        self._begun = True
 
     def _advance(self) -> None:
         """Picks the next choice to measure, or settles."""

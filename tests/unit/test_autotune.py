@@ -148,3 +148,12 @@ def test_the_log_is_csv_with_a_header():
     assert len(lines) == len(t.rows) + 1
     assert lines[-1].split(",")[1] == "chosen"
     assert "autotune chose fusion threshold 25 MiB, first bucket 1 MiB" in t.summary()
+
+
+def test_without_warmup_the_first_sample_is_the_configured_choice_and_the_search_goes_on():
+    best = Choice(8 * MiB, 0, 8 * MiB, False)
+    t = tuner(warmup_samples=0, active=lambda name: False)
+    run(t, bowl(best))
+    assert t.rows[0]["kind"] == "sample" and t.rows[0]["fusion_threshold_mb"] == 25
+    assert len([r for r in t.rows if r["kind"] == "sample"]) > 1
+    assert t.choice == best
