@@ -278,16 +278,7 @@ def recover(base, plan: Plan) -> tuple[object, Plan, dict]:
         except MPI.Exception as e:
             # Another rank (a survivor or a replacement) was lost meanwhile: start over from
             # the communicator that is left.
-            if attempts >= RECOVERY_ATTEMPTS:
-                raise ElasticAbortError(
-                    f"elastic recovery failed {attempts} times in a row (last: {e}); ending the "
-                    "job."
-                ) from None
-            print(
-                f"syncdp: elastic recovery attempt {attempts} failed ({e}); retrying.",
-                file=sys.stderr,
-                flush=True,
-            )
+            _retry_or_abort(attempts, e)
             if shrunk is not None:
                 base = shrunk
             time.sleep(0.1)
@@ -400,20 +391,25 @@ def reseat(
             }
             return new_reserve, new_training, plan, change
         except MPI.Exception as e:
-            if attempts >= RECOVERY_ATTEMPTS:
-                raise ElasticAbortError(
-                    f"elastic recovery failed {attempts} times in a row (last: {e}); ending the "
-                    "job."
-                ) from None
-            print(
-                f"syncdp: elastic recovery attempt {attempts} failed ({e}); retrying.",
-                file=sys.stderr,
-                flush=True,
-            )
+            _retry_or_abort(attempts, e)
             if shrunk is not None:
                 reserve = shrunk
             failure = True
             time.sleep(0.1)
+
+
+def _retry_or_abort(attempts: int, error: Exception) -> None:
+    """After a failed recovery attempt: says so and returns (try again), or raises
+    ElasticAbortError when :data:`RECOVERY_ATTEMPTS` attempts in a row have failed."""
+    if attempts >= RECOVERY_ATTEMPTS:
+        raise ElasticAbortError(
+            f"elastic recovery failed {attempts} times in a row (last: {error}); ending the job."
+        ) from None
+    print(
+        f"syncdp: elastic recovery attempt {attempts} failed ({error}); retrying.",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def grow(comm, plan: Plan) -> tuple[object, Plan, dict]:
