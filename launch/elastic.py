@@ -184,12 +184,8 @@ class ElasticLog:
             time.sleep(JOIN_GRACE_SECONDS)
             with self._lock:
                 joined = label in self._joined
-            if joined:  # it joined just before it ended: an ordinary loss, recovered from
-                with self._lock:
-                    if code:
-                        self._failed_exits[(report.get("host"), report.get("pid"))] = report
-                    else:
-                        self._clean_exits += 1
+            if joined:  # it joined just before it ended: an ordinary exit after all
+                self._rank_exit(report)
                 return
             message = (
                 f"{what} {describe_exit(code)} before it joined the job, so the survivors "
@@ -200,6 +196,23 @@ class ElasticLog:
 
         threading.Thread(target=judge, daemon=True).start()
         return True
+
+    def _rank_exit(self, report: dict) -> None:
+        """Counts a rank's exit: a clean one towards the finish, a failed one as a loss the
+        job recovers from (a membership change must list it)."""
+        failed = (report.get("code") or report.get("signal")) and not report.get("requested")
+        if not failed and not report.get("code") and not report.get("signal"):
+            with self._lock:
+                self._clean_exits += 1
+                size = self.changes[-1].get("new_size") if self.changes else None
+                last = self._spares and self._clean_exits == (size or self._ranks_at_start)
+            if last:
+                self._end_spares_later()
+        if failed:
+            with self._lock:
+                self._failed_exits[(report.get("host"), report.get("pid"))] = report
+            code = -report["signal"] if report.get("signal") else report.get("code") or 0
+            self._say(f"lost {_who(report)}: it {describe_exit(code)}; recovering.")
 
     def _spare_exit(self, report: dict) -> bool:
         """Logs a waiting spare's exit; False when ``report`` is not one."""
@@ -258,19 +271,7 @@ class ElasticLog:
         if kind == "exit" and self._unjoined_exit(report):
             return True
         if kind == "exit":
-            failed = (report.get("code") or report.get("signal")) and not report.get("requested")
-            if not failed and not report.get("code") and not report.get("signal"):
-                with self._lock:
-                    self._clean_exits += 1
-                    size = self.changes[-1].get("new_size") if self.changes else None
-                    last = self._spares and self._clean_exits == (size or self._ranks_at_start)
-                if last:
-                    self._end_spares_later()
-            if failed:
-                with self._lock:
-                    self._failed_exits[(report.get("host"), report.get("pid"))] = report
-                code = -report["signal"] if report.get("signal") else report.get("code") or 0
-                self._say(f"lost {_who(report)}: it {describe_exit(code)}; recovering.")
+            self._rank_exit(report)
             return True
         if kind == "membership":
             self._promote(report)
