@@ -38,6 +38,8 @@ __all__ = ["tuner", "reduce_tuned"]
 
 _TUNER: autotune.Tuner | None = None
 _ELASTIC_SAID = False
+# Call site -> (every grid pair's buckets, a key per pair equal for identical buckets).
+_PLANS: dict[tuple, tuple[list, list]] = {}
 
 
 def tuner() -> autotune.Tuner | None:
@@ -148,9 +150,12 @@ def reduce_tuned(
     Returns:
         What ``run_plan`` returns.
     """
-    plans = [plan_for(first, cap) for first, cap in t.plan_grid]
-    keys = [tuple(b.indices for b in p) for p in plans]
-    t.note_plans(site, dict(zip(t.plan_grid, keys)))
+    if site not in _PLANS:  # planned once per call site (an eager step comes here each time)
+        plans = [plan_for(first, cap) for first, cap in t.plan_grid]
+        keys = [tuple(b.indices for b in p) for p in plans]
+        t.note_plans(site, dict(zip(t.plan_grid, keys)))
+        _PLANS[site] = plans, keys
+    plans, keys = _PLANS[site]
     if tf.executing_eagerly():
         return run_plan(plans[_select(t)])
     distinct: list[tuple] = []

@@ -268,7 +268,7 @@ def fused_allreduce(
         results = [_adasum(w, name, process_set, prescale, postscale) for w in wire]
         agreed = None
     elif tuning is not None:  # gradients, with the fusion threshold and first bucket tuned
-        site = (name, tuple(s.nbytes for s in specs))
+        site = (name, tuple((s.nbytes, s.dtype) for s in specs))  # all a plan depends on
         results, agreed = _autotuning.reduce_tuned(
             tuning, plan_for, run_plan, site, with_step=step is not None
         )
