@@ -13,9 +13,11 @@ of ranks, so the result equals one process's.
 ``--kill LABEL:EPOCH:BATCH[:SIGNAL]`` (repeatable) makes the process labelled LABEL (the
 original ranks are 0..N-1, replacements N, N+1, ...) send itself SIGNAL (default KILL) before
 that batch; ``--kill LABEL:reset`` makes it die in its first reset callback (a failure during
-recovery). ``--touch EPOCH:BATCH:PATH`` makes rank 0 create PATH before that batch: a host
-discovery script that lists more slots once PATH exists then lets the job grow
-(``--max-np``). The tests use these; try them by hand to watch the launcher's log.
+recovery); ``--kill LABEL:refilled`` makes it die at the first step at which a warm spare
+started in the background waits again (``--spares``: a used spare was replaced).
+``--touch EPOCH:BATCH:PATH`` makes rank 0 create PATH before that batch: a host discovery script
+that lists more slots once PATH exists then lets the job grow (``--max-np``). The tests use
+these; try them by hand to watch the launcher's log.
 
 Every rank prints ``RESULT {json}`` at the end: its label, rank, size, epoch and weights.
 """
@@ -100,7 +102,7 @@ def main() -> int:
 
     import syncdp.data
     import syncdp.tensorflow as hvd
-    from syncdp.core import membership
+    from syncdp.core import membership, runtime
 
     _write_data(args.data, args.records, SHARDS)
     hvd.init()
@@ -125,6 +127,7 @@ def main() -> int:
     w = tf.Variable(tf.zeros([FEATURES], tf.float64))
     b = tf.Variable(tf.zeros([], tf.float64))
     state = hvd.elastic.TensorFlowState([w, b], epoch=0, batch=0)
+    refilled = kills.pop(("refilled",), None)
     if any(k[0] == "reset" for k in kills):
         state.register_reset_callbacks([lambda: os.kill(os.getpid(), signal.SIGKILL)])
     files = sorted(
@@ -156,6 +159,8 @@ def main() -> int:
                     if (int(epoch), int(batch)) == (state.epoch, state.batch):
                         open(path, "w").close()
                 sig = kills.pop((str(state.epoch), str(state.batch)), None)
+                if refilled and runtime.elastic_plan().spares:
+                    sig = refilled
                 if sig is not None:
                     print(f"label {label}: sending myself {sig.name}", flush=True)
                     os.kill(os.getpid(), sig)

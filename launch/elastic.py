@@ -16,10 +16,12 @@ heal it themselves (:mod:`syncdp.core.membership`). The launcher then only liste
   exception on a rank end the job as they do outside elastic mode.
 
 Warm spares (``--spares``) are known by their output labels until a membership change names one
-as added (it became a rank). A spare's exit is never the job's failure or success: one that dies
-while waiting is logged; the released ones exit 0 at the end and are not counted as ranks. Once
-every rank of the final membership has exited, a spare still running after
-:data:`SPARE_GRACE_SECONDS` (rank 0 could not release it) is killed, so the job can end.
+as added (it became a rank); a spare rank 0 starts in the background to replace a used or dead
+one announces itself (``spare_started``) before its program runs. A spare's exit is never the
+job's failure or success: one that dies while waiting is logged; the released ones exit 0 at the
+end and are not counted as ranks. Once every rank of the final membership has exited, a spare
+still running after :data:`SPARE_GRACE_SECONDS` (rank 0 could not release it) is killed, so
+the job can end.
 
 When the job ends, a rank that failed and was never recovered from (no membership change
 lists it as lost) makes the job a failure; otherwise it succeeded when every rank of the final
@@ -266,6 +268,18 @@ class ElasticLog:
             with self._lock:
                 self._spare_pids[report["rank"]] = (report.get("host"), report.get("pid"))
             return False  # the verdict records it too
+        if kind == "spare_started":  # rank 0 replaces a used or dead spare in the background
+            with self._lock:
+                self._spares.add(report.get("rank"))
+                self._spare_pids[report.get("rank")] = (report.get("host"), report.get("pid"))
+            self._say(
+                f"starting a new spare [{report.get('rank')}] (pid {report.get('pid')} on "
+                f"{report.get('host')}) in the background."
+            )
+            return True
+        if kind == "spares":  # the reserve was refreshed: a new spare joined, or dead ones left
+            self._say(f"{report.get('message')}; training went on meanwhile.")
+            return True
         if kind == "exit" and self._spare_exit(report):
             return True
         if kind == "exit" and self._unjoined_exit(report):

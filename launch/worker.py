@@ -17,7 +17,9 @@ a failed rank the others can recover from, while one that merely exits non-zero 
 waiting. Replacements spawned by a recovery run as ``python -m launch.worker --replacement LABEL
 COMMAND...``: their output lines carry ``LABEL`` plus their index among the ranks spawned
 together (the original ranks are labelled 0..N-1), and the child finds that label in
-``SYNCDP_REPLACEMENT``.
+``SYNCDP_REPLACEMENT``. A warm spare rank 0 starts in the background (:mod:`syncdp.core.refill`)
+runs as ``--replacement LABEL --spare COMMAND...``: the supervisor tells the launcher it is a
+spare (a ``spare_started`` report) before the program runs.
 
 Before it starts its rank, the supervisor connects to the launcher's lifeline
 (``SYNCDP_LIFELINE_ADDR``, :mod:`launch.lifeline`); when the launcher cannot be reached it
@@ -231,10 +233,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 1
     env = _share_cores(dict(os.environ))
+    new_spare = False
     if argv[0] == "--replacement" and len(argv) > 2:
         rank = str(int(argv[1]) + (int(rank) if rank.isdigit() else 0))
         argv = argv[2:]
         env["SYNCDP_REPLACEMENT"] = rank
+        if argv[0] == "--spare" and len(argv) > 1:  # a spare rank 0 starts in the background
+            argv = argv[1:]
+            env[spares.NEW_SPARE_VAR] = "1"
+            new_spare = True
     elastic = config.elastic
     try:
         child = subprocess.Popen(
@@ -249,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"syncdp-run: {message}", file=sys.stderr, flush=True)
         _send_exit_report(rank, None, 127, False, message)
         return 127
+    if new_spare:  # before anything can end it: its exit is a spare's, never the job's
+        report.send("spare_started", int(rank), pid=child.pid)
     if lifeline is not None:
         lifeline.start(
             int(rank) if rank.isdigit() else None,

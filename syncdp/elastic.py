@@ -102,9 +102,15 @@ class State:
 
     def check_host_updates(self) -> None:
         """Raises HostsUpdatedInterrupt on every rank when slots were added (elastic mode with
-        ``--host-discovery-script`` and fewer ranks than ``--max-np``); otherwise returns."""
+        ``--host-discovery-script`` and fewer ranks than ``--max-np``); otherwise returns.
+
+        With warm spares (``--spares``) it also keeps their number (a collective):
+        :func:`syncdp.core.runtime.tend_spares`."""
         plan = runtime.elastic_plan()
-        if plan is None or not plan.script:
+        if plan is None:
+            return
+        runtime.tend_spares()  # with --spares: used or dead spares are replaced meanwhile
+        if not plan.script:
             return
         comm = runtime.communicator()
         if membership.slots_added(comm, plan, runtime.members(), self._last_check):

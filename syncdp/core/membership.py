@@ -83,6 +83,8 @@ class Plan:
         vanished: Hosts never to be used again.
         command: What a replacement runs: the program as this job started it.
         spares: The warm spares waiting (:mod:`syncdp.core.spares`); they hold slots too.
+        spare_target: The spares to keep (``--spares``): rank 0 starts new ones in the
+            background when fewer wait (:mod:`syncdp.core.refill`).
     """
 
     target: int
@@ -96,6 +98,7 @@ class Plan:
     vanished: tuple[str, ...] = ()
     command: tuple[str, ...] = ()
     spares: tuple[Member, ...] = ()
+    spare_target: int = 0
 
 
 def me() -> Member:
@@ -113,6 +116,7 @@ def first_plan(config, size: int, waiting: tuple[Member, ...] = ()) -> Plan:
         max_np=max(config.max_np or size, size),
         next_label=size + len(waiting),
         spares=tuple(waiting),
+        spare_target=len(waiting),
         reset_limit=config.reset_limit,
         script=config.host_discovery_script,
         command=(sys.executable, *sys.orig_argv[1:]),
@@ -123,9 +127,10 @@ def join_parent():
     """A replacement's side of the merge: the job's communicator with this rank in it.
 
     Returns:
-        The merged intracommunicator, or None when this process was not spawned by a recovery.
+        The merged intracommunicator, or None when this process was not spawned by a recovery
+        (a spare started in the background joins through :func:`syncdp.core.refill.join`).
     """
-    if not os.environ.get(REPLACEMENT_VAR):
+    if not os.environ.get(REPLACEMENT_VAR) or os.environ.get(spares.NEW_SPARE_VAR):
         return None
     MPI = mpi.load()
     parent = MPI.Comm.Get_parent()
@@ -181,7 +186,7 @@ def discover_slots(script: str) -> dict[str, int] | None:
     return slots
 
 
-def _free_slots(plan: Plan, alive: list[Member]) -> tuple[int | None, list[str]]:
+def free_slots(plan: Plan, alive: list[Member]) -> tuple[int | None, list[str]]:
     """Free slots by the discovery script (None: no script, no limit) and their hosts.
 
     Updates ``plan.seen_hosts`` and ``plan.vanished``.
@@ -207,15 +212,21 @@ def _free_slots(plan: Plan, alive: list[Member]) -> tuple[int | None, list[str]]
     return len(hosts), hosts
 
 
-def _spawn(comm, plan: Plan, count: int, hosts: list[str]):
-    """Starts ``count`` replacements and merges them in after ``comm``'s ranks (collective)."""
+def spawn_where(hosts: list[str]):
+    """The MPI info a spawn gets: this directory, and ``hosts`` when one of them is another
+    host (the caller frees it)."""
     MPI = mpi.load()
-    args = ["-m", "launch.worker", "--replacement", str(plan.next_label), *plan.command]
     info = MPI.Info.Create()
     info.Set("wdir", os.getcwd())
-    remote = [h for h in hosts[:count] if h != socket.gethostname()]
-    if remote:
-        info.Set("host", ",".join(hosts[:count]))
+    if any(h != socket.gethostname() for h in hosts):
+        info.Set("host", ",".join(hosts))
+    return info
+
+
+def _spawn(comm, plan: Plan, count: int, hosts: list[str]):
+    """Starts ``count`` replacements and merges them in after ``comm``'s ranks (collective)."""
+    args = ["-m", "launch.worker", "--replacement", str(plan.next_label), *plan.command]
+    info = spawn_where(hosts[:count])
     try:
         inter = comm.Spawn(sys.executable, args, maxprocs=count, root=0, info=info)
     finally:
@@ -233,7 +244,7 @@ def _decide(comm, plan: Plan, alive: list[Member], want: int) -> tuple[Plan, int
     """Rank 0 counts the replacements to start; every rank gets its plan and the count."""
     decision = None
     if comm.Get_rank() == 0:
-        free, hosts = _free_slots(plan, alive)
+        free, hosts = free_slots(plan, alive)
         count = max(0, want - len(alive))
         if free is not None:
             count = min(count, free)
@@ -294,7 +305,7 @@ def _decide_seats(plan: Plan, alive: list[Member], trainers: int, growing: bool)
     waiting = len(alive) - trainers
     want = plan.max_np if growing else plan.target
     take = 0 if growing else min(waiting, max(0, want - trainers))
-    free, hosts = _free_slots(plan, alive)
+    free, hosts = free_slots(plan, alive)
     count = max(0, want - trainers - take)
     if free is not None:
         count = min(count, free)
@@ -438,6 +449,6 @@ def slots_added(comm, plan: Plan, alive: list[Member], last_check: list[float]) 
         now = time.monotonic()
         if now - last_check[0] >= DISCOVERY_INTERVAL_SECONDS:
             last_check[0] = now
-            free, _ = _free_slots(plan, alive)
+            free, _ = free_slots(plan, alive)
             grow_now = bool(free)
     return bool(comm.broadcast_object(grow_now, 0, name="elastic.check_host_updates"))

@@ -27,6 +27,7 @@ replacement would. ``shutdown()`` on rank 0 releases the spares still waiting.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import sys
 import time
@@ -34,9 +35,9 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from syncdp.core import membership, mpi, report, settings, spares, stats
+from syncdp.core import membership, mpi, refill, report, settings, spares, stats
 from syncdp.core.communicator import Communicator
-from syncdp.core.errors import ElasticAbortError, NotInitializedError
+from syncdp.core.errors import ElasticAbortError, NotInitializedError, RankFailureError
 from syncdp.core.timeline import Timeline
 from syncdp.core.topology import Topology, discover
 
@@ -62,6 +63,7 @@ __all__ = [
     "on_reset",
     "members",
     "elastic_plan",
+    "tend_spares",
     "plug_process_sets",
 ]
 
@@ -86,6 +88,8 @@ class _State:
     reset_callbacks: list = []
     # Warm spares (syncdp.core.spares): every live process of the job, ranks then spares.
     reserve = None
+    # Rank 0's care of the spares (syncdp.core.refill): new ones started in the background.
+    keeper = None
 
 
 _state = _State()
@@ -161,6 +165,9 @@ def _elastic_base(base, config: settings.Config, spawned):
     returns.
     """
     waiting = spares.count()
+    if os.environ.get(spares.NEW_SPARE_VAR):  # a spare started in the background
+        _state.reserve = refill.join()
+        return _serve_as_spare(), None
     if spawned is not None and not waiting:
         return spawned, None
     plan = None
@@ -205,16 +212,25 @@ def _serve_as_spare():
     rank, or end the process when released (the rest of the program never runs)."""
     reserve = _state.reserve
     while True:
-        what = spares.wait(reserve)
-        if what == spares.RELEASE:
+        order = spares.wait(reserve)
+        if order.what == spares.RELEASE:
             spares.leave()
+        if order.what == spares.REFRESH:
+            try:
+                reserve, _ = refill.refresh(
+                    reserve, trains=False, prune=order.prune, adopt=order.adopt
+                )
+                _state.reserve = reserve
+                continue
+            except mpi.load().Exception:  # a rank was lost meanwhile: join its recovery
+                order = spares.Order(spares.FAILURE)
         try:
             reserve, training, _, _ = membership.reseat(
                 reserve,
                 None,
                 trains=False,
-                failure=what == spares.FAILURE,
-                growing=what == spares.GROW,
+                failure=order.what == spares.FAILURE,
+                growing=order.what == spares.GROW,
             )
         except ElasticAbortError as e:
             print(f"syncdp: spare {membership.me().label}: {e}", file=sys.stderr, flush=True)
@@ -363,6 +379,52 @@ def _change_membership(comm: Communicator, plan, grow: bool):
     )
     _state.reserve = reserve
     return merged, plan, change
+
+
+def tend_spares() -> None:
+    """Keeps the job's warm spares (a collective of the ranks; elastic mode calls it at every
+    commit): rank 0 starts a new spare in the background when one was used or died, and once it
+    waits, or a spare died, the ranks and spares refresh the reserve (:mod:`syncdp.core.refill`).
+    Does nothing in a job without spares.
+
+    Raises:
+        RankFailureError: A rank or spare was lost during the refresh (the job then recovers).
+    """
+    comm, plan = communicator(), _state.plan
+    if _state.reserve is None or plan is None or not plan.spare_target:
+        return
+    order = None
+    if comm.rank == 0:
+        if _state.keeper is None:
+            _state.keeper = refill.Keeper()
+        _state.keeper.watch(_state.reserve, comm.size)
+        order = _state.keeper.order(plan, list(_state.members) + list(plan.spares))
+    order = comm.broadcast_object(order, 0, name="elastic.spares")
+    if order is None:
+        return
+    prune, adopt = order
+    port = None
+    if comm.rank == 0:
+        if adopt:
+            port = _state.keeper.adopting()
+        spares.wake(_state.reserve, comm.size, spares.REFRESH, prune=prune, adopt=adopt)
+    MPI = mpi.load()
+    try:
+        reserve, waiting = refill.refresh(
+            _state.reserve, trains=True, prune=prune, port=port, adopt=adopt
+        )
+    except MPI.Exception as e:
+        raise RankFailureError(f"a process was lost while the spares were refreshed: {e}") from e
+    _state.reserve = reserve
+    plan.spares = tuple(waiting)
+    if comm.rank == 0:
+        _state.keeper.refreshed(adopt)
+        report.send(
+            "spares",
+            0,
+            f"spares waiting: {len(waiting)}",
+            spares=[dataclasses.asdict(m) for m in waiting],
+        )
 
 
 def _drop(broken: bool) -> None:
@@ -577,7 +639,10 @@ def shutdown() -> None:
     if _state.reserve is not None and not comm.broken:
         if comm.rank == 0:  # training is over: the spares leave
             spares.wake(_state.reserve, comm.size, spares.RELEASE)
+            if _state.keeper is not None:
+                _state.keeper.close()
         _state.reserve = None
+    _state.keeper = None
     _drop(broken=comm.broken)
     _state.config = None
 

@@ -434,6 +434,7 @@ INTERNAL_VARS = frozenset(
         "SYNCDP_REPORT_SECRET",
         "SYNCDP_LIFELINE_ADDR",
         "SYNCDP_SPARES",
+        "SYNCDP_NEW_SPARE",
     }
 )
 

@@ -12,18 +12,21 @@ A spare waits for a message from rank 0 on the reserve (:func:`wait`):
   failed: the spare joins the recovery (:func:`syncdp.core.membership.reseat`), which either
   makes it a rank (it returns from ``init()`` as a replacement would) or leaves it a spare;
 - :data:`GROW`: the ranks grow into new slots; the spare joins, and stays a spare;
+- :data:`REFRESH`: the ranks drop spares that died and take in one started in the background
+  (:mod:`syncdp.core.refill`); the spare joins, and stays a spare;
 - :data:`RELEASE`: the job is over; the spare exits 0 without running the rest of the program
   (:func:`leave`).
 
-A spare that dies while it waits disturbs nobody: the next recovery leaves it out.
+A spare that dies while it waits disturbs no rank: rank 0 notices (:mod:`syncdp.core.refill`
+keeps the count), and the next recovery or refresh leaves it out.
 
 Which process trains after a change is :func:`seat`'s pure arithmetic on four counts rank 0
 decides (ranks and spares alive, spares taken, processes spawned), the same on every process:
 survivors, spares and the processes just spawned (which receive the counts) each find their own
 place.
 
-Not done yet: replacing a consumed or dead spare in the background. A spare is replaced only in
-the sense that, once the spares run out, recovery spawns as it does without them.
+A spare that took a lost rank's place, or died, is replaced in the background by rank 0
+(:mod:`syncdp.core.refill`), so the job keeps ``--spares`` of them.
 """
 
 from __future__ import annotations
@@ -31,17 +34,50 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import NamedTuple
 
 from syncdp.core import mpi
 
-__all__ = ["SPARES_VAR", "RELEASE", "GROW", "FAILURE", "count", "seat", "wait", "wake", "leave"]
+__all__ = [
+    "SPARES_VAR",
+    "NEW_SPARE_VAR",
+    "RELEASE",
+    "GROW",
+    "FAILURE",
+    "REFRESH",
+    "Order",
+    "count",
+    "seat",
+    "wait",
+    "wake",
+    "leave",
+]
 
 # The number of spares the launcher started (read once by init(); spawned processes inherit it).
 # One of the launcher's own variables (settings.INTERNAL_VARS), not a setting.
 SPARES_VAR = "SYNCDP_SPARES"
-# What wakes a spare: rank 0's message (RELEASE, GROW) or a failure (the reserve revoked).
-RELEASE, GROW, FAILURE = 0, 1, 2
+# Set (to "1") in a spare started in the background (syncdp.core.refill); also internal.
+NEW_SPARE_VAR = "SYNCDP_NEW_SPARE"
+# What wakes a spare: rank 0's message (RELEASE, GROW, REFRESH) or a failure (the reserve
+# revoked, or rank 0 lost).
+RELEASE, GROW, FAILURE, REFRESH = 0, 1, 2, 3
 _TAG = 7301
+
+
+class Order(NamedTuple):
+    """What woke a spare, and for REFRESH what the refresh does (:mod:`syncdp.core.refill`).
+
+    Attributes:
+        what: RELEASE, GROW, FAILURE or REFRESH.
+        prune: REFRESH: spares died, and the reserve shrinks to the processes alive.
+        adopt: REFRESH: a spare started in the background joins the reserve.
+    """
+
+    what: int
+    prune: bool = False
+    adopt: bool = False
+
+
 # A waiting spare looks this often: its wake-up costs at most this much of a recovery, and it
 # costs the training ranks almost no CPU.
 _POLL_SECONDS = 0.005
@@ -94,8 +130,8 @@ def seat(index: int, trainers: int, spares: int, take: int, spawned: int) -> tup
     return False, trainers + take + spawned + (j - take)
 
 
-def wait(reserve) -> int:
-    """A spare's wait for rank 0 on the reserve; returns RELEASE, GROW or FAILURE.
+def wait(reserve) -> Order:
+    """A spare's wait for rank 0 on ``reserve``: what woke it (RELEASE, GROW, REFRESH or FAILURE).
 
     Polls a receive every few milliseconds: a spare must not take a core from the ranks that
     train (Open MPI's own waits spin). A revoked reserve, or rank 0 lost, is a FAILURE: the
@@ -107,22 +143,27 @@ def wait(reserve) -> int:
     while True:
         try:
             if request.Test():
-                return GROW if message[0] == GROW else RELEASE
+                what = message[0] if message[0] in (GROW, REFRESH) else RELEASE
+                return Order(what, prune=bool(message[1]), adopt=bool(message[2]))
         except MPI.Exception:
-            return FAILURE
+            return Order(FAILURE)
         time.sleep(_POLL_SECONDS)
 
 
-def wake(reserve, first_spare: int, what: int) -> None:
-    """Rank 0 sends ``what`` (RELEASE or GROW) to every spare of the reserve; never raises.
+def wake(reserve, first_spare: int, what: int, *, prune: bool = False, adopt: bool = False) -> None:
+    """Rank 0 sends ``what`` (RELEASE, GROW or REFRESH) to every spare of the reserve; never
+    raises.
 
     Args:
-        reserve: The reserve communicator (rank 0's side).
+        reserve: The reserve communicator (rank 0's side), or a spare's pair communicator with
+            rank 0 (:mod:`syncdp.core.refill`).
         first_spare: The reserve rank of the first spare (the number of training ranks).
-        what: RELEASE or GROW.
+        what: RELEASE, GROW or REFRESH.
+        prune: REFRESH: the reserve shrinks first. Defaults to False.
+        adopt: REFRESH: a new spare joins. Defaults to False.
     """
     MPI = mpi.load()
-    message = bytes([what]) + bytes(7)
+    message = bytes([what, prune, adopt]) + bytes(5)
     requests = []
     for spare in range(first_spare, reserve.Get_size()):
         try:
