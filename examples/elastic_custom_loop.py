@@ -14,7 +14,7 @@ of ranks, so the result equals one process's.
 original ranks are 0..N-1, replacements N, N+1, ...) send itself SIGNAL (default KILL) before
 that batch; ``--kill LABEL:reset`` makes it die in its first reset callback (a failure during
 recovery); ``--kill LABEL:refilled`` makes it die at the first step at which a warm spare
-started in the background waits again (``--spares``: a used spare was replaced).
+started in the background waits (``--spares``: a used or dead spare was replaced).
 ``--touch EPOCH:BATCH:PATH`` makes rank 0 create PATH before that batch: a host discovery script
 that lists more slots once PATH exists then lets the job grow (``--max-np``). The tests use
 these; try them by hand to watch the launcher's log.
@@ -102,7 +102,7 @@ def main() -> int:
 
     import syncdp.data
     import syncdp.tensorflow as hvd
-    from syncdp.core import membership, runtime
+    from syncdp.core import membership, runtime, spares
 
     _write_data(args.data, args.records, SHARDS)
     hvd.init()
@@ -128,6 +128,8 @@ def main() -> int:
     b = tf.Variable(tf.zeros([], tf.float64))
     state = hvd.elastic.TensorFlowState([w, b], epoch=0, batch=0)
     refilled = kills.pop(("refilled",), None)
+    # Spares started in the background are labelled after the ranks and spares of the start.
+    first_new_spare = hvd.size() + spares.count()
     if any(k[0] == "reset" for k in kills):
         state.register_reset_callbacks([lambda: os.kill(os.getpid(), signal.SIGKILL)])
     files = sorted(
@@ -159,7 +161,8 @@ def main() -> int:
                     if (int(epoch), int(batch)) == (state.epoch, state.batch):
                         open(path, "w").close()
                 sig = kills.pop((str(state.epoch), str(state.batch)), None)
-                if refilled and runtime.elastic_plan().spares:
+                waiting = runtime.elastic_plan().spares
+                if refilled and any(m.label >= first_new_spare for m in waiting):
                     sig = refilled
                 if sig is not None:
                     print(f"label {label}: sending myself {sig.name}", flush=True)

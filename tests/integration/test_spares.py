@@ -174,3 +174,57 @@ def test_a_timeline_goes_on_through_a_spare_and_a_replacement(tmp_path):
     first = {r: min(e["ts"] for e in evs if e.get("ph") == "X") for r, evs in events.items()}
     assert first[1] > first[0], first
     _assert_nothing_left(tmp_path / "data")
+
+
+def test_dead_and_used_spares_are_replaced_in_the_background(tmp_path):
+    # The waiting spare [2] is killed: rank 0 notices, starts spare [3] while training goes on,
+    # and the ranks take it in at a commit. Then rank 1 dies once [3] waits: [3] takes its
+    # place (nothing spawned on the recovery path), and spare [4] is started in turn.
+    data, marker = tmp_path / "data", tmp_path / "training"
+    proc = start(
+        2,
+        "python",
+        EXAMPLE,
+        "--data",
+        str(data),
+        "--epochs",
+        str(EPOCHS),
+        "--step-seconds",
+        "1.5",
+        "--touch",
+        f"0:1:{marker}",
+        "--kill",
+        "1:refilled",
+        launcher_args=("--min-np", "2", "--spares", "1"),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists(), "training never started"
+        spare = _spare_pid(data, 2)
+        assert spare is not None, "no spare process found"
+        os.kill(spare, signal.SIGKILL)
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the job did not end within its timeout\n{err[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = f"--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-6000:]}"
+    assert proc.returncode == 0, log
+    results = _results(out)
+    assert sorted(r["label"] for r in results) == [0, 3], log
+    assert all(r["size"] == 2 and r["epoch"] == EPOCHS for r in results), log
+    assert results[0]["w"] == results[1]["w"], log
+    w, b = _expected()
+    np.testing.assert_allclose(results[0]["w"], w, rtol=1e-9, atol=1e-12)
+    assert abs(results[0]["b"] - b) < 1e-9, log
+    assert re.search(r"spare \[2\] \(pid \d+ on .*\) was killed by signal 9", err), log
+    assert "starting a new spare [3]" in err and "starting a new spare [4]" in err, log
+    assert "spares waiting: 1; training went on meanwhile." in err, log
+    assert "1 spare(s) took over, 0 replacement(s) started" in err, log
+    assert "elastic: 1 membership change(s); the job finished with 2 rank(s)." in err, log
+    _assert_nothing_left(data)

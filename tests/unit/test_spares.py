@@ -11,7 +11,7 @@ import time
 import pytest
 
 from launch import elastic, run
-from syncdp.core import membership, settings, spares
+from syncdp.core import membership, refill, settings, spares
 
 
 @pytest.mark.parametrize(
@@ -161,3 +161,86 @@ def test_spares_still_running_after_the_ranks_are_killed(monkeypatch):
     while not killed and time.monotonic() < deadline:
         time.sleep(0.01)
     assert killed == [("h", 12)]
+
+
+def test_a_spare_started_in_the_background_that_dies_is_a_spares_exit(capsys):
+    # Labels 0, 1 are ranks, 2 the first spare; [3] is started in the background. Its death
+    # before it joined is no stuck recovery (a replacement's would be) and no failure.
+    aborted = []
+    log = elastic.ElasticLog(spares=[2], ranks=2, on_abort=aborted.append)
+    assert log.handle({"kind": "spare_started", "rank": 3, "host": "h", "pid": 13})
+    assert "starting a new spare [3] (pid 13 on h) in the background" in capsys.readouterr().err
+    assert log.handle(_exit(3, 13, code=None, signal=9))
+    time.sleep(elastic.JOIN_GRACE_SECONDS / 50)
+    assert aborted == [] and log.unexplained() == []
+    log.handle(_exit(0, 10))
+    log.handle(_exit(1, 11))
+    assert log.finished(2)
+
+
+def test_a_spare_started_in_the_background_and_never_released_is_killed(monkeypatch):
+    killed = []
+    monkeypatch.setattr(elastic, "_kill", lambda host, pid, shell: killed.append((host, pid)))
+    monkeypatch.setattr(elastic, "SPARE_GRACE_SECONDS", 0.05)
+    log = elastic.ElasticLog(spares=[2], ranks=2)
+    log.handle(_exit(2, 12))  # the first spare was released
+    log.handle({"kind": "spare_started", "rank": 3, "host": "h", "pid": 13})
+    log.handle(_exit(0, 10))
+    log.handle(_exit(1, 11))
+    deadline = time.monotonic() + 5
+    while not killed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert killed == [("h", 13)]
+
+
+def _keeper(monkeypatch, started):
+    """A Keeper whose background spawn only records its arguments (no MPI)."""
+    keeper = refill.Keeper()
+
+    def spawn(args, hosts, label):
+        started.append((args, hosts, label))
+
+    monkeypatch.setattr(keeper, "_spawn", spawn)
+    return keeper
+
+
+def _kept_plan(waiting: int, target: int = 1, script: str = "") -> membership.Plan:
+    members = tuple(membership.Member("h", 100 + i, 2 + i) for i in range(waiting))
+    return membership.Plan(
+        target=2,
+        min_np=2,
+        max_np=2,
+        next_label=5,
+        spares=members,
+        spare_target=target,
+        script=script,
+        command=("python", "train.py"),
+    )
+
+
+def test_the_keeper_starts_one_spare_at_a_time_and_adopts_it_once_it_waits(monkeypatch):
+    started = []
+    keeper = _keeper(monkeypatch, started)
+    plan = _kept_plan(waiting=0, target=2)
+    assert keeper.order(plan, []) is None  # nothing to adopt yet; one start begins
+    keeper._thread.join(5)
+    assert [label for _, _, label in started] == [5]
+    args = started[0][0]
+    assert args[:5] == ["-m", "launch.worker", "--replacement", "5", "--spare"]
+    assert args[5:] == ["python", "train.py"] and plan.next_label == 6
+    assert keeper.order(plan, []) is None and len(started) == 1  # still starting: no second
+    keeper._started = ("pair", "port", 5)  # the new spare waits
+    assert keeper.order(plan, []) == (False, True)
+
+
+def test_the_keeper_starts_nothing_with_enough_spares_or_no_free_slot(monkeypatch, tmp_path):
+    started = []
+    keeper = _keeper(monkeypatch, started)
+    assert keeper.order(_kept_plan(waiting=1, target=1), []) is None
+    assert keeper._thread is None and started == []
+    script = tmp_path / "hosts.sh"
+    script.write_text("#!/bin/sh\necho h:3\n")
+    script.chmod(0o755)
+    members = [membership.Member("h", 10 + i, i) for i in range(3)]  # every slot taken
+    assert keeper.order(_kept_plan(waiting=0, target=1, script=str(script)), members) is None
+    assert keeper._thread is None and started == []
