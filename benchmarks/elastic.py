@@ -18,12 +18,19 @@ Three measurements, each started here through the real launcher:
    times each; the spare waits in ``init()`` with TensorFlow loaded, so recovery skips the
    replacement's start. Then what a waiting spare costs the ranks: steps per second of a
    2-rank job with and without one, alternating.
+5. With ``--refill``: what replacing a spare in the background costs the ranks. A 2-rank job
+   with ``--spares 1``; at step 30 rank 0 SIGKILLs the waiting spare; rank 0 then starts a new
+   one from a thread while training goes on, and the ranks take it in at a commit. Reported,
+   within one job: the median step while the new spare starts against the median step before
+   the kill, how long the start took, and the commit that took the spare in against an
+   ordinary commit.
 
 Usage::
 
     python benchmarks/elastic.py            # all three, about 4 minutes on 2 cores
     python benchmarks/elastic.py --quick    # N = 2, 3 only, fewer repeats
     python benchmarks/elastic.py --spares --repeats 3   # spare against spawn, side by side
+    python benchmarks/elastic.py --refill --repeats 3   # a spare replaced in the background
 
 Results go to ``benchmarks/results/elastic.md`` (``elastic_spares.md`` with ``--spares``).
 """
@@ -119,6 +126,9 @@ def _worker(mode: str, steps: int) -> None:
     state = hvd.elastic.TensorFlowKerasState(model, optimizer, step=0)
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
 
+    if mode == "refill":
+        return _refill_worker(hvd, runtime, step, x, y, state, steps)
+
     @hvd.elastic.run
     def train(state):
         times = {"step": [], "commit": []}
@@ -151,6 +161,47 @@ def _worker(mode: str, steps: int) -> None:
             "commit": median(times["commit"]),
             "steps_per_s": (len(times["step"]) - 1) / elapsed if elapsed else 0.0,
         }
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def _refill_worker(hvd, runtime, step, x, y, state, steps: int) -> None:
+    """Rank 0 kills the waiting spare at KILL_STEP and times the steps while a new one starts."""
+    phases = {"before": [], "starting": [], "after": []}
+    commits = {"plain": [], "adopt": []}
+    marks = {}
+
+    @hvd.elastic.run
+    def train(state):
+        phase = "before"
+        while state.step < steps:
+            if hvd.rank() == 0 and state.step == KILL_STEP:
+                os.kill(runtime.elastic_plan().spares[0].pid, signal.SIGKILL)
+                marks["killed"] = time.perf_counter()
+                phase = "starting"
+            t0 = time.perf_counter()
+            step(x, y)
+            t1 = time.perf_counter()
+            state.step += 1
+            state.commit()
+            t2 = time.perf_counter()
+            waiting = runtime.elastic_plan().spares  # a new spare is labelled after the first
+            joined = phase == "starting" and any(m.label > hvd.size() for m in waiting)
+            if state.step > 5:
+                phases[phase].append(t1 - t0)
+                commits["adopt" if joined else "plain"].append(t2 - t1)
+            if joined:
+                marks["joined"] = time.perf_counter()
+                phase = "after"
+
+    train(state)
+    if hvd.rank() == 0:
+        result = {k: median(v) for k, v in phases.items() if v}
+        result.update(
+            steps={k: len(v) for k, v in phases.items()},
+            start_seconds=marks["joined"] - marks["killed"],
+            commit=median(commits["plain"]),
+            adopt_commit=max(commits["adopt"]),
+        )
         print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -227,12 +278,56 @@ def spares_against_spawn(sizes: list[int], repeats: int) -> None:
     print(f"wrote {path}")
 
 
+def refill(repeats: int) -> None:
+    """What starting a spare in the background costs the ranks (one job per repeat)."""
+    runs = []
+    for _ in range(repeats):
+        out = _launch(2, "--worker", "refill", "--steps", "400", spares=1).stdout
+        runs.append(_result(out))
+        print(runs[-1], flush=True)
+    slow = [r["starting"] / r["before"] for r in runs]
+    rows = [
+        [
+            "step while a new spare starts, np=2, small MLP",
+            f"{median([r['starting'] for r in runs]) * 1e3:.2f} ms (median step)",
+            f"{median([r['before'] for r in runs]) * 1e3:.2f} ms before the spare was killed",
+            f"starting / before = {median(slow):.2f} (per job: "
+            + ", ".join(f"{v:.2f}" for v in slow)
+            + "; the new process imports TensorFlow on the ranks' 2 cores)",
+        ],
+        [
+            "spare killed -> new spare waiting",
+            f"{median([r['start_seconds'] for r in runs]):.2f} s",
+            "training went on throughout",
+            "per job: " + ", ".join(f"{r['start_seconds']:.2f}" for r in runs) + " s",
+        ],
+        [
+            "the commit that takes the new spare in",
+            f"{median([r['adopt_commit'] for r in runs]) * 1e3:.1f} ms",
+            f"{median([r['commit'] for r in runs]) * 1e3:.2f} ms an ordinary commit",
+            "once per replaced spare (connect, merge, allgather)",
+        ],
+    ]
+    path = write_markdown(
+        "elastic_refill",
+        "Warm spares: replacing one in the background",
+        ["what", "measured", "against", "note"],
+        rows,
+        notes=machine(
+            "one 2-rank job with --spares 1 per repeat; rank 0 kills the waiting spare at step "
+            f"{KILL_STEP}; medians within each job; each rank 1 intra-op thread"
+        ),
+    )
+    print(f"wrote {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", choices=["recovery", "commit", "throughput"])
+    p.add_argument("--worker", choices=["recovery", "commit", "throughput", "refill"])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--spares", action="store_true", help="only: recovery with a spare vs without")
+    p.add_argument("--refill", action="store_true", help="only: a spare replaced in the background")
     p.add_argument("--repeats", type=int, default=3, help="launches per case with --spares")
     args = p.parse_args()
     if args.worker:
@@ -240,6 +335,9 @@ def main() -> None:
         return
     if args.spares:
         spares_against_spawn([2, 3], args.repeats)
+        return
+    if args.refill:
+        refill(args.repeats)
         return
     sizes = [2, 3] if args.quick else [2, 3, 4]
     repeats = 1 if args.quick else 2

@@ -32,6 +32,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from syncdp.core import mpi, spares
@@ -223,14 +224,24 @@ def spawn_where(hosts: list[str]):
     return info
 
 
+# One spawn at a time in a process: a recovery's spawn waits for a spare being started in the
+# background (syncdp.core.refill) to finish; the two at once hung Open MPI 5.0.11.
+SPAWN_LOCK = threading.Lock()
+# How long a recovery waits for that spare before it spawns anyway.
+SPAWN_WAIT_SECONDS = 60.0
+
+
 def _spawn(comm, plan: Plan, count: int, hosts: list[str]):
     """Starts ``count`` replacements and merges them in after ``comm``'s ranks (collective)."""
     args = ["-m", "launch.worker", "--replacement", str(plan.next_label), *plan.command]
     info = spawn_where(hosts[:count])
+    locked = SPAWN_LOCK.acquire(timeout=SPAWN_WAIT_SECONDS)
     try:
         inter = comm.Spawn(sys.executable, args, maxprocs=count, root=0, info=info)
     finally:
         info.Free()
+        if locked:
+            SPAWN_LOCK.release()
     merged = inter.Merge(high=False)
     # Disconnected while everyone is alive: MPI_Finalize would otherwise disconnect it at
     # exit, and spin forever if a process on the other side has died by then.

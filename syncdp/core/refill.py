@@ -23,6 +23,10 @@ The pair is a communicator of its own, and the connect happens only when rank 0 
 Open MPI 5.0's ``MPI_Intercomm_create`` across the pair crashed (in its ``han`` collectives) on
 the new process; ``MPI_Comm_connect``/``accept`` did not (checked in a bare mpi4py job).
 
+A recovery that must spawn while a spare is being started waits for that start to end first
+(:data:`syncdp.core.membership.SPAWN_LOCK`): two spawns at once in one process hung Open MPI.
+The spare then joins at a later commit, as usual.
+
 If rank 0 is lost before a new spare joins, the spare sees its pair fail and leaves (exit 0,
 saying so); the next rank 0 starts another. A spawn that never completes (the new process died
 before ``MPI_Init``) keeps only rank 0's thread waiting: training goes on, no other spare is
@@ -61,6 +65,9 @@ class Keeper:
         self._started: tuple | None = None  # (pair, port, label) once a new spare waits
         self._error: str | None = None
         self.label: int | None = None  # the label of the spare being started
+        # A recovery spawned while a spare was being started: that spare is released, never
+        # taken in, and no other is started (see abandon()).
+        self._abandoned = False
 
     def watch(self, reserve, first_spare: int) -> None:
         """Posts the receives that tell when a spare of ``reserve`` dies (again, after every
@@ -105,12 +112,15 @@ class Keeper:
         """
         dead = self._spares_died()
         prune = dead > 0
+        if self._abandoned and self._started is not None:
+            self._release()
         if self._error is not None:
             print(f"syncdp: elastic: {self._error}", file=sys.stderr, flush=True)
             self._error = None
         adopt = self._started is not None
         waiting = len(plan.spares) - dead
-        if self._thread is None and not adopt and waiting < plan.spare_target:
+        busy = self._thread is not None or self._abandoned
+        if not busy and not adopt and waiting < plan.spare_target:
             self._start(plan, alive)
         return (prune, adopt) if prune or adopt else None
 
@@ -131,14 +141,17 @@ class Keeper:
         MPI = mpi.load()
         info = membership.spawn_where(hosts)
         try:
-            inter = MPI.COMM_SELF.Spawn(sys.executable, args, maxprocs=1, info=info)
-            pair = inter.Merge(high=False)
-            inter.Disconnect()
+            with membership.SPAWN_LOCK:  # a recovery's spawn waits for this one
+                inter = MPI.COMM_SELF.Spawn(sys.executable, args, maxprocs=1, info=info)
+                pair = inter.Merge(high=False)
+                inter.Disconnect()
             port = pair.recv(source=1, tag=_PORT_TAG)
             self._started = (pair, port, label)
         except MPI.Exception as e:
             self._error = f"a new spare [{label}] could not be started ({e}); trying again later"
             self._thread = None
+        finally:
+            info.Free()
 
     def adopting(self):
         """The new spare's pair and port, once it waits: tells it to connect (rank 0 only)."""
@@ -156,19 +169,29 @@ class Keeper:
             except mpi.load().Exception:
                 pass
 
+    def abandon(self) -> None:
+        """A recovery spawned replacements while a spare was being started: that spare will
+        be released, not taken in, and no spare is started again in this job. (Taking it in
+        after such a spawn left MPI_Finalize hanging at the end, Open MPI 5.0.11.)"""
+        if self._thread is not None:
+            self._abandoned = True
+
+    def _release(self) -> None:
+        pair = self._started[0]
+        self._started = None
+        spares.wake(pair, 1, spares.RELEASE)
+        try:
+            pair.Free()
+        except mpi.load().Exception:
+            pass
+
     def close(self) -> None:
         """At the end of training: a spare being started or waiting to join is released."""
         self._cancel()
         if self._thread is not None and self._started is None:
             self._thread.join(_END_WAIT_SECONDS)
         if self._started is not None:
-            pair = self._started[0]
-            spares.wake(pair, 1, spares.RELEASE)
-            try:
-                pair.Free()
-            except mpi.load().Exception:
-                pass
-            self._started = None
+            self._release()
 
 
 def join():

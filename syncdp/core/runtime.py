@@ -378,6 +378,8 @@ def _change_membership(comm: Communicator, plan, grow: bool):
         _state.reserve, plan, trains=True, failure=not grow, growing=grow, training=comm.mpi
     )
     _state.reserve = reserve
+    if change["spawned"] and _state.keeper is not None:
+        _state.keeper.abandon()
     return merged, plan, change
 
 
