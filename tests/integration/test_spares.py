@@ -57,12 +57,14 @@ def test_a_spare_takes_the_place_of_a_killed_rank(tmp_path, np_, label):
 
 
 def test_when_spares_run_out_a_replacement_is_spawned(tmp_path):
-    # Rank 1 dies (the spare, label 2, takes over), then the spare dies too: label 3 is spawned.
+    # Rank 1 dies (the spare, label 2, takes over; rank 0 starts spare [3] in the background),
+    # then label 2 dies too, before [3] waits: label 4 is spawned, and [3] is released.
     result = _run(tmp_path, 2, "1:0:3", "2:1:2", launcher=("--spares", "1"))
     _assert_finished(result, size=2, changes=2)
     assert "1 spare(s) took over" in result.stderr
+    assert "starting a new spare [3]" in result.stderr
     assert "1 replacement(s) started" in result.stderr
-    assert any(r["label"] == 3 for r in _results(result.stdout))
+    assert sorted(r["label"] for r in _results(result.stdout)) == [0, 4]
     _assert_nothing_left(tmp_path / "data")
 
 
