@@ -282,7 +282,7 @@ def refill(repeats: int) -> None:
     """What starting a spare in the background costs the ranks (one job per repeat)."""
     runs = []
     for _ in range(repeats):
-        out = _launch(2, "--worker", "refill", "--steps", "400", spares=1).stdout
+        out = _launch(2, "--worker", "refill", "--steps", "2500", spares=1).stdout
         runs.append(_result(out))
         print(runs[-1], flush=True)
     slow = [r["starting"] / r["before"] for r in runs]
