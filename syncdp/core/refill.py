@@ -47,6 +47,8 @@ _PORT_TAG = 7302
 _WATCH_TAG = 7303
 # How long rank 0 waits at the end of training for a spare still being started.
 _END_WAIT_SECONDS = 30.0
+# Starts that fail (the spawn itself reports an error) before rank 0 stops trying.
+_MAX_FAILED_STARTS = 3
 
 
 class Keeper:
@@ -64,6 +66,7 @@ class Keeper:
         self._thread: threading.Thread | None = None
         self._started: tuple | None = None  # (pair, port, label) once a new spare waits
         self._error: str | None = None
+        self._failed_starts = 0  # after _MAX_FAILED_STARTS, no spare is started again
         self.label: int | None = None  # the label of the spare being started
         # A recovery spawned while a spare was being started: that spare is released, never
         # taken in, and no other is started (see abandon()).
@@ -120,6 +123,7 @@ class Keeper:
         adopt = self._started is not None
         waiting = len(plan.spares) - dead
         busy = self._thread is not None or self._abandoned
+        busy = busy or self._failed_starts >= _MAX_FAILED_STARTS
         if not busy and not adopt and waiting < plan.spare_target:
             self._start(plan, alive)
         return (prune, adopt) if prune or adopt else None
@@ -148,7 +152,11 @@ class Keeper:
             port = pair.recv(source=1, tag=_PORT_TAG)
             self._started = (pair, port, label)
         except MPI.Exception as e:
-            self._error = f"a new spare [{label}] could not be started ({e}); trying again later"
+            self._failed_starts += 1
+            later = "trying again later"
+            if self._failed_starts >= _MAX_FAILED_STARTS:
+                later = f"{self._failed_starts} starts failed, so no spare is started again"
+            self._error = f"a new spare [{label}] could not be started ({e}); {later}"
             self._thread = None
         finally:
             info.Free()
