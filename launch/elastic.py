@@ -214,7 +214,8 @@ class ElasticLog:
             with self._lock:
                 self._failed_exits[(report.get("host"), report.get("pid"))] = report
             code = -report["signal"] if report.get("signal") else report.get("code") or 0
-            self._say(f"lost {_who(report)}: it {describe_exit(code)}; recovering.")
+            then = "recovering" if code != -signal.SIGALRM else "its training had ended"
+            self._say(f"lost {_who(report)}: it {describe_exit(code)}; {then}.")
 
     def _spare_exit(self, report: dict) -> bool:
         """Logs a waiting spare's exit; False when ``report`` is not one."""

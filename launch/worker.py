@@ -199,6 +199,8 @@ def describe_exit(returncode: int) -> str:
             name = signal.Signals(-returncode).name
         except ValueError:
             name = "unknown signal"
+        if -returncode == signal.SIGALRM:
+            name += ": in elastic mode, syncdp's bound on an MPI_Finalize that hangs at exit"
         return f"was killed by signal {-returncode} ({name})"
     return f"exited with code {returncode}"
 

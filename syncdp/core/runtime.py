@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import signal
 import sys
 import time
 import traceback
@@ -68,6 +69,8 @@ __all__ = [
 ]
 
 _POLL_SECONDS = 0.01
+# Elastic mode: the longest MPI_Finalize may take at exit before SIGALRM ends the process.
+FINALIZE_SECONDS = 60
 
 
 class _State:
@@ -623,6 +626,28 @@ def _at_exit() -> None:
     if comm is not None:
         stats.RECORDER.send(comm.rank)  # "where the time went", printed by the launcher
     shutdown()
+    if comm is not None and comm.config.elastic:
+        _bound_finalize()
+
+
+def _bound_finalize() -> None:
+    """Ends this process with SIGALRM if MPI_Finalize (run by mpi4py after this) hangs.
+
+    In elastic mode the launcher waits for every rank's exit, and Open MPI 5.0.11's
+    MPI_Finalize can wait forever after some spawns (a replacement on a host that started with
+    no rank; two spawns at once in one process). A bound turns that hang into a named failure
+    after :data:`FINALIZE_SECONDS`: the exit status is no longer known then, so it can never
+    count as a success. A finalize that returns in time cancels nothing: the process has
+    exited by then.
+    """
+    if not mpi.loaded():
+        return
+    import mpi4py
+
+    if not mpi4py.rc.finalize and mpi4py.rc.finalize is not None:
+        return  # the program finalizes MPI itself
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(FINALIZE_SECONDS)
 
 
 def shutdown() -> None:

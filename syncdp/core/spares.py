@@ -32,6 +32,7 @@ A spare that took a lost rank's place, or died, is replaced in the background by
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from typing import NamedTuple
@@ -81,6 +82,8 @@ class Order(NamedTuple):
 # A waiting spare looks this often: its wake-up costs at most this much of a recovery, and it
 # costs the training ranks almost no CPU.
 _POLL_SECONDS = 0.005
+# The longest a released spare's MPI_Finalize may take before SIGALRM ends it.
+_FINALIZE_SECONDS = 60
 
 
 def count(environ=None) -> int:
@@ -184,6 +187,8 @@ def leave() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     MPI = mpi.load()
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(_FINALIZE_SECONDS)  # as the ranks' exit does (runtime._bound_finalize)
     try:
         MPI.Finalize()
     except MPI.Exception:

@@ -5,6 +5,7 @@ tests/integration/test_elastic.py.
 """
 
 import os
+import signal
 import time
 
 import pytest
@@ -324,3 +325,33 @@ def test_a_replacement_that_joined_is_an_ordinary_loss(monkeypatch):
     spare_log.handle(_exit(pid=13, code=1, rank=1))
     time.sleep(0.2)
     assert not aborted
+
+
+def test_an_elastic_rank_bounds_mpi_finalize_at_exit(monkeypatch):
+    # Open MPI 5.0.11's MPI_Finalize can hang after some spawns; the launcher would wait for
+    # that rank's exit forever. The bound is SIGALRM's default action: a named failure.
+    import mpi4py
+
+    from syncdp.core import mpi, runtime
+
+    alarms = []
+    handlers = []
+    monkeypatch.setattr(mpi, "loaded", lambda: True)
+    monkeypatch.setattr(runtime.signal, "alarm", alarms.append)
+    monkeypatch.setattr(runtime.signal, "signal", lambda num, what: handlers.append((num, what)))
+    monkeypatch.setattr(mpi4py.rc, "finalize", None)
+    runtime._bound_finalize()
+    assert alarms == [runtime.FINALIZE_SECONDS]
+    assert handlers == [(signal.SIGALRM, signal.SIG_DFL)]
+    monkeypatch.setattr(mpi4py.rc, "finalize", False)  # the program finalizes MPI itself
+    runtime._bound_finalize()
+    assert alarms == [runtime.FINALIZE_SECONDS]
+
+
+def test_the_launcher_names_the_finalize_bound():
+    from launch.worker import describe_exit
+
+    text = describe_exit(-signal.SIGALRM)
+    assert text.startswith("was killed by signal 14 (SIGALRM")
+    assert "bound on an MPI_Finalize that hangs at exit" in text
+    assert describe_exit(-9) == "was killed by signal 9 (SIGKILL)"
