@@ -7,6 +7,7 @@ tests/integration/test_spares.py.
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 
@@ -244,3 +245,30 @@ def test_the_keeper_starts_nothing_with_enough_spares_or_no_free_slot(monkeypatc
     members = [membership.Member("h", 10 + i, i) for i in range(3)]  # every slot taken
     assert keeper.order(_kept_plan(waiting=0, target=1, script=str(script)), members) is None
     assert keeper._thread is None and started == []
+
+
+def test_the_keeper_stops_after_three_failed_starts(monkeypatch, capsys):
+    class Refused(Exception):
+        pass
+
+    class Self:
+        def Spawn(self, *args, **kwargs):
+            raise Refused("no slot")
+
+    monkeypatch.setattr(
+        refill.mpi, "load", lambda: types.SimpleNamespace(Exception=Refused, COMM_SELF=Self())
+    )
+    monkeypatch.setattr(
+        refill.membership, "spawn_where", lambda hosts: types.SimpleNamespace(Free=lambda: None)
+    )
+    keeper = refill.Keeper()
+    plan = _kept_plan(waiting=0, target=1)
+    for _ in range(6):
+        assert keeper.order(plan, []) is None
+        thread = keeper._thread  # the failed start clears it from inside
+        if thread is not None:
+            thread.join(5)
+    assert plan.next_label == 5 + 3  # three starts, then none
+    err = capsys.readouterr().err
+    assert "a new spare [5] could not be started (no slot); trying again later" in err
+    assert "a new spare [7] could not be started (no slot); 3 starts failed, so no spare" in err
