@@ -348,7 +348,14 @@ def _revoke(*comms) -> None:
 
 
 def reseat(
-    reserve, plan: Plan | None, *, trains: bool, failure: bool, growing: bool = False, training=None
+    reserve,
+    plan: Plan | None,
+    *,
+    trains: bool,
+    failure: bool,
+    growing: bool = False,
+    training=None,
+    hand_over=None,
 ):
     """Rebuilds a job that has warm spares, on its reserve: every rank and spare calls it.
 
@@ -365,6 +372,10 @@ def reseat(
         failure: Whether a process was lost.
         growing: Whether to grow into free slots. Defaults to False.
         training: The training communicator, revoked with the reserve. Defaults to None.
+        hand_over: Rank 0's source of a spare being started in the background
+            (:meth:`syncdp.core.refill.Keeper.hand_over`): when processes must be spawned, that
+            spare is merged in first and takes a lost place instead (a spawn of its own next to
+            the background one left MPI_Finalize hanging). Defaults to None.
 
     Returns:
         ``(reserve, training, plan, change)``: ``training`` is None for a process that stays a
@@ -397,7 +408,17 @@ def reseat(
             decision = None
             if shrunk.Get_rank() == 0:
                 decision = _decide_seats(plan, alive, trainers, growing)
-            plan, take, count, hosts = shrunk.bcast(decision, root=0)
+                port = hand_over() if decision[2] and hand_over and not growing else None
+                if port is not None:
+                    decision = ("adopt", port)
+            decision = shrunk.bcast(decision, root=0)
+            if decision[0] == "adopt":  # the spare started in the background joins first
+                inter = shrunk.Connect(decision[1], root=0)
+                reserve = inter.Merge(high=False)
+                inter.Disconnect()
+                failure = False
+                continue
+            plan, take, count, hosts = decision
             layout = (trainers, len(rows) - trainers, take, count)
             merged = shrunk
             if count:

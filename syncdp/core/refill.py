@@ -167,6 +167,21 @@ class Keeper:
         spares.wake(pair, 1, spares.REFRESH, adopt=True)
         return port
 
+    def hand_over(self):
+        """A recovery must spawn: the port of the spare being started, told to join the
+        recovery (rank 0 only; waits for the start, at most SPAWN_WAIT_SECONDS), or None."""
+        if self._abandoned:
+            return None
+        thread = self._thread
+        if thread is not None and self._started is None:
+            thread.join(membership.SPAWN_WAIT_SECONDS)
+        if self._started is None:
+            return None
+        pair, port, _ = self._started
+        spares.wake(pair, 1, spares.JOIN)
+        self.refreshed(adopted=True)
+        return port
+
     def refreshed(self, adopted: bool) -> None:
         """After a refresh: the adopted spare's pair is let go, and the next may start."""
         if adopted and self._started is not None:
@@ -206,8 +221,11 @@ def join():
     """A spare started in the background: waits to be merged into the reserve.
 
     Returns:
-        The reserve communicator, with this process last. A process told to leave (the job
-        ended) or whose rank 0 was lost before it joined exits 0 here (:func:`spares.leave`).
+        ``(reserve, recovering)``: the reserve communicator, with this process last, and
+        whether it was merged by a recovery in progress (:meth:`Keeper.hand_over`: it then joins
+        :func:`syncdp.core.membership.reseat`) rather than at a commit. A process told to
+        leave (the job ended) or whose rank 0 was lost before it joined exits 0 here
+        (:func:`spares.leave`).
     """
     MPI = mpi.load()
     parent = MPI.Comm.Get_parent()
@@ -216,7 +234,7 @@ def join():
     port = MPI.Open_port()
     pair.send(port, dest=0, tag=_PORT_TAG)
     order = spares.wait(pair)
-    if order.what != spares.REFRESH:
+    if order.what not in (spares.REFRESH, spares.JOIN):
         if order.what == spares.FAILURE:
             label = membership.me().label
             print(
@@ -229,9 +247,11 @@ def join():
     reserve = inter.Merge(high=True)
     inter.Disconnect()
     MPI.Close_port(port)
-    reserve.allgather((dataclasses.astuple(membership.me()), False))  # as refresh() ends
     pair.Free()  # as rank 0 does (Keeper.refreshed); MPI_Comm_disconnect on it hung
-    return reserve
+    if order.what == spares.JOIN:
+        return reserve, True
+    reserve.allgather((dataclasses.astuple(membership.me()), False))  # as refresh() ends
+    return reserve, False
 
 
 def refresh(reserve, *, trains: bool, prune: bool, port=None, adopt: bool = False):

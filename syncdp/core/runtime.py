@@ -169,8 +169,9 @@ def _elastic_base(base, config: settings.Config, spawned):
     """
     waiting = spares.count()
     if os.environ.get(spares.NEW_SPARE_VAR):  # a spare started in the background
-        _state.reserve = refill.join()
-        return _serve_as_spare(), None
+        _state.reserve, recovering = refill.join()
+        first = spares.Order(spares.JOIN) if recovering else None
+        return _serve_as_spare(first), None
     if spawned is not None and not waiting:
         return spawned, None
     plan = None
@@ -210,12 +211,13 @@ def _split_off_spares(world, config: settings.Config, waiting: int):
     return (training if trains else None), plan
 
 
-def _serve_as_spare():
+def _serve_as_spare(first=None):
     """A spare's life: wait; join each recovery; return the training communicator once made a
-    rank, or end the process when released (the rest of the program never runs)."""
+    rank, or end the process when released (the rest of the program never runs). ``first``:
+    the order to act on before waiting (a recovery this spare was merged into)."""
     reserve = _state.reserve
     while True:
-        order = spares.wait(reserve)
+        order, first = first or spares.wait(reserve), None
         if order.what == spares.RELEASE:
             spares.leave()
         if order.what == spares.REFRESH:
@@ -377,8 +379,15 @@ def _change_membership(comm: Communicator, plan, grow: bool):
         return membership.recover(comm.mpi, plan)
     if grow and comm.rank == 0:
         spares.wake(_state.reserve, comm.size, spares.GROW)
+    hand_over = _state.keeper.hand_over if _state.keeper is not None else None
     reserve, merged, plan, change = membership.reseat(
-        _state.reserve, plan, trains=True, failure=not grow, growing=grow, training=comm.mpi
+        _state.reserve,
+        plan,
+        trains=True,
+        failure=not grow,
+        growing=grow,
+        training=comm.mpi,
+        hand_over=hand_over,
     )
     _state.reserve = reserve
     if change["spawned"] and _state.keeper is not None:

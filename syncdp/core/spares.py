@@ -46,6 +46,7 @@ __all__ = [
     "GROW",
     "FAILURE",
     "REFRESH",
+    "JOIN",
     "Order",
     "count",
     "seat",
@@ -61,7 +62,7 @@ SPARES_VAR = "SYNCDP_SPARES"
 NEW_SPARE_VAR = "SYNCDP_NEW_SPARE"
 # What wakes a spare: rank 0's message (RELEASE, GROW, REFRESH) or a failure (the reserve
 # revoked, or rank 0 lost).
-RELEASE, GROW, FAILURE, REFRESH = 0, 1, 2, 3
+RELEASE, GROW, FAILURE, REFRESH, JOIN = 0, 1, 2, 3, 4
 _TAG = 7301
 
 
@@ -69,7 +70,8 @@ class Order(NamedTuple):
     """What woke a spare, and for REFRESH what the refresh does (:mod:`syncdp.core.refill`).
 
     Attributes:
-        what: RELEASE, GROW, FAILURE or REFRESH.
+        what: RELEASE, GROW, FAILURE, REFRESH, or JOIN (a spare started in the background
+            joins a recovery in progress, :mod:`syncdp.core.refill`).
         prune: REFRESH: spares died, and the reserve shrinks to the processes alive.
         adopt: REFRESH: a spare started in the background joins the reserve.
     """
@@ -146,7 +148,7 @@ def wait(reserve) -> Order:
     while True:
         try:
             if request.Test():
-                what = message[0] if message[0] in (GROW, REFRESH) else RELEASE
+                what = message[0] if message[0] in (GROW, REFRESH, JOIN) else RELEASE
                 return Order(what, prune=bool(message[1]), adopt=bool(message[2]))
         except MPI.Exception:
             return Order(FAILURE)
