@@ -23,9 +23,12 @@ The pair is a communicator of its own, and the connect happens only when rank 0 
 Open MPI 5.0's ``MPI_Intercomm_create`` across the pair crashed (in its ``han`` collectives) on
 the new process; ``MPI_Comm_connect``/``accept`` did not (checked in a bare mpi4py job).
 
-A recovery that must spawn while a spare is being started waits for that start to end first
-(:data:`syncdp.core.membership.SPAWN_LOCK`): two spawns at once in one process hung Open MPI.
-The spare then joins at a later commit, as usual.
+A recovery that must spawn while a spare is being started spawns nothing itself: rank 0 waits
+for that start (:meth:`Keeper.hand_over`), the new spare is merged into the recovery and takes a
+lost place. A spawn next to the background one (both in one job) left MPI_Finalize hanging at
+the end. Should a recovery still spawn (no start under way, or it failed), it waits for any
+start still running (:data:`syncdp.core.membership.SPAWN_LOCK`), and a spare started meanwhile
+is released rather than taken in (:meth:`Keeper.abandon`).
 
 If rank 0 is lost before a new spare joins, the spare sees its pair fail and leaves (exit 0,
 saying so); the next rank 0 starts another. A spawn that never completes (the new process died
