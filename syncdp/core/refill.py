@@ -63,14 +63,12 @@ class Keeper:
 
     def __init__(self):
         self._reserve = None
-        self._first_spare = 0
         self._watches: list = []
         self._dead: set[int] = set()  # watches that failed: spares that died
         self._thread: threading.Thread | None = None
         self._started: tuple | None = None  # (pair, port, label) once a new spare waits
         self._error: str | None = None
         self._failed_starts = 0  # after _MAX_FAILED_STARTS, no spare is started again
-        self.label: int | None = None  # the label of the spare being started
         # A recovery spawned while a spare was being started: that spare is released, never
         # taken in, and no other is started (see abandon()).
         self._abandoned = False
@@ -82,7 +80,7 @@ class Keeper:
             return
         self._cancel()
         MPI = mpi.load()
-        self._reserve, self._first_spare, self._dead = reserve, first_spare, set()
+        self._reserve, self._dead = reserve, set()
         for spare in range(first_spare, reserve.Get_size()):
             buffer = bytearray(1)
             self._watches.append(
@@ -138,7 +136,6 @@ class Keeper:
         label = plan.next_label
         plan.next_label += 1
         args = ["-m", "launch.worker", "--replacement", str(label), "--spare", *plan.command]
-        self.label = label
         self._thread = threading.Thread(
             target=self._spawn, args=(args, hosts[:1], label), daemon=True, name="spare-start"
         )

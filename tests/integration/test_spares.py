@@ -101,8 +101,9 @@ def _spare_pid(data, world_rank: int) -> int | None:
     return None
 
 
-def test_a_spare_killed_while_waiting_does_not_fail_the_job(tmp_path):
-    data, marker = tmp_path / "data", tmp_path / "training"
+def _kill_the_waiting_spare(data, marker, *example_args):
+    """Runs the example at np=2 with one spare, SIGKILLs the spare once rank 0 has created
+    ``marker`` (training started), and returns ``(returncode, stdout, stderr, spare_pid)``."""
     proc = start(
         2,
         "python",
@@ -111,10 +112,7 @@ def test_a_spare_killed_while_waiting_does_not_fail_the_job(tmp_path):
         str(data),
         "--epochs",
         str(EPOCHS),
-        "--step-seconds",
-        "0.3",
-        "--touch",
-        f"0:2:{marker}",
+        *example_args,
         launcher_args=("--min-np", "2", "--spares", "1"),
     )
     try:
@@ -125,7 +123,7 @@ def test_a_spare_killed_while_waiting_does_not_fail_the_job(tmp_path):
         spare = _spare_pid(data, 2)
         assert spare is not None, "no spare process found"
         os.kill(spare, signal.SIGKILL)
-        out, err = proc.communicate(timeout=180)
+        out, err = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
@@ -133,8 +131,16 @@ def test_a_spare_killed_while_waiting_does_not_fail_the_job(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out, err, spare
+
+
+def test_a_spare_killed_while_waiting_does_not_fail_the_job(tmp_path):
+    data, marker = tmp_path / "data", tmp_path / "training"
+    code, out, err, spare = _kill_the_waiting_spare(
+        data, marker, "--step-seconds", "0.3", "--touch", f"0:2:{marker}"
+    )
     log = f"--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-5000:]}"
-    assert proc.returncode == 0, log
+    assert code == 0, log
     results = _results(out)
     assert sorted(r["label"] for r in results) == [0, 1], log
     w, b = _expected()
@@ -200,40 +206,11 @@ def test_dead_and_used_spares_are_replaced_in_the_background(tmp_path):
     # and the ranks take it in at a commit. Then rank 1 dies once [3] waits: [3] takes its
     # place (nothing spawned on the recovery path), and spare [4] is started in turn.
     data, marker = tmp_path / "data", tmp_path / "training"
-    proc = start(
-        2,
-        "python",
-        EXAMPLE,
-        "--data",
-        str(data),
-        "--epochs",
-        str(EPOCHS),
-        "--step-seconds",
-        "1.5",
-        "--touch",
-        f"0:1:{marker}",
-        "--kill",
-        "1:refilled",
-        launcher_args=("--min-np", "2", "--spares", "1"),
+    code, out, err, _ = _kill_the_waiting_spare(
+        data, marker, "--step-seconds", "1.5", "--touch", f"0:1:{marker}", "--kill", "1:refilled"
     )
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)
-        assert marker.exists(), "training never started"
-        spare = _spare_pid(data, 2)
-        assert spare is not None, "no spare process found"
-        os.kill(spare, signal.SIGKILL)
-        out, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the job did not end within its timeout\n{err[-4000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     log = f"--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-6000:]}"
-    assert proc.returncode == 0, log
+    assert code == 0, log
     results = _results(out)
     assert sorted(r["label"] for r in results) == [0, 3], log
     assert all(r["size"] == 2 and r["epoch"] == EPOCHS for r in results), log
