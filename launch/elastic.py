@@ -152,6 +152,7 @@ class ElasticLog:
         self.changes: list[dict] = []
         self._failed_exits: dict[tuple, dict] = {}  # (host, pid) -> exit report
         self._clean_exits = 0
+        self._exits: dict[int, dict] = {}  # label -> the exit report of a rank (not a spare)
         self._lost: set[tuple] = set()
         self._lock = threading.Lock()
         self._spares = set(spares)  # labels of the spares still waiting
@@ -203,6 +204,8 @@ class ElasticLog:
         """Counts a rank's exit: a clean one towards the finish, a failed one as a loss the
         job recovers from (a membership change must list it)."""
         failed = (report.get("code") or report.get("signal")) and not report.get("requested")
+        with self._lock:
+            self._exits[report.get("rank")] = report
         if not failed and not report.get("code") and not report.get("signal"):
             with self._lock:
                 self._clean_exits += 1
@@ -344,6 +347,28 @@ class ElasticLog:
         with self._lock:
             size = self.changes[-1].get("new_size", num_proc) if self.changes else num_proc
             return self._clean_exits >= size
+
+    def members(self, num_proc: int) -> list[int]:
+        """The output labels of the final membership: the first ``num_proc`` ranks, less those
+        a membership change lost, plus those one added."""
+        with self._lock:
+            labels = set(range(num_proc))
+            for change in self.changes:
+                labels -= {m.get("label") for m in change.get("lost", [])}
+                labels |= {m.get("label") for m in change.get("added", [])}
+        return sorted(label for label in labels if isinstance(label, int))
+
+    def unfinished(self, num_proc: int) -> dict[int, dict | None]:
+        """The members of the final membership that did not exit 0, by output label: the exit
+        report of each that reported another end, None for each that never reported."""
+        members = self.members(num_proc)
+        with self._lock:
+            exits = {label: self._exits.get(label) for label in members}
+        return {
+            label: report
+            for label, report in exits.items()
+            if report is None or report.get("code") or report.get("signal")
+        }
 
     def summary(self) -> str:
         """One line on what elastic mode did, for the end of a successful job."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -214,7 +215,7 @@ class Verdict:
         links = links or {}
         first = self.first_failure()
         if self.elastic is not None:
-            return self._decide_elastic(first)
+            return self._decide_elastic(first, links, mpirun_code)
         with self._lock:
             clean = [
                 r
@@ -235,7 +236,9 @@ class Verdict:
             return Outcome(1, (f"the job failed ({tally}): {self._stopped_text()}",))
         return Outcome(0)
 
-    def _decide_elastic(self, first: dict | None) -> Outcome:
+    def _decide_elastic(
+        self, first: dict | None, links: Mapping[int, Link], mpirun_code: int | None
+    ) -> Outcome:
         elastic = self.elastic
         if first is not None:
             return Outcome(
@@ -243,20 +246,31 @@ class Verdict:
                 (f"the job failed (elastic); first failure: {self.describe(first)}",),
             )
         lost = elastic.unexplained()
-        if lost:
-            return Outcome(
-                1,
-                (
-                    "the job failed: no recovery followed the loss of "
-                    + ", ".join(self.describe(r) for r in lost),
-                ),
-            )
-        if elastic.finished(self.num_proc):
+        if not lost and elastic.finished(self.num_proc):
             return Outcome(0, (f"elastic: {elastic.summary()}",))
-        return Outcome(
-            1,
-            ("the job failed: not every rank of the final membership reported a clean exit",),
-        )
+        # Name every rank that kept the job from finishing: a failure no membership change
+        # recovered from, a member of the final membership that ended otherwise than with 0,
+        # and a member that never reported (with why, from its lifeline).
+        parts = [
+            self.describe(r)
+            + ("" if r.get("signal") == signal.SIGALRM else "; no recovery followed")
+            for r in lost
+        ]
+        unfinished = elastic.unfinished(self.num_proc)
+        parts += [
+            self.describe(report)
+            for _, report in sorted(unfinished.items())
+            if report is not None and report not in lost
+        ]
+        silent = [label for label, report in unfinished.items() if report is None]
+        never = self._unreported_text(links, mpirun_code, among=silent) if silent else None
+        if never:
+            parts.append(never)
+        if not parts:  # the counts disagree with the reports: say so rather than guess
+            parts.append("not every rank of the final membership reported a clean exit")
+        final = len(elastic.members(self.num_proc))
+        tally = f"{final - len(unfinished)} of the final {final} ranks exited cleanly"
+        return Outcome(1, (f"the job failed ({tally}): {'; '.join(parts)}",))
 
     def _stopped_text(self) -> str:
         """Every rank reported, none failed, yet some did not exit 0: they were stopped."""
@@ -272,16 +286,23 @@ class Verdict:
         return f"{_ranks_text(stopped)} {verb} stopped before finishing ({'; '.join(how)})"
 
     def _unreported_text(
-        self, links: Mapping[int, Link], mpirun_code: int | None, *, teardown: bool = False
+        self,
+        links: Mapping[int, Link],
+        mpirun_code: int | None,
+        *,
+        teardown: bool = False,
+        among: Iterable[int] | None = None,
     ) -> str | None:
         """The ranks that never reported how they ended, grouped by why; None when none.
 
         With ``teardown``, ranks whose supervisors died without a word are left out: the
-        launcher ended the job, and they were killed doing so.
+        launcher ended the job, and they were killed doing so. ``among`` gives the ranks
+        (output labels) known not to have reported; by default those of :meth:`unreported`.
         """
         with self._lock:
             named = {r for f in self._failures if f.get("kind") == "lost" for r in f["ranks"]}
-        missing = [r for r in self.unreported() if r not in named]
+        candidates = self.unreported() if among is None else sorted(among)
+        missing = [r for r in candidates if r not in named]
         if not missing:
             return None
         now = time.monotonic()

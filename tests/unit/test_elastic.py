@@ -113,6 +113,70 @@ def test_elastic_log_needs_every_final_rank_to_exit_cleanly():
     assert not log.handle({"kind": "exception", "rank": 0})  # still the launcher's failure
 
 
+def test_an_unfinished_elastic_job_names_each_final_member_that_did_not_exit_cleanly():
+    # np=2; rank 1 (label 1) is lost and replaced by label 2 on host hc. At the end, label 2
+    # ended by syncdp's finalize bound and label 0's supervisor went without a report (the
+    # runtime ended the job after losing a daemon): the last line names both, not a count.
+    from launch.lifeline import Link
+    from launch.verdict import Verdict
+
+    log = elastic.ElasticLog(ranks=2)
+    verdict = Verdict(num_proc=2, start_timeout=10.0, elastic=log)
+    for label, host in ((0, "ha"), (1, "hb"), (2, "hc")):
+        verdict.add({"kind": "started", "rank": label, "host": host, "pid": 100 + label})
+    verdict.add({**_exit(101, code=None, signal=9, rank=1), "host": "hb"})
+    verdict.add(
+        {
+            "kind": "membership",
+            "lost": [{"rank": 1, "host": "hb", "pid": 101, "label": 1}],
+            "added": [{"rank": 1, "host": "hc", "pid": 102, "label": 2}],
+            "old_size": 2,
+            "survivors": 1,
+            "spawned": 1,
+            "new_size": 2,
+        }
+    )
+    verdict.add({**_exit(102, code=None, signal=14, rank=2), "host": "hc"})
+    assert log.members(2) == [0, 2]
+    now = time.monotonic()
+    links = {0: Link(0, "ha", 100, now - 60, now - 1, now)}
+    outcome = verdict.decide(links)
+    assert outcome.code == 1
+    assert outcome.lines[-1] == (
+        "the job failed (0 of the final 2 ranks exited cleanly): rank 2 (pid 102 on hc) was "
+        "killed by signal 14 (SIGALRM: in elastic mode, syncdp's bound on an MPI_Finalize "
+        "that hangs at exit); rank 0 (pid 100 on ha) ended without a report (its supervisor "
+        "was killed)"
+    )
+
+
+def test_an_elastic_job_whose_final_members_all_exit_cleanly_succeeds():
+    from launch.verdict import Verdict
+
+    log = elastic.ElasticLog(ranks=2)
+    verdict = Verdict(num_proc=2, start_timeout=10.0, elastic=log)
+    verdict.add(_exit(100, rank=0))
+    assert verdict.decide({}).code == 1  # rank 1 has not reported
+    assert verdict.decide({}).lines[-1] == (
+        "the job failed (1 of the final 2 ranks exited cleanly): rank 1 never started (no "
+        "supervisor reached the launcher)"
+    )
+    verdict.add(_exit(101, rank=1))
+    assert verdict.decide({}).code == 0
+
+
+def test_an_elastic_loss_no_recovery_followed_is_named_so():
+    from launch.verdict import Verdict
+
+    verdict = Verdict(num_proc=2, start_timeout=10.0, elastic=elastic.ElasticLog(ranks=2))
+    verdict.add(_exit(100, rank=0))
+    verdict.add(_exit(101, code=None, signal=9, rank=1))
+    assert verdict.decide({}).lines[-1] == (
+        "the job failed (1 of the final 2 ranks exited cleanly): rank 1 (pid 101 on h) was "
+        "killed by signal 9 (SIGKILL); no recovery followed"
+    )
+
+
 def test_a_stall_report_kills_the_stalled_process(monkeypatch):
     killed = []
     monkeypatch.setattr(elastic, "_kill", lambda host, pid, shell: killed.append((host, pid)))
