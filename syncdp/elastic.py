@@ -235,6 +235,7 @@ def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
         while True:
             try:
                 state.sync()
+                runtime.states_synced()  # every rank's optimizer, and so its step, is rank 0's
                 result = func(state, *args, **kwargs)
                 # Every rank must know that every rank finished: a rank lost at the very end
                 # would otherwise leave some survivors recovering while the others exit.

@@ -89,6 +89,10 @@ class _State:
     plan = None
     # Functions called after every membership change (step counters, Horovod's callbacks).
     reset_callbacks: list = []
+    # Elastic mode: from a membership change (or a late join) until the next State.sync(), the
+    # ranks' steps may differ by design (a replacement's optimizer counts from 0, the
+    # survivors' from their last commit), so the step check is off (steps_agree()).
+    steps_unsynced = False
     # Warm spares (syncdp.core.spares): every live process of the job, ranks then spares.
     reserve = None
     # Rank 0's care of the spares (syncdp.core.refill): new ones started in the background.
@@ -139,7 +143,9 @@ def init(comm=None, process_sets=None, **options) -> None:
     base = MPI.COMM_WORLD if comm is None else comm
     plan = None
     if config.elastic:
-        base, plan = _elastic_base(base, config, spawned=membership.join_parent())
+        spawned = membership.join_parent()
+        _state.steps_unsynced = spawned is not None or bool(os.environ.get(spares.NEW_SPARE_VAR))
+        base, plan = _elastic_base(base, config, spawned=spawned)
     timeline = Timeline(config.timeline) if config.timeline else None
     world = _build(base, config, timeline, plan=plan)
     _pin_gpu(_state.topology.local_rank)
@@ -243,6 +249,7 @@ def _serve_as_spare(first=None):
             os._exit(1)
         _state.reserve = reserve
         if training is not None:
+            _state.steps_unsynced = True  # a spare made a rank joins with its state unsynced
             return training
 
 
@@ -332,6 +339,7 @@ def reset(grow: bool = False) -> dict:
         raise
     _drop(broken=not grow)
     plan.resets += 1
+    _state.steps_unsynced = True
     world = _build(merged, config, comm.timeline, plan)
     for callback in list(_state.reset_callbacks):
         callback()
@@ -454,6 +462,24 @@ def _drop(broken: bool) -> None:
         _state.topology.free()
     _state.exit_comm = None
     _state.topology = None
+    _state.steps_unsynced = False
+
+
+def steps_agree() -> bool:
+    """Whether the ranks' training steps must agree (checked in each step's first bucket).
+
+    False in elastic mode from a membership change until the next ``State.sync()``: Horovod's
+    elastic programs may train (a reset callback's ``model.fit``) before the sync that makes a
+    replacement's optimizer, and so its step, rank 0's. Every rank of the new membership turns
+    the check off at the same point (survivors in :func:`reset`, newcomers when they join) and
+    on at the same collective (:func:`states_synced`), so they never disagree about it.
+    """
+    return not _state.steps_unsynced
+
+
+def states_synced() -> None:
+    """Called by ``State.sync()`` on every rank: the steps agree again from here on."""
+    _state.steps_unsynced = False
 
 
 def on_reset(callback) -> None:

@@ -92,7 +92,13 @@ class BucketReducer:
         self.floating = self.dtype.kind == "f" or is_half(self.dtype)
         self._layouts: dict[tuple, Layout] = {}
 
-    def __call__(self, comm, arrays: Sequence[np.ndarray], step: int | None = None):
+    def __call__(
+        self,
+        comm,
+        arrays: Sequence[np.ndarray],
+        step: int | None = None,
+        check_step: bool = True,
+    ):
         """Reduces ``arrays`` over every rank of ``comm``.
 
         A synchronization point: every rank calls it with arrays of the same shapes.
@@ -101,6 +107,9 @@ class BucketReducer:
             comm: The :class:`~syncdp.core.communicator.Communicator` to reduce over.
             arrays: The members, in the bucket's order.
             step: This rank's step, when the bucket carries it.
+            check_step: Whether the ranks' steps must agree. False (the caller must pass the
+                same on every rank): the step is still carried, and the agreed step is rank
+                0's. Defaults to True.
 
         Returns:
             ``(results, agreed_step)``: the reduced members (aligned views of a pooled
@@ -124,7 +133,8 @@ class BucketReducer:
         agreed = None
         if step_elems:
             start = layout.offsets[-1]
-            agreed = _steps.check(_steps.decode(buf[start : start + step_elems], n))
+            steps = _steps.decode(buf[start : start + step_elems], n)
+            agreed = _steps.check(steps) if check_step else steps[0]
         results = tuple(
             buf[off : off + size].reshape(np.shape(a))
             for off, size, a in zip(layout.offsets, sizes, arrays)

@@ -102,6 +102,10 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
     """Keeps ``state.batch`` = batches of the current epoch done, counting from where this
     ``fit`` resumed (``state.batch`` when it began); 0 again when the epoch ends.
 
+    After a reset, ``fit`` runs the interrupted epoch's ``steps_per_epoch`` batches in full
+    (a callback cannot shorten a Keras epoch; Horovod's changed only the progress bar's
+    count), so ``state.batch`` may then exceed ``steps_per_epoch``.
+
     Args:
         state: The elastic state; it needs a ``batch`` value.
     """
@@ -123,7 +127,11 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
 
 
 class UpdateEpochStateCallback(keras.callbacks.Callback):
-    """Keeps ``state.epoch`` = the next epoch to run (``epoch + 1`` when one ends).
+    """Keeps ``state.epoch`` = the next epoch to run, counted over the whole training.
+
+    Either way of resuming works: Horovod's, ``fit(epochs=total - state.epoch)`` (Keras
+    numbers this ``fit``'s epochs from 0), and Keras', ``fit(initial_epoch=state.epoch,
+    epochs=total)``. The first epoch of each ``fit`` is taken to be ``state.epoch``.
 
     Args:
         state: The elastic state; it needs an ``epoch`` value.
@@ -132,6 +140,14 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
     def __init__(self, state: State):
         super().__init__()
         self.state = state
+        self._offset = None  # state.epoch less Keras' number for the same epoch, in this fit
+
+    def on_train_begin(self, logs=None):
+        self._offset = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._offset is None:
+            self._offset = self.state.epoch - epoch
 
     def on_epoch_end(self, epoch, logs=None):
-        self.state.epoch = epoch + 1
+        self.state.epoch = (self._offset or 0) + epoch + 1

@@ -174,7 +174,8 @@ def _reduce_bucket(members, reducer: engine.BucketReducer, step=None, process_se
             shapes = tuple(np.shape(a) for a in arrays[:k])
             signature = _signature(reducer.name, arrays[0], op=reducer.op, shapes=shapes)
         comm.agree(signature, name=reducer.name, digest=fixed_digest)
-        results, agreed = reducer(comm, arrays[:k], arrays[k] if k < len(arrays) else None)
+        step = arrays[k] if k < len(arrays) else None
+        results, agreed = reducer(comm, arrays[:k], step, check_step=runtime.steps_agree())
         return results if agreed is None else (*results, np.int64(agreed))
 
     inputs = list(members) + ([step] if step is not None else [])

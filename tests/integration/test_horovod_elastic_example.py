@@ -126,3 +126,111 @@ def test_elastic_tf2_pattern_traces_the_step_without_then_with_syncdp(tmp_path, 
     if kill_at >= 0:
         assert {r["label"] for r in results} != {0, 1}, out  # rank 1 is a replacement
         assert "1 membership change(s)" in result.stderr, out
+
+
+# Horovod's elastic Keras example (tensorflow2_keras_mnist_elastic.py), its structure kept: a
+# compile with Horovod's experimental_run_tf_function=False, a one-step fit before the state
+# exists, a reset callback that sets the learning rate through optimizer.lr and fits one step
+# (before run() syncs the state: the ranks' optimizer steps differ there by design), and the
+# epoch, batch and commit callbacks. Small synthetic data instead of MNIST.
+KERAS_PROGRAM = """
+import json, os, signal, sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import syncdp.tensorflow.keras as hvd
+from syncdp.core import membership
+
+EPOCHS, STEPS = 3, 6
+kill_at = int(sys.argv[1])  # the global batch (epoch * STEPS + batch) at which label 1 dies
+
+hvd.init()
+rng = np.random.default_rng(hvd.rank())
+x = rng.normal(size=(256, 4)).astype("float32")
+y = (x @ np.array([1.0, -2.0, 0.5, 3.0], "float32") > 0).astype("int64")
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8)
+
+keras.utils.set_random_seed(hvd.rank())
+model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(8, "relu"),
+                             tf.keras.layers.Dense(2, activation="softmax")])
+opt = hvd.DistributedOptimizer(tf.optimizers.Adam(0.001 * hvd.size()),
+                               backward_passes_per_step=1, average_aggregated_gradients=True)
+model.compile(loss=tf.losses.SparseCategoricalCrossentropy(), optimizer=opt,
+              metrics=["accuracy"], experimental_run_tf_function=False)
+model.fit(dataset, steps_per_epoch=1, epochs=1, callbacks=None, verbose=0)
+
+state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+resets = []
+
+
+def on_state_reset():
+    tf.keras.backend.set_value(state.model.optimizer.lr, 0.001 * hvd.size())
+    state.model.fit(dataset, steps_per_epoch=1, epochs=1, callbacks=None, verbose=0)
+    resets.append(hvd.size())
+
+
+state.register_reset_callbacks([on_state_reset])
+
+
+class Kill(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if state.epoch * STEPS + state.batch == kill_at and membership.me().label == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+callbacks = [
+    hvd.elastic.UpdateEpochStateCallback(state),
+    hvd.elastic.UpdateBatchStateCallback(state),
+    hvd.elastic.CommitStateCallback(state),
+    Kill(),
+]
+
+
+@hvd.elastic.run
+def train(state):
+    state.model.fit(dataset, steps_per_epoch=STEPS, epochs=EPOCHS - state.epoch,
+                    callbacks=callbacks, verbose=0)
+
+
+train(state)
+result = {
+    "rank": hvd.rank(),
+    "label": membership.me().label,
+    "size": hvd.size(),
+    "resets": resets,
+    "iterations": int(model.optimizer.iterations),
+    "epoch": state.epoch,
+    "lr": float(np.asarray(model.optimizer.learning_rate)),
+    "weights": [w.numpy().tolist() for w in model.weights],
+}
+print("RESULT " + json.dumps(result), flush=True)
+"""
+
+
+@pytest.mark.parametrize("kill_at", [-1, 8], ids=["no-failure", "rank-1-lost-in-epoch-2"])
+def test_horovods_elastic_keras_example_recovers_after_the_import_swap(tmp_path, kill_at):
+    program = tmp_path / "elastic_keras_example.py"
+    program.write_text(KERAS_PROGRAM)
+    result = launch(
+        2, "python", str(program), str(kill_at), launcher_args=("--min-np", "2"), timeout=300
+    )
+    out = f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, out
+    results = [json.loads(m) for m in re.findall(r"<stdout>:RESULT (\{.*\})", result.stdout)]
+    assert sorted(r["rank"] for r in results) == [0, 1], out
+    # Updates: the first one-step fit, 3 epochs of 6 batches, and after a loss one step in the
+    # reset callback plus, again, the batches of the interrupted epoch committed before it
+    # (the resumed fit runs that epoch in full, as Horovod's did: see UpdateBatchStateCallback).
+    # The kill comes as global batch 8 (epoch 1, batch 2) begins: 2 batches were committed.
+    extra = 1 + 2 if kill_at >= 0 else 0
+    for r in results:
+        assert r["size"] == 2 and r["epoch"] == 3, out
+        assert r["iterations"] == 1 + 3 * 6 + extra, out
+        assert abs(r["lr"] - 0.002) < 1e-9, out
+        assert r["weights"] == results[0]["weights"], out  # bit-identical replicas
+    if kill_at >= 0:
+        assert {r["label"] for r in results} == {0, 2}, out  # rank 1 is a replacement
+        assert [r["resets"] for r in results if r["label"] == 0] == [[2]], out
+        assert "1 membership change(s)" in result.stderr, out

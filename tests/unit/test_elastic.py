@@ -243,6 +243,24 @@ def test_commits_hold_the_counters_of_their_weights_in_any_callback_order(commit
     assert state.commits == [(0, 2), (1, 0), (1, 2), (2, 0)]
 
 
+@pytest.mark.parametrize("keras_numbering", [False, True], ids=["horovod", "initial_epoch"])
+def test_epoch_state_counts_over_the_whole_training_after_a_resume(keras_numbering):
+    # A reset at state.epoch == 2 of 5: Horovod's example resumes with fit(epochs=5 - 2)
+    # (Keras numbers the epochs 0, 1, 2); Keras' way is fit(initial_epoch=2, epochs=5).
+    from syncdp.keras.elastic import UpdateEpochStateCallback
+
+    state = _CountingState()
+    state.epoch = 2
+    callback = UpdateEpochStateCallback(state)
+    callback.on_train_begin()
+    seen = []
+    for epoch in range(2, 5) if keras_numbering else range(3):
+        callback.on_epoch_begin(epoch)
+        callback.on_epoch_end(epoch)
+        seen.append(state.epoch)
+    assert seen == [3, 4, 5]
+
+
 def test_commit_state_callback_rejects_a_bad_period():
     from syncdp.keras.elastic import CommitStateCallback
 

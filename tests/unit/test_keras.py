@@ -83,6 +83,21 @@ def test_wrapped_optimizer_exposes_learning_rate_and_hyperparameters():
         opt._no_such_thing  # noqa: B018
 
 
+def test_horovods_keras_2_spellings_still_work():
+    # Every Horovod Keras program compiles with experimental_run_tf_function=False (Keras 3
+    # refuses it) and many set the rate with set_value(model.optimizer.lr, ...).
+    model = _model()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    model.compile(optimizer=opt, loss="mse", experimental_run_tf_function=False)
+    with pytest.raises(TypeError, match="not_an_argument"):
+        model.compile(optimizer=opt, loss="mse", not_an_argument=1)
+    tf.keras.backend.set_value(model.optimizer.lr, 0.25)
+    assert float(np.asarray(opt.learning_rate)) == 0.25
+    assert float(tf.keras.backend.get_value(opt.lr)) == 0.25
+    opt.lr = 0.5
+    assert float(np.asarray(opt.inner_optimizer.learning_rate)) == 0.5
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
