@@ -3,8 +3,8 @@
 Everything in :mod:`syncdp` (``init``, ``rank``, ``size``, ``allreduce``, ...), plus
 :class:`DistributedOptimizer`, :func:`load_model` and the :mod:`~syncdp.keras.callbacks`
 module. Keras' progress output stays on rank 0 unless ``SYNCDP_LOG_ALL_RANKS`` is set.
-Importing it lets ``model.compile`` take Horovod's ``experimental_run_tf_function=False``, a
-Keras 2 argument Keras 3 refuses (:mod:`syncdp.keras._compat`).
+Horovod's Keras 2 spellings ``compile(..., experimental_run_tf_function=False)`` and
+``optimizer.lr`` work (:mod:`syncdp.tensorflow.keras2_names`).
 
 Example:
     >>> import keras
@@ -25,9 +25,6 @@ import syncdp.keras.elastic as elastic  # noqa: F401, F811 - replaces the Tensor
 from syncdp.keras.checkpoint import CheckpointCallback
 from syncdp.keras.optimizer import DistributedOptimizer  # noqa: F401 (in _core_all)
 from syncdp.keras.optimizer import PartialDistributedOptimizer, load_model
-from syncdp.keras._compat import accept_horovod_compile_argument
-
-accept_horovod_compile_argument()  # Horovod's compile(..., experimental_run_tf_function=False)
 
 __all__ = [
     *_core_all,  # includes "DistributedOptimizer", bound above to the Keras class

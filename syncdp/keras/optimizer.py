@@ -201,22 +201,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.learning_rate = learning_rate
 
     @property
-    def lr(self):
-        """Keras 2's name for the learning rate, which Horovod-era programs still use:
-        ``tf.keras.backend.set_value(model.optimizer.lr, x)`` and ``get_value``.
-
-        Those legacy functions need a TensorFlow variable, so where the rate is a Keras 3
-        variable this is the TensorFlow variable behind it (assigning it sets the rate);
-        otherwise (a schedule) it is :attr:`learning_rate` itself.
-        """
-        rate = self.learning_rate
-        return rate.value if isinstance(rate, keras.Variable) else rate
-
-    @lr.setter
-    def lr(self, learning_rate):
-        self.learning_rate = learning_rate
-
-    @property
     def iterations(self):
         return self.inner_optimizer.iterations
 

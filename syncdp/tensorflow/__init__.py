@@ -10,6 +10,8 @@ modules here adapt tensors to the engine (:mod:`syncdp.engine`) and the communic
     introspection mpi_built(), nccl_built(), rank_op() ...: what this build is, answered truly
     tape          DistributedGradientTape and reduce_gradients (every gradient's path)
     verify        verify_synchronized: bit-identical replicas, checked
+    keras2_names  compile(experimental_run_tf_function=...) and optimizer.lr, Horovod's
+                  Keras 2 spellings, accepted on Keras 3
 
 ``syncdp.tensorflow.keras`` is Horovod's path for the Keras face, :mod:`syncdp.keras`.
 """
@@ -56,7 +58,10 @@ from syncdp.core.runtime import (
     stop_timeline,
     timing,
 )
-from syncdp.tensorflow import elastic  # noqa: F401 - hvd.elastic, a module (not in __all__)
+from syncdp.tensorflow import (
+    elastic,  # noqa: F401 - hvd.elastic, a module (not in __all__)
+    keras2_names,
+)
 from syncdp.tensorflow.collectives import (
     Adasum,
     Average,
@@ -114,6 +119,8 @@ from syncdp.tensorflow.util import (
     split_list,
 )
 from syncdp.tensorflow.verify import verify_synchronized
+
+keras2_names.install()
 
 __all__ = [
     "init",

@@ -96,6 +96,9 @@ def test_horovods_keras_2_spellings_still_work():
     assert float(tf.keras.backend.get_value(opt.lr)) == 0.25
     opt.lr = 0.5
     assert float(np.asarray(opt.inner_optimizer.learning_rate)) == 0.5
+    plain = keras.optimizers.Adam(0.001)  # Horovod's elastic TF2 example: opt.lr.assign(...)
+    plain.lr.assign(0.004)
+    assert float(np.asarray(plain.learning_rate)) == pytest.approx(0.004)
 
 
 @pytest.mark.parametrize(
