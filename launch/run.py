@@ -391,7 +391,7 @@ def run(config: LaunchConfig) -> int:
         lifeline.close()  # supervisors still running (a lost daemon's) now end their ranks
         if files is not None:
             files.close()
-        swept = None if config.elastic else sweeper.finish(verdict.unreported(), links)
+        swept = sweeper.finish(verdict.never_reported(), links)
     if timings.trained() and not quiet:
         print(timings.table(), file=sys.stderr, flush=True)
     rejected = describe_rejected(server.rejected + lifeline.rejected)
@@ -406,8 +406,8 @@ def run(config: LaunchConfig) -> int:
         _say(swept)
     if signals.received:
         name = signal.Signals(signals.received[0]).name
-        # The reports say how the ranks ended, not mpirun (elastic mode keeps its own).
-        missing = [] if config.elastic else verdict.unreported()
+        # The reports say how the ranks ended, not mpirun.
+        missing = verdict.never_reported()
         if not missing:
             _say(f"stopped by {name}; every rank was ended.")
         else:

@@ -197,6 +197,15 @@ class Verdict:
         with self._lock:
             return [r for r in range(self.num_proc) if r not in self.exits]
 
+    def never_reported(self) -> list[int]:
+        """The ranks that never reported how they ended: outside elastic mode those of
+        :meth:`unreported`; in elastic mode the members of the final membership (by output
+        label) that sent no exit report."""
+        if self.elastic is None:
+            return self.unreported()
+        unfinished = self.elastic.unfinished(self.num_proc)
+        return sorted(label for label, report in unfinished.items() if report is None)
+
     def decide(
         self, links: Mapping[int, Link] | None = None, *, mpirun_code: int | None = None
     ) -> Outcome:
