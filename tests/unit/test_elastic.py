@@ -138,6 +138,7 @@ def test_an_unfinished_elastic_job_names_each_final_member_that_did_not_exit_cle
     )
     verdict.add({**_exit(102, code=None, signal=14, rank=2), "host": "hc"})
     assert log.members(2) == [0, 2]
+    assert verdict.never_reported() == [0]  # the launcher sweeps its host
     now = time.monotonic()
     links = {0: Link(0, "ha", 100, now - 60, now - 1, now)}
     outcome = verdict.decide(links)
