@@ -217,8 +217,11 @@ class Keeper:
             self._release()
 
 
-def join():
+def join(finalize_timeout: float):
     """A spare started in the background: waits to be merged into the reserve.
+
+    Args:
+        finalize_timeout: For :func:`spares.leave`, if the process is told to leave.
 
     Returns:
         ``(reserve, recovering)``: the reserve communicator, with this process last, and
@@ -242,7 +245,7 @@ def join():
                 file=sys.stderr,
                 flush=True,
             )
-        spares.leave()
+        spares.leave(finalize_timeout)
     inter = MPI.COMM_SELF.Accept(port)
     reserve = inter.Merge(high=True)
     inter.Disconnect()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import math
 import os
 import signal
 import sys
@@ -69,8 +70,6 @@ __all__ = [
 ]
 
 _POLL_SECONDS = 0.01
-# Elastic mode: the longest MPI_Finalize may take at exit before SIGALRM ends the process.
-FINALIZE_SECONDS = 60
 
 
 class _State:
@@ -175,9 +174,9 @@ def _elastic_base(base, config: settings.Config, spawned):
     """
     waiting = spares.count()
     if os.environ.get(spares.NEW_SPARE_VAR):  # a spare started in the background
-        _state.reserve, recovering = refill.join()
+        _state.reserve, recovering = refill.join(config.finalize_timeout)
         first = spares.Order(spares.JOIN) if recovering else None
-        return _serve_as_spare(first), None
+        return _serve_as_spare(config, first), None
     if spawned is not None and not waiting:
         return spawned, None
     plan = None
@@ -188,7 +187,7 @@ def _elastic_base(base, config: settings.Config, spawned):
     else:
         return base, None
     if training is None:
-        training = _serve_as_spare()
+        training = _serve_as_spare(config)
     return training, plan
 
 
@@ -217,7 +216,7 @@ def _split_off_spares(world, config: settings.Config, waiting: int):
     return (training if trains else None), plan
 
 
-def _serve_as_spare(first=None):
+def _serve_as_spare(config: settings.Config, first=None):
     """A spare's life: wait; join each recovery; return the training communicator once made a
     rank, or end the process when released (the rest of the program never runs). ``first``:
     the order to act on before waiting (a recovery this spare was merged into)."""
@@ -225,7 +224,7 @@ def _serve_as_spare(first=None):
     while True:
         order, first = first or spares.wait(reserve), None
         if order.what == spares.RELEASE:
-            spares.leave()
+            spares.leave(config.finalize_timeout)
         if order.what == spares.REFRESH:
             try:
                 reserve, _ = refill.refresh(
@@ -662,18 +661,18 @@ def _at_exit() -> None:
         stats.RECORDER.send(comm.rank)  # "where the time went", printed by the launcher
     shutdown()
     if comm is not None and comm.config.elastic:
-        _bound_finalize()
+        _bound_finalize(comm.config.finalize_timeout)
 
 
-def _bound_finalize() -> None:
+def _bound_finalize(seconds: float) -> None:
     """Ends this process with SIGALRM if MPI_Finalize (run by mpi4py after this) hangs.
 
     In elastic mode the launcher waits for every rank's exit, and Open MPI 5.0.11's
     MPI_Finalize can wait forever after some spawns (a replacement on a host that started with
     no rank; two spawns at once in one process). A bound turns that hang into a named failure
-    after :data:`FINALIZE_SECONDS`: the exit status is no longer known then, so it can never
-    count as a success. A finalize that returns in time cancels nothing: the process has
-    exited by then.
+    after ``seconds`` (``--finalize-timeout``, 60 by default): the exit status is no longer
+    known then, so it can never count as a success. A finalize that returns in time cancels
+    nothing: the process has exited by then.
     """
     if not mpi.loaded():
         return
@@ -682,7 +681,7 @@ def _bound_finalize() -> None:
     if not mpi4py.rc.finalize and mpi4py.rc.finalize is not None:
         return  # the program finalizes MPI itself
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.alarm(FINALIZE_SECONDS)
+    signal.alarm(max(1, math.ceil(seconds)))
 
 
 def shutdown() -> None:

@@ -149,6 +149,15 @@ SETTINGS: tuple[Setting, ...] = (
         "a collective waiting longer ends the job, naming the missing ranks (0: never)",
     ),
     Setting(
+        "finalize_timeout",
+        "SYNCDP_FINALIZE_TIMEOUT",
+        "--finalize-timeout",
+        float,
+        60.0,
+        "elastic mode: seconds a rank's MPI_Finalize may take at exit before SIGALRM ends it",
+        minimum=1,
+    ),
+    Setting(
         "stall_warning",
         "SYNCDP_STALL_WARNING",
         "--stall-warning",
@@ -460,6 +469,7 @@ class Config:
     chunk_bytes: int = _default("chunk_bytes")
     start_timeout: float = _default("start_timeout")
     stall_timeout: float = _default("stall_timeout")
+    finalize_timeout: float = _default("finalize_timeout")
     stall_warning: float = _default("stall_warning")
     timeline: str = _default("timeline")
     verify_every: int = _default("verify_every")

@@ -31,6 +31,7 @@ A spare that took a lost rank's place, or died, is replaced in the background by
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -84,8 +85,6 @@ class Order(NamedTuple):
 # A waiting spare looks this often: its wake-up costs at most this much of a recovery, and it
 # costs the training ranks almost no CPU.
 _POLL_SECONDS = 0.005
-# The longest a released spare's MPI_Finalize may take before SIGALRM ends it.
-_FINALIZE_SECONDS = 60
 
 
 def count(environ=None) -> int:
@@ -184,13 +183,18 @@ def wake(reserve, first_spare: int, what: int, *, prune: bool = False, adopt: bo
             pass
 
 
-def leave() -> None:
-    """A released spare ends: MPI finalized, exit 0, the rest of the program not run."""
+def leave(finalize_timeout: float) -> None:
+    """A released spare ends: MPI finalized, exit 0, the rest of the program not run.
+
+    Args:
+        finalize_timeout: Seconds MPI_Finalize may take before SIGALRM ends the process, as
+            a rank's exit does (``--finalize-timeout``).
+    """
     sys.stdout.flush()
     sys.stderr.flush()
     MPI = mpi.load()
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.alarm(_FINALIZE_SECONDS)  # as the ranks' exit does (runtime._bound_finalize)
+    signal.alarm(max(1, math.ceil(finalize_timeout)))  # as runtime._bound_finalize does
     try:
         MPI.Finalize()
     except MPI.Exception:

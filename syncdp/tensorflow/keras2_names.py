@@ -19,21 +19,24 @@ from __future__ import annotations
 
 import functools
 
-import keras
-
 __all__ = ["install"]
 
 _IGNORED_COMPILE_ARGUMENT = "experimental_run_tf_function"
 
 
 def install() -> None:
-    """Accepts both spellings from here on; idempotent."""
-    _accept_compile_argument()
+    """Accepts both spellings from here on; idempotent. Nothing happens where Keras cannot
+    be imported (TensorFlow works without it, and so does syncdp.tensorflow)."""
+    try:
+        import keras
+    except ImportError:
+        return
+    _accept_compile_argument(keras)
     if not hasattr(keras.optimizers.Optimizer, "lr"):
         keras.optimizers.Optimizer.lr = property(_get_lr, _set_lr, doc=_get_lr.__doc__)
 
 
-def _accept_compile_argument() -> None:
+def _accept_compile_argument(keras) -> None:
     # Replaced where it is defined (Keras' Trainer), not on keras.Model: Keras compiles a
     # loaded model only when the class's compile is still the Trainer's own.
     owner = next(c for c in keras.Model.__mro__ if "compile" in vars(c))
@@ -57,6 +60,8 @@ def _get_lr(optimizer):
     rate is a Keras 3 variable this is the TensorFlow variable behind it (assigning it sets the
     rate); otherwise (a schedule) it is ``learning_rate`` itself.
     """
+    import keras
+
     rate = optimizer.learning_rate
     return rate.value if isinstance(rate, keras.Variable) else rate
 

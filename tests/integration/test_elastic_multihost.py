@@ -45,6 +45,7 @@ from tests.netns import NamespaceHosts, Unavailable
 
 HOSTS = ["ha", "hb", "hc"]
 STALL = 4.0
+FINALIZE = 15  # --finalize-timeout for the job whose MPI_Finalize hangs
 TIMEOUT = 150  # seconds a job may take before the test fails (about 30 s when all is well)
 
 # Prints "HOST label hostname" and runs the example as its own __main__ (a replacement runs
@@ -163,17 +164,17 @@ def test_a_finalize_that_hangs_after_a_replacement_on_a_new_host_ends_the_job_na
 ):
     # The case above: the replacement on hc trains to the right weights, then the job cannot
     # end cleanly. Two endings are seen, at random: rank 0's MPI_Finalize never returns, and
-    # syncdp's bound (SIGALRM after runtime.FINALIZE_SECONDS) ends it; or Open MPI's runtime
+    # syncdp's bound (SIGALRM after --finalize-timeout, 15 s here) ends it; or Open MPI's runtime
     # loses the daemon on hc ("PRTE has lost communication with a remote daemon") and ends the
     # job itself. Either way: never a hang, never a success, and the last line names the ranks
     # of the final membership (labels 0 and 2) that did not exit cleanly.
-    from syncdp.core import runtime
-
     script = _discovery(tmp_path, "ha:1\\nhc:1")
     started = time.monotonic()
-    result = _run(cluster, tmp_path, 2, "ha:1,hb:1,hc:1", script, "1:0:4")
+    flags, *command = _command(cluster, tmp_path, "ha:1,hb:1,hc:1", script, "1:0:4")
+    flags = (*flags, "--finalize-timeout", str(FINALIZE))
+    result = launch(2, *command, launcher_args=flags, timeout=TIMEOUT)
     log = f"--- stdout ---\n{result.stdout[-3000:]}\n--- stderr ---\n{result.stderr[-4000:]}"
-    assert time.monotonic() - started < runtime.FINALIZE_SECONDS + 60, log
+    assert time.monotonic() - started < FINALIZE + 60, log
     results = _results(result.stdout)
     assert sorted(r["label"] for r in results) == [0, 2], log
     w, b = _expected()

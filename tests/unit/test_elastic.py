@@ -423,12 +423,16 @@ def test_an_elastic_rank_bounds_mpi_finalize_at_exit(monkeypatch):
     monkeypatch.setattr(runtime.signal, "alarm", alarms.append)
     monkeypatch.setattr(runtime.signal, "signal", lambda num, what: handlers.append((num, what)))
     monkeypatch.setattr(mpi4py.rc, "finalize", None)
-    runtime._bound_finalize()
-    assert alarms == [runtime.FINALIZE_SECONDS]
+    runtime._bound_finalize(12.5)
+    assert alarms == [13]  # whole seconds, never fewer than asked
     assert handlers == [(signal.SIGALRM, signal.SIG_DFL)]
     monkeypatch.setattr(mpi4py.rc, "finalize", False)  # the program finalizes MPI itself
-    runtime._bound_finalize()
-    assert alarms == [runtime.FINALIZE_SECONDS]
+    runtime._bound_finalize(12.5)
+    assert alarms == [13]
+    from syncdp.core import settings
+
+    assert settings.from_env({}).finalize_timeout == 60.0
+    assert settings.from_env({"SYNCDP_FINALIZE_TIMEOUT": "15"}).finalize_timeout == 15.0
 
 
 def test_the_launcher_names_the_finalize_bound():
