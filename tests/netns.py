@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 
@@ -68,6 +69,9 @@ class NamespaceHosts:
             raise Unavailable("namespace hosts need root, iproute2's ip and unshare")
         try:
             self._build()
+        except Unavailable:
+            self.__exit__(None, None, None)
+            raise
         except subprocess.CalledProcessError as e:
             self.__exit__(None, None, None)
             raise Unavailable(
@@ -94,6 +98,27 @@ class NamespaceHosts:
             _ip("netns", "exec", ns, "ip", "addr", "add", f"{self.address[name]}/24", "dev", inside)
             _ip("netns", "exec", ns, "ip", "link", "set", inside, "up")
             _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        self._wait_until_up()
+
+    def _wait_until_up(self, seconds: float = 10.0) -> None:
+        """Waits until every link is up and forwards: an Open MPI daemon started on a link
+        still coming up fails to report back, and mpirun ends before any rank starts."""
+        deadline = time.monotonic() + seconds
+        while True:
+            waiting = []
+            for i, name in enumerate(self.names):
+                port = Path(f"/sys/class/net/{self.tag}v{i}/brport/state")
+                if not port.exists() or port.read_text().strip() != "3":  # 3: forwarding
+                    waiting.append(f"{self.tag}v{i}")
+                inside = f"/sys/class/net/{self.tag}e{i}/operstate"
+                state = _ip("netns", "exec", self.prefix + name, "cat", inside, check=False)
+                if state.stdout.strip() != "up":
+                    waiting.append(f"{self.tag}e{i}")
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise Unavailable(f"links not up after {seconds:g} s: {', '.join(waiting)}")
+            time.sleep(0.05)
 
     def outside_link(self, name: str) -> str:
         return f"{self.tag}v{self.names.index(name)}"
