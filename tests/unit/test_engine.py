@@ -76,7 +76,7 @@ class _Comm:
         return out
 
 
-def reduce_on_ranks(per_rank, dtype, op, *, pre=1.0, post=1.0, steps=None):
+def reduce_on_ranks(per_rank, dtype, op, *, pre=1.0, post=1.0, steps=None, check_step=True):
     """Every rank's ``(results, agreed step)`` for one bucket, from the real reducer."""
     size = len(per_rank)
     steps = steps or [None] * size
@@ -93,7 +93,7 @@ def reduce_on_ranks(per_rank, dtype, op, *, pre=1.0, post=1.0, steps=None):
             carry_step=steps[0] is not None,
         )
         try:
-            results[r] = reducer(_Comm(job, r), per_rank[r], steps[r])
+            results[r] = reducer(_Comm(job, r), per_rank[r], steps[r], check_step=check_step)
         except Exception as e:  # re-raised below, from the test's thread
             errors[r] = e
 
@@ -260,3 +260,13 @@ def test_ranks_at_different_steps_raise_on_every_rank_naming_them():
     per_rank = [[np.ones(3, np.float32)]] * 3
     with pytest.raises(StepMismatchError, match=r"rank 2 is at step 8; ranks 0, 1 at step 7"):
         reduce_on_ranks(per_rank, np.float32, "average", steps=[7, 7, 8])
+
+
+def test_without_the_step_check_rank_0s_step_is_agreed_and_the_sum_is_exact():
+    # Elastic mode between a membership change and the state sync: a replacement's optimizer
+    # counts from 0, the survivors' from their commit.
+    per_rank = [[np.array([1.0, 2.0], np.float32)], [np.array([3.0, 5.0], np.float32)]]
+    results = reduce_on_ranks(per_rank, np.float32, "sum", steps=[15, 0], check_step=False)
+    for values, agreed in results:
+        np.testing.assert_array_equal(values[0], [4.0, 7.0])
+        assert agreed == 15
