@@ -461,7 +461,6 @@ def _drop(broken: bool) -> None:
         _state.topology.free()
     _state.exit_comm = None
     _state.topology = None
-    _state.steps_unsynced = False
 
 
 def steps_agree() -> bool:
@@ -705,6 +704,7 @@ def shutdown() -> None:
         _state.reserve = None
     _state.keeper = None
     _drop(broken=comm.broken)
+    _state.steps_unsynced = False
     _state.config = None
 
 
