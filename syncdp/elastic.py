@@ -9,13 +9,16 @@ When a rank dies (or stalls and is removed), every survivor's current collective
 1. restores the last commit (``state.restore()``),
 2. heals the job (``syncdp.core.runtime.reset``: revoke, shrink, spawn replacements, merge),
 3. calls the reset callbacks (``state.register_reset_callbacks``; :func:`run_fn`'s ``reset``
-   first),
+   first); a rank lost while they run is one more failure, recovered from in the same way,
 4. broadcasts rank 0's state to every rank, replacements included (``state.sync()``),
 5. calls the training function again, which resumes from the state.
 
 A replacement runs the program from the top: ``syncdp.init()`` merges it into the job, and its
-:func:`run` starts with the same ``state.sync()``. So between ``init()`` and :func:`run` a program
-must not call collectives (the survivors are not there to match them).
+:func:`run` starts with the same ``state.sync()``. So collectives a program calls between
+``init()`` and :func:`run` must pair up with those of the survivors' reset callbacks (Horovod's
+Keras example fits one step in both places). Until that sync the ranks' optimizers, and so their
+step counts, differ: the step check is off from a membership change to the next sync
+(:func:`syncdp.core.runtime.steps_agree`).
 
 When the function returns on every rank, a fault-tolerant agreement makes sure no rank was lost
 at the very end; if one was, the survivors recover and run the function again from the last
@@ -232,8 +235,16 @@ def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
 
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
+        reformed = False  # the job was just re-formed: the reset functions run first
         while True:
             try:
+                if reformed:
+                    # Inside the try: a reset callback may run collectives (Horovod's Keras
+                    # example fits a step there), and a rank lost meanwhile is one more
+                    # failure to recover from, not the end of the job.
+                    reformed = False
+                    reset()
+                    state.on_reset()
                 state.sync()
                 runtime.states_synced()  # every rank's optimizer, and so its step, is rank 0's
                 result = func(state, *args, **kwargs)
@@ -254,7 +265,6 @@ def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
                 )
                 state.restore()
             runtime.reset(grow=grow)
-            reset()
-            state.on_reset()
+            reformed = True
 
     return wrapper

@@ -144,7 +144,9 @@ import syncdp.tensorflow.keras as hvd
 from syncdp.core import membership
 
 EPOCHS, STEPS = 3, 6
-kill_at = int(sys.argv[1])  # the global batch (epoch * STEPS + batch) at which label 1 dies
+kill_at = int(sys.argv[1])  # the global batch (epoch * STEPS + batch) at which a label dies
+victim = int(sys.argv[2])  # that label
+dies_in_reset = int(sys.argv[3])  # a label that dies in the first reset callback; -1: none
 
 hvd.init()
 rng = np.random.default_rng(hvd.rank())
@@ -166,6 +168,8 @@ resets = []
 
 
 def on_state_reset():
+    if membership.me().label == dies_in_reset:
+        os.kill(os.getpid(), signal.SIGKILL)
     tf.keras.backend.set_value(state.model.optimizer.lr, 0.001 * hvd.size())
     state.model.fit(dataset, steps_per_epoch=1, epochs=1, callbacks=None, verbose=0)
     resets.append(hvd.size())
@@ -176,7 +180,7 @@ state.register_reset_callbacks([on_state_reset])
 
 class Kill(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
-        if state.epoch * STEPS + state.batch == kill_at and membership.me().label == 1:
+        if state.epoch * STEPS + state.batch == kill_at and membership.me().label == victim:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -213,9 +217,8 @@ print("RESULT " + json.dumps(result), flush=True)
 def test_horovods_elastic_keras_example_recovers_after_the_import_swap(tmp_path, kill_at):
     program = tmp_path / "elastic_keras_example.py"
     program.write_text(KERAS_PROGRAM)
-    result = launch(
-        2, "python", str(program), str(kill_at), launcher_args=("--min-np", "2"), timeout=300
-    )
+    args = (str(program), str(kill_at), "1", "-1")
+    result = launch(2, "python", *args, launcher_args=("--min-np", "2"), timeout=300)
     out = f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
     assert result.returncode == 0, out
     results = [json.loads(m) for m in re.findall(r"<stdout>:RESULT (\{.*\})", result.stdout)]
@@ -234,3 +237,27 @@ def test_horovods_elastic_keras_example_recovers_after_the_import_swap(tmp_path,
         assert {r["label"] for r in results} == {0, 2}, out  # rank 1 is a replacement
         assert [r["resets"] for r in results if r["label"] == 0] == [[2]], out
         assert "1 membership change(s)" in result.stderr, out
+
+
+def test_a_rank_lost_while_the_reset_callbacks_train_is_one_more_recovery(tmp_path):
+    # np=3 and no free slot (the discovery script lists 1): label 2 dies at global batch 8;
+    # in the recovery, label 1 dies inside the reset callback, while label 0's callback trains
+    # a step with it. That collective fails on label 0, which recovers again and finishes
+    # alone.
+    program = tmp_path / "elastic_keras_example.py"
+    program.write_text(KERAS_PROGRAM)
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:1\n")
+    script.chmod(0o755)
+    flags = ("--min-np", "1", "--host-discovery-script", str(script))
+    result = launch(3, "python", str(program), "8", "2", "1", launcher_args=flags, timeout=300)
+    out = f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, out
+    results = [json.loads(m) for m in re.findall(r"<stdout>:RESULT (\{.*\})", result.stdout)]
+    assert [(r["label"], r["size"]) for r in results] == [(0, 1)], out
+    (r,) = results
+    # As above: the committed updates are kept, the failed callback's step is undone by the
+    # restore, and the second callback's step counts once.
+    assert r["iterations"] == 1 + 3 * 6 + 1 + 2 and r["epoch"] == 3, out
+    assert r["resets"] == [1], out
+    assert "2 membership change(s)" in result.stderr, out
