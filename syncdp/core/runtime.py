@@ -602,6 +602,19 @@ def _install_failure_hook() -> None:
         if comm is None or comm.size == 1 or issubclass(kind, KeyboardInterrupt):
             return
         text = "".join(traceback.format_exception_only(kind, value)).strip()
+        if comm.config.elastic and (issubclass(kind, RankFailureError) or comm.broken):
+            # Another rank's loss, surfacing outside elastic.run (e.g. in a replacement's
+            # collectives before its run()): this process cannot go on, but the job can. It
+            # ends as one more lost rank, which the ranks in elastic.run recover from (or the
+            # launcher names, if none does), instead of ending every rank.
+            print(
+                f"syncdp: rank {comm.rank}: a rank of the job was lost outside elastic.run "
+                f"({text.splitlines()[-1]}); this process ends, the job recovers without it.",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.stdout.flush()
+            os._exit(1)
         print(
             f"syncdp: rank {comm.rank} failed with {text}; ending the job.",
             file=sys.stderr,

@@ -261,3 +261,24 @@ def test_a_rank_lost_while_the_reset_callbacks_train_is_one_more_recovery(tmp_pa
     assert r["iterations"] == 1 + 3 * 6 + 1 + 2 and r["epoch"] == 3, out
     assert r["resets"] == [1], out
     assert "2 membership change(s)" in result.stderr, out
+
+
+def test_a_replacement_that_meets_a_second_loss_before_its_run_is_replaced_too(tmp_path):
+    # np=3, replacements allowed: label 2 dies at global batch 8 and label 3 replaces it. Label 3
+    # fits its first step (before elastic.run) paired with the survivors' reset callback, in
+    # which label 1 dies. Label 3's collective fails outside elastic.run: it ends as one more
+    # lost rank (the job is not ended), and labels 4 and 5 take the two places.
+    program = tmp_path / "elastic_keras_example.py"
+    program.write_text(KERAS_PROGRAM)
+    flags = ("--min-np", "1")
+    result = launch(3, "python", str(program), "8", "2", "1", launcher_args=flags, timeout=300)
+    out = f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, out
+    results = [json.loads(m) for m in re.findall(r"<stdout>:RESULT (\{.*\})", result.stdout)]
+    assert sorted(r["label"] for r in results) == [0, 4, 5], out
+    for r in results:
+        assert r["size"] == 3 and r["epoch"] == 3, out
+        assert r["iterations"] == 1 + 3 * 6 + 1 + 2, out
+        assert r["weights"] == results[0]["weights"], out
+    assert "a rank of the job was lost outside elastic.run" in result.stderr, out
+    assert "2 membership change(s)" in result.stderr, out
