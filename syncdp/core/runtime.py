@@ -607,9 +607,11 @@ def _install_failure_hook() -> None:
             # collectives before its run()): this process cannot go on, but the job can. It
             # ends as one more lost rank, which the ranks in elastic.run recover from (or the
             # launcher names, if none does), instead of ending every rank.
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
+            why = next((line for line in lines if "a rank of" in line), lines[-1])
             print(
                 f"syncdp: rank {comm.rank}: a rank of the job was lost outside elastic.run "
-                f"({text.splitlines()[-1]}); this process ends, the job recovers without it.",
+                f"({why}); this process ends, the job recovers without it.",
                 file=sys.stderr,
                 flush=True,
             )
