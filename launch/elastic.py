@@ -151,7 +151,6 @@ class ElasticLog:
         self._shell = list(shell) if shell else ["ssh", "-o", "BatchMode=yes"]
         self.changes: list[dict] = []
         self._failed_exits: dict[tuple, dict] = {}  # (host, pid) -> exit report
-        self._clean_exits = 0
         self._exits: dict[int, dict] = {}  # label -> the exit report of a rank (not a spare)
         self._lost: set[tuple] = set()
         self._lock = threading.Lock()
@@ -166,6 +165,7 @@ class ElasticLog:
         self._first_replacement = self._ranks_at_start + len(self._spares) if known else None
         self._joined: set = set()  # labels of replacements a membership change added
         self._spares_lost = 0
+        self._spares_ending = False  # the last rank has exited: spares left get killed
 
     def _unjoined_exit(self, report: dict) -> bool:
         """Takes the exit of a replacement that has not joined (yet); False for other exits.
@@ -201,17 +201,17 @@ class ElasticLog:
         return True
 
     def _rank_exit(self, report: dict) -> None:
-        """Counts a rank's exit: a clean one towards the finish, a failed one as a loss the
+        """Records a rank's exit: a clean one towards the finish, a failed one as a loss the
         job recovers from (a membership change must list it)."""
         failed = (report.get("code") or report.get("signal")) and not report.get("requested")
         with self._lock:
             self._exits[report.get("rank")] = report
-        if not failed and not report.get("code") and not report.get("signal"):
+            watch = bool(self._spares) and not self._spares_ending
+        if watch and self.finished(self._ranks_at_start):
             with self._lock:
-                self._clean_exits += 1
-                size = self.changes[-1].get("new_size") if self.changes else None
-                last = self._spares and self._clean_exits == (size or self._ranks_at_start)
-            if last:
+                start = not self._spares_ending
+                self._spares_ending = True
+            if start:
                 self._end_spares_later()
         if failed:
             with self._lock:
@@ -344,9 +344,7 @@ class ElasticLog:
         mpirun's own exit code cannot say: Open MPI sets it non-zero when a spawned
         replacement is killed, even though the job recovered and finished.
         """
-        with self._lock:
-            size = self.changes[-1].get("new_size", num_proc) if self.changes else num_proc
-            return self._clean_exits >= size
+        return not self.unfinished(num_proc)
 
     def members(self, num_proc: int) -> list[int]:
         """The output labels of the final membership: the first ``num_proc`` ranks, less those

@@ -80,24 +80,36 @@ def _exit(pid, code=0, signal=None, rank=1):
     return {"kind": "exit", "rank": rank, "host": "h", "pid": pid, "code": code, "signal": signal}
 
 
+def membership_report(lost, added, **fields):
+    """A ``membership`` report as rank 0 sends it; ``lost`` and ``added`` hold
+    ``(rank, host, pid, label)`` of each member."""
+
+    def members(rows):
+        return [dict(zip(("rank", "host", "pid", "label"), row, strict=True)) for row in rows]
+
+    return {"kind": "membership", "lost": members(lost), "added": members(added), **fields}
+
+
 def test_elastic_log_explains_losses_by_membership_changes(capsys):
     log = elastic.ElasticLog()
     assert log.handle(_exit(11, code=None, signal=9))
     assert [r["pid"] for r in log.unexplained()] == [11]
-    change = {
-        "kind": "membership",
-        "lost": [{"rank": 1, "host": "h", "pid": 11, "label": 1}],
-        "added": [{"rank": 2, "host": "h", "pid": 13, "label": 3}],
-        "old_size": 3,
-        "survivors": 2,
-        "spawned": 1,
-        "new_size": 3,
-        "seconds": 1.25,
-    }
+    change = membership_report(
+        [(1, "h", 11, 1)],
+        [(2, "h", 13, 3)],
+        old_size=3,
+        survivors=2,
+        spawned=1,
+        new_size=3,
+        seconds=1.25,
+    )
     assert log.handle(change)
     assert log.unexplained() == []
-    for pid in (10, 12, 13):
-        log.handle(_exit(pid))
+    for pid, label in ((10, 0), (12, 2)):
+        log.handle(_exit(pid, rank=label))
+        log.handle(_exit(pid, rank=label))  # a report twice is still one rank
+    assert not log.finished(3)  # label 3, the replacement, has not exited
+    log.handle(_exit(13, rank=3))
     assert log.finished(3)
     err = capsys.readouterr().err
     assert "lost rank 1 (pid 11 on h): it was killed by signal 9 (SIGKILL)" in err
@@ -126,15 +138,9 @@ def test_an_unfinished_elastic_job_names_each_final_member_that_did_not_exit_cle
         verdict.add({"kind": "started", "rank": label, "host": host, "pid": 100 + label})
     verdict.add({**_exit(101, code=None, signal=9, rank=1), "host": "hb"})
     verdict.add(
-        {
-            "kind": "membership",
-            "lost": [{"rank": 1, "host": "hb", "pid": 101, "label": 1}],
-            "added": [{"rank": 1, "host": "hc", "pid": 102, "label": 2}],
-            "old_size": 2,
-            "survivors": 1,
-            "spawned": 1,
-            "new_size": 2,
-        }
+        membership_report(
+            [(1, "hb", 101, 1)], [(1, "hc", 102, 2)], old_size=2, survivors=1, spawned=1, new_size=2
+        )
     )
     verdict.add({**_exit(102, code=None, signal=14, rank=2), "host": "hc"})
     assert log.members(2) == [0, 2]
