@@ -13,6 +13,7 @@ import pytest
 
 from launch import elastic, run
 from syncdp.core import membership, refill, settings, spares
+from tests.unit.test_elastic import membership_report
 
 
 @pytest.mark.parametrize(
@@ -130,18 +131,17 @@ def test_a_spare_that_took_over_counts_as_a_rank():
     log = elastic.ElasticLog(spares=[2])
     log.handle(_exit(1, 11, code=None, signal=9))
     log.handle(
-        {
-            "kind": "membership",
-            "lost": [{"rank": 1, "host": "h", "pid": 11, "label": 1}],
-            "added": [{"rank": 1, "host": "h", "pid": 12, "label": 2}],
-            "old_size": 2,
-            "survivors": 1,
-            "spawned": 0,
-            "spares_used": 1,
-            "spares_left": 0,
-            "new_size": 2,
-            "seconds": 0.1,
-        }
+        membership_report(
+            [(1, "h", 11, 1)],
+            [(1, "h", 12, 2)],
+            old_size=2,
+            survivors=1,
+            spawned=0,
+            spares_used=1,
+            spares_left=0,
+            new_size=2,
+            seconds=0.1,
+        )
     )
     assert log.unexplained() == []
     log.handle(_exit(0, 10))
