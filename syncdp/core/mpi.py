@@ -9,10 +9,12 @@ aborts, without asking the other ranks where they are).
 
 from __future__ import annotations
 
+import math
 import os
+import signal
 import sys
 
-__all__ = ["load", "loaded"]
+__all__ = ["load", "loaded", "bound_finalize"]
 
 
 def loaded() -> bool:
@@ -35,3 +37,11 @@ def load():
     from mpi4py import MPI
 
     return MPI
+
+
+def bound_finalize(seconds: float) -> None:
+    """Ends this process with SIGALRM if it is still alive ``seconds`` from now (at least 1 s,
+    whole seconds): armed just before ``MPI_Finalize``, which Open MPI 5.0.11 can leave hanging
+    after some spawns (elastic mode's ``--finalize-timeout``)."""
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(max(1, math.ceil(seconds)))

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import math
 import os
-import signal
 import sys
 import time
 import traceback
@@ -143,7 +141,7 @@ def init(comm=None, process_sets=None, **options) -> None:
     plan = None
     if config.elastic:
         spawned = membership.join_parent()
-        _state.steps_unsynced = spawned is not None or bool(os.environ.get(spares.NEW_SPARE_VAR))
+        _state.steps_unsynced = spawned is not None  # a spare's is set when it becomes a rank
         base, plan = _elastic_base(base, config, spawned=spawned)
     timeline = Timeline(config.timeline) if config.timeline else None
     world = _build(base, config, timeline, plan=plan)
@@ -694,8 +692,7 @@ def _bound_finalize(seconds: float) -> None:
 
     if not mpi4py.rc.finalize and mpi4py.rc.finalize is not None:
         return  # the program finalizes MPI itself
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.alarm(max(1, math.ceil(seconds)))
+    mpi.bound_finalize(seconds)
 
 
 def shutdown() -> None:

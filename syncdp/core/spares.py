@@ -31,9 +31,7 @@ A spare that took a lost rank's place, or died, is replaced in the background by
 
 from __future__ import annotations
 
-import math
 import os
-import signal
 import sys
 import time
 from typing import NamedTuple
@@ -193,8 +191,7 @@ def leave(finalize_timeout: float) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     MPI = mpi.load()
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.alarm(max(1, math.ceil(finalize_timeout)))  # as runtime._bound_finalize does
+    mpi.bound_finalize(finalize_timeout)  # as a rank's exit does
     try:
         MPI.Finalize()
     except MPI.Exception:

@@ -426,8 +426,8 @@ def test_an_elastic_rank_bounds_mpi_finalize_at_exit(monkeypatch):
     alarms = []
     handlers = []
     monkeypatch.setattr(mpi, "loaded", lambda: True)
-    monkeypatch.setattr(runtime.signal, "alarm", alarms.append)
-    monkeypatch.setattr(runtime.signal, "signal", lambda num, what: handlers.append((num, what)))
+    monkeypatch.setattr(mpi.signal, "alarm", alarms.append)
+    monkeypatch.setattr(mpi.signal, "signal", lambda num, what: handlers.append((num, what)))
     monkeypatch.setattr(mpi4py.rc, "finalize", None)
     runtime._bound_finalize(12.5)
     assert alarms == [13]  # whole seconds, never fewer than asked
