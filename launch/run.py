@@ -147,6 +147,10 @@ def build_env(
     if config.spares:
         env[spares.SPARES_VAR] = str(config.spares)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    # Open MPI's waits yield the core between polls: faster on a 16-core host at np=8 and 16
+    # (docs/performance-16core.md) and needed where ranks share cores. --mpi-args "--mca
+    # mpi_yield_when_idle 0" or the variable set by the caller wins.
+    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     if not config.multihost and not os.path.isdir("/sys/class/infiniband"):
         # No RDMA device: Open MPI's UCX one-sided component would print an error for every
         # shared-memory window (syncdp's data plane makes one per group); sm serves instead.

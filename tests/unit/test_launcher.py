@@ -182,6 +182,13 @@ def test_env_lets_root_run_and_keeps_caller_values():
     assert report.ADDRESS_VAR not in env
 
 
+def test_open_mpi_yields_the_core_when_idle_unless_the_caller_says_otherwise():
+    c = run.parse_args(["-np", "2", "python"])
+    assert run.build_env(c, environ={})["OMPI_MCA_mpi_yield_when_idle"] == "1"
+    env = run.build_env(c, environ={"OMPI_MCA_mpi_yield_when_idle": "0"})
+    assert env["OMPI_MCA_mpi_yield_when_idle"] == "0"
+
+
 def test_flag_wins_over_the_callers_variable():
     c = run.parse_args(["-np", "2", "--stall-timeout", "5", "python"])
     env = run.build_env(c, environ={"SYNCDP_STALL_TIMEOUT": "99"})
