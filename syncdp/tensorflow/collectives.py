@@ -28,7 +28,7 @@ from syncdp.core.communicator import signature_digest
 from syncdp.core.process_sets import global_process_set
 from syncdp.tensorflow import autotuning as _autotuning
 from syncdp.tensorflow import graph
-from syncdp.tensorflow.compression import Compression
+from syncdp.tensorflow.compression import Compression, for_transport
 from syncdp.tensorflow.graph import InvalidArgument, ordered_call, standalone
 
 __all__ = [
@@ -232,6 +232,7 @@ def fused_allreduce(
     cap = config.fusion_threshold if cap_bytes is None else cap_bytes
     first = config.first_bucket_bytes if first_bytes is None else first_bytes
     wire, ctxs = [], []
+    compression = for_transport(compression)
     for t in tensors:
         sent, ctx = compression.compress(t)
         wire.append(sent)
@@ -833,6 +834,7 @@ def reducescatter(
         raise ValueError("reducescatter needs a tensor of rank >= 1.")
     _check_reducible([tensor])
     name = name or "reducescatter"
+    compression = for_transport(compression)
     sent, ctx = compression.compress(tensor)
 
     def forward(x):

@@ -1,14 +1,16 @@
 """Gradient compression: what travels between ranks may be smaller than what is computed.
 
-``Compression.fp16`` sends float32 and float64 tensors as float16 and casts the result back
-when the job spans several hosts; other dtypes travel unchanged. Horovod's spelling:
-``hvd.Compression.fp16``.
+``Compression.fp16`` sends float32 and float64 tensors as float16 and casts the result back;
+other dtypes travel unchanged. Horovod's spelling: ``hvd.Compression.fp16``. Its ``compress``
+and ``decompress`` are Horovod's contract whatever the job's layout: ``compress`` returns a
+float16 tensor.
 
 When every rank runs on one host, nothing crosses a network: the bytes move through memory,
 and converting costs more than halving them saves. Measured here (one core per rank), casting
 16 MiB of float32 to float16 and back takes 8 ms in TensorFlow (NumPy: 10 ms; its float16
 additions run in scalar code), while averaging the float32 bytes between two ranks takes 6 ms.
-So on one host ``fp16`` reduces the float32 values themselves: at least as fast as no
+So on one host syncdp's collectives reduce the float32 values themselves
+(:func:`for_transport` picks the compressor a collective applies): at least as fast as no
 compression, and more exact than float16 (every result is within float16's precision of the
 exact one, which is all fp16 compression ever promised).
 """
@@ -19,7 +21,7 @@ import tensorflow as tf
 
 from syncdp.core import runtime
 
-__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"]
+__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "for_transport"]
 
 
 class Compressor:
@@ -53,13 +55,22 @@ class FP16Compressor(Compressor):
 
     @staticmethod
     def compress(tensor):
-        if tensor.dtype in (tf.float32, tf.float64) and _across_hosts():
+        if tensor.dtype in (tf.float32, tf.float64):
             return tf.cast(tensor, tf.float16), tensor.dtype
         return tensor, tensor.dtype
 
     @staticmethod
     def decompress(tensor, ctx):
         return tensor if tensor.dtype == ctx else tf.cast(tensor, ctx)
+
+
+def for_transport(compression):
+    """The compressor a collective applies for ``compression`` in this job: ``fp16`` only
+    where the ranks span several hosts (decided when a step is traced), else none."""
+    fp16 = isinstance(compression, type) and issubclass(compression, FP16Compressor)
+    if fp16 and not _across_hosts():
+        return NoneCompressor
+    return compression
 
 
 def _across_hosts() -> bool:

@@ -281,18 +281,22 @@ def test_schedule_needs_initial_lr_and_known_steps():
         callback.on_train_begin()
 
 
-def test_fp16_sends_float16_only_across_hosts(monkeypatch):
+def test_fp16_compress_is_horovods_and_collectives_cast_only_across_hosts(monkeypatch):
     import tensorflow as tf
 
     from syncdp.tensorflow import compression
 
     x = tf.constant([1.0, 2.0 / 3.0])
+    for across in (True, False):  # Horovod's contract, whatever the layout
+        monkeypatch.setattr(compression, "_across_hosts", lambda a=across: a)
+        sent, ctx = compression.Compression.fp16.compress(x)
+        assert sent.dtype == tf.float16 and ctx == tf.float32
+        back = compression.Compression.fp16.decompress(sent, ctx)
+        assert back.dtype == tf.float32 and back.numpy()[1] == np.float32(np.float16(2.0 / 3.0))
+    ints = tf.constant([1, 2])
+    assert compression.Compression.fp16.compress(ints)[0].dtype == tf.int32
     monkeypatch.setattr(compression, "_across_hosts", lambda: True)
-    sent, ctx = compression.Compression.fp16.compress(x)
-    assert sent.dtype == tf.float16 and ctx == tf.float32
-    assert compression.Compression.fp16.decompress(sent, ctx).numpy()[1] == np.float32(
-        np.float16(2.0 / 3.0)
-    )
+    assert compression.for_transport(compression.Compression.fp16) is compression.FP16Compressor
     monkeypatch.setattr(compression, "_across_hosts", lambda: False)
-    sent, ctx = compression.Compression.fp16.compress(x)
-    assert sent.dtype == tf.float32
+    assert compression.for_transport(compression.Compression.fp16) is compression.NoneCompressor
+    assert compression.for_transport(compression.Compression.none) is compression.NoneCompressor
