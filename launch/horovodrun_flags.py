@@ -227,6 +227,21 @@ FLAGS: tuple[Flag, ...] = (
         const="off",
     ),
     Flag(
+        ("--torus-allreduce",),
+        MAPS,
+        "horovodrun's 2D torus (reduce within each host, then across hosts) is syncdp's "
+        "hierarchical allreduce: --hierarchical-allreduce on",
+        dest="hierarchical_allreduce",
+        const="on",
+    ),
+    Flag(
+        ("--no-torus-allreduce",),
+        MAPS,
+        "one flat allreduce over all ranks: --hierarchical-allreduce off",
+        dest="hierarchical_allreduce",
+        const="off",
+    ),
+    Flag(
         ("--hierarchical-allgather",),
         INERT,
         _ALLGATHER,

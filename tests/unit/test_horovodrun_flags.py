@@ -39,6 +39,8 @@ HOROVODRUN = [
     ("--cache-capacity",),
     ("--hierarchical-allreduce",),
     ("--no-hierarchical-allreduce",),
+    ("--torus-allreduce",),  # horovodrun's newest launcher
+    ("--no-torus-allreduce",),
     ("--hierarchical-allgather",),
     ("--no-hierarchical-allgather",),
     ("--autotune",),
@@ -101,6 +103,8 @@ USES = {
     "--cache-capacity": ["--cache-capacity", "2048"],
     "--hierarchical-allreduce": ["--hierarchical-allreduce"],
     "--no-hierarchical-allreduce": ["--no-hierarchical-allreduce"],
+    "--torus-allreduce": ["--torus-allreduce"],
+    "--no-torus-allreduce": ["--no-torus-allreduce"],
     "--hierarchical-allgather": ["--hierarchical-allgather"],
     "--no-hierarchical-allgather": ["--no-hierarchical-allgather"],
     "--autotune": ["--autotune"],
@@ -324,6 +328,11 @@ def test_min_and_max_num_proc_are_min_np_and_max_np():
 def test_no_hierarchical_allreduce_turns_it_off():
     assert env_of(parse("--no-hierarchical-allreduce"))["SYNCDP_HIERARCHICAL_ALLREDUCE"] == "off"
     assert env_of(parse("--hierarchical-allreduce"))["SYNCDP_HIERARCHICAL_ALLREDUCE"] == "on"
+
+
+def test_torus_allreduce_is_the_hierarchical_allreduce():
+    assert env_of(parse("--torus-allreduce"))["SYNCDP_HIERARCHICAL_ALLREDUCE"] == "on"
+    assert env_of(parse("--no-torus-allreduce"))["SYNCDP_HIERARCHICAL_ALLREDUCE"] == "off"
 
 
 def test_network_interfaces_are_gathered_for_open_mpi():
@@ -566,13 +575,13 @@ def test_each_ranks_lines_go_to_its_file_without_the_tag(tmp_path, monkeypatch):
     assert (tmp_path / "rank.0" / "stdout").read_bytes() == b""
 
 
-def test_the_readme_holds_the_flag_table():
+def test_the_docs_hold_the_flag_table():
     from pathlib import Path
 
     from launch import horovodrun_flags
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert horovodrun_flags.markdown_table() in readme, (
-        "README's horovodrun table is stale: paste the output of "
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "horovodrun-flags.md").read_text()
+    assert horovodrun_flags.markdown_table() in doc, (
+        "docs/horovodrun-flags.md is stale: paste the output of "
         '`python -c "from launch import horovodrun_flags as h; print(h.markdown_table())"`.'
     )
