@@ -1,4 +1,7 @@
-"""Installs the syncdp library, the launch package and the ``syncdp-run`` command."""
+"""Installs the syncdp library, the launch package and the ``syncdp-run`` and ``horovodrun``
+commands. The build backend (``_build/backend.py``) adds ``syncdp-horovod.pth``, which lets
+``import horovod...`` find syncdp where Horovod itself is not installed
+(:mod:`syncdp.horovod_names`)."""
 
 from setuptools import find_packages, setup
 
@@ -26,6 +29,13 @@ setup(
         "test": ["pytest", "ruff"],
         "examples": ["scikit-learn"],
         "bench": ["matplotlib"],
+        # Keras 2 programs (TF_USE_LEGACY_KERAS=1, tf.keras is tf_keras).
+        "keras2": ["tf-keras"],
     },
-    entry_points={"console_scripts": ["syncdp-run = launch.run:main"]},
+    entry_points={
+        "console_scripts": [
+            "syncdp-run = launch.run:main",
+            "horovodrun = launch.horovodrun:main",
+        ]
+    },
 )

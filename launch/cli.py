@@ -162,15 +162,22 @@ class _CheckBuild(argparse.Action):
         parser.exit(0)
 
 
-def _add_launcher_flags(p: argparse.ArgumentParser) -> None:
-    """The launcher's own flags: where and how mpirun starts the ranks, and their output."""
+def _version(prog: str) -> str:
+    """What ``--version`` prints: syncdp's version, and under Horovod's name, which one runs."""
     import syncdp
 
+    if prog != "horovodrun":
+        return syncdp.__version__
+    return f"horovodrun from syncdp {syncdp.__version__} (syncdp-run; Horovod is not installed)"
+
+
+def _add_launcher_flags(p: argparse.ArgumentParser) -> None:
+    """The launcher's own flags: where and how mpirun starts the ranks, and their output."""
     p.add_argument(
         "-v",
         "--version",
         action="version",
-        version=syncdp.__version__,
+        version=_version(p.prog),
         help="print syncdp's version and exit",
     )
     p.add_argument(
@@ -258,18 +265,22 @@ def _add_launcher_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "syncdp-run") -> argparse.ArgumentParser:
     """The argument parser: the launcher's own flags, one flag per setting (with horovodrun's
     spellings of it), and horovodrun's other flags (:mod:`launch.horovodrun_flags`).
+
+    Args:
+        prog: The command's name in usage, errors and ``--version``: ``syncdp-run`` or
+            ``horovodrun`` (:mod:`launch.horovodrun`). Defaults to ``"syncdp-run"``.
 
     Returns:
         A parser whose settings flags store into ``dest`` = the setting's name, None when the
         flag is not given.
     """
     p = argparse.ArgumentParser(
-        prog="syncdp-run",
+        prog=prog,
         description="Run a program on N synchronous data-parallel ranks through mpirun.",
-        usage="syncdp-run -np N [options] COMMAND [ARGS...]",
+        usage=f"{prog} -np N [options] COMMAND [ARGS...]",
     )
     _add_launcher_flags(p)
     group = p.add_argument_group(
@@ -331,7 +342,10 @@ def _check_settings(
 
 
 def parse_args(
-    argv: list[str] | None = None, *, environ: Mapping[str, str] | None = None
+    argv: list[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    prog: str = "syncdp-run",
 ) -> LaunchConfig:
     """Parses the command line into a LaunchConfig; exits 2 with a message on a bad one.
 
@@ -343,12 +357,13 @@ def parse_args(
     Args:
         argv: The arguments after the program name. Defaults to ``sys.argv[1:]``.
         environ: The environment the ranks will inherit. Defaults to ``os.environ``.
+        prog: The command's name (:func:`build_parser`). Defaults to ``"syncdp-run"``.
 
     Returns:
         The LaunchConfig.
     """
     environ = os.environ if environ is None else environ
-    parser = build_parser()
+    parser = build_parser(prog)
     try:
         argv, spelled = horovodrun_flags.scan(sys.argv[1:] if argv is None else argv, parser)
     except ValueError as e:

@@ -7,6 +7,7 @@ that outlives its timeout and fails the test with the output seen so far.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,13 +36,22 @@ def start(
     env: dict[str, str] | None = None,
     launcher_args: tuple[str, ...] = (),
     cwd: str | os.PathLike | None = None,
+    launcher: str = "syncdp-run",
 ) -> subprocess.Popen:
     """Starts ``syncdp-run -np NP [launcher_args] COMMAND`` in its own session, text pipes.
 
     For tests that act while the job runs (kill a rank, cut a link); the caller must end it
-    (``os.killpg(proc.pid, SIGKILL)``) if it outlives the test.
+    (``os.killpg(proc.pid, SIGKILL)``) if it outlives the test. ``launcher="horovodrun"`` runs
+    the installed ``horovodrun`` command instead (it must be on PATH).
     """
-    cmd = [sys.executable, "-m", "launch", "-np", str(np), *launcher_args, *command]
+    if launcher == "horovodrun":
+        found = shutil.which("horovodrun")
+        if found is None:
+            pytest.fail("horovodrun is not on PATH: install syncdp as the README says")
+        head = [found]
+    else:
+        head = [sys.executable, "-m", "launch"]
+    cmd = [*head, "-np", str(np), *launcher_args, *command]
     return subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -60,6 +70,7 @@ def launch(
     env: dict[str, str] | None = None,
     launcher_args: tuple[str, ...] = (),
     cwd: str | os.PathLike | None = None,
+    launcher: str = "syncdp-run",
 ) -> subprocess.CompletedProcess:
     """Runs ``syncdp-run -np NP [launcher_args] COMMAND`` and returns the finished process.
 
@@ -70,7 +81,9 @@ def launch(
     """
     started_at = time.time()
     began = time.monotonic()
-    proc = start(np, *command, env=env, launcher_args=launcher_args, cwd=cwd)
+    proc = start(
+        np, *command, env=env, launcher_args=launcher_args, cwd=cwd, launcher=launcher
+    )
     cmd = proc.args
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -1,0 +1,144 @@
+"""Horovod's import names, answered by syncdp: ``import horovod.tensorflow as hvd`` runs unchanged.
+
+A Horovod program imports ``horovod``, ``horovod.tensorflow``, ``horovod.tensorflow.keras``,
+``horovod.keras``, their ``elastic`` and ``callbacks`` modules, and a few helpers
+(``horovod.common.util``, ``horovod.tensorflow.util``, ``horovod.tensorflow.mpi_ops``, ...).
+:class:`HorovodNames` is an import hook that answers those names with syncdp's modules
+themselves (``horovod.tensorflow`` *is* ``syncdp.tensorflow``: the same module object, so there
+is one set of classes and one runtime whichever name a program uses).
+
+It never shadows a real Horovod: the hook sits first in ``sys.meta_path`` but answers
+``horovod`` only after asking every other finder, and answers ``horovod.*`` only while the
+``horovod`` in ``sys.modules`` is its own. Where Horovod itself is installed (or any other
+``horovod`` package is on ``sys.path``), that one is imported and syncdp stays out of the way.
+
+The hook is installed at interpreter start by the ``syncdp-horovod.pth`` file that
+``pip install`` puts in site-packages (it imports this module, which loads neither
+TensorFlow nor MPI), so it works for a plain ``python train.py`` as well as for ranks started
+by ``horovodrun`` or ``syncdp-run``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+__all__ = [
+    "HorovodNames",
+    "install",
+    "installed",
+    "real_horovod",
+    "horovod_api_version",
+    "MODULES",
+]
+
+# The Horovod release whose API syncdp speaks; horovod.__version__ is this plus syncdp's own.
+horovod_api_version = "0.28.1"
+
+# Horovod's module name -> the syncdp module that answers it (None: a package of its own).
+MODULES: dict[str, str | None] = {
+    "horovod": None,
+    "horovod.common": None,
+    "horovod.common.util": "syncdp.horovod_names.util",
+    "horovod.common.exceptions": "syncdp.core.errors",
+    "horovod.common.process_sets": "syncdp.core.process_sets",
+    "horovod.common.elastic": "syncdp.elastic",
+    "horovod.tensorflow.mpi_ops": "syncdp.tensorflow",
+    "horovod.tensorflow.functions": "syncdp.tensorflow",
+    "horovod.tensorflow.gradient_aggregation": "syncdp.tensorflow",
+    "horovod.tensorflow.gradient_aggregation_eager": "syncdp.tensorflow",
+}
+# Horovod's packages whose every module has the same name under syncdp.
+_PREFIXES = {"horovod.tensorflow": "syncdp.tensorflow", "horovod.keras": "syncdp.keras"}
+_MARK = "__syncdp__"
+
+
+def _target(fullname: str) -> str | None:
+    """The syncdp module that answers Horovod's ``fullname``; raises ModuleNotFoundError."""
+    if fullname in MODULES:
+        return MODULES[fullname]
+    for horovod_name, syncdp_name in _PREFIXES.items():
+        if fullname == horovod_name or fullname.startswith(horovod_name + "."):
+            return syncdp_name + fullname[len(horovod_name) :]
+    raise ModuleNotFoundError(
+        f"No module named {fullname!r}: syncdp answers Horovod's TensorFlow and Keras modules "
+        f"({', '.join(sorted(_PREFIXES))}, horovod.common.util ...), not this one",
+        name=fullname,
+    )
+
+
+class HorovodNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """The import hook (a finder and its loader): see the module's docstring."""
+
+    def __init__(self):
+        self._found: dict[str, types.ModuleType] = {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "horovod" and not fullname.startswith("horovod."):
+            return None
+        if fullname == "horovod":
+            if self._another_horovod():
+                return None
+        elif not getattr(sys.modules.get("horovod"), _MARK, False):
+            return None  # a real Horovod's submodule: not ours to answer
+        module = self._found[fullname] = _answer(fullname)
+        return importlib.machinery.ModuleSpec(
+            fullname, self, is_package=hasattr(module, "__path__")
+        )
+
+    def _another_horovod(self) -> bool:
+        return real_horovod() is not None
+
+    def create_module(self, spec):
+        return self._found.pop(spec.name)
+
+    def exec_module(self, module):
+        pass  # the module is syncdp's, already executed (or an empty package)
+
+
+def _answer(fullname: str) -> types.ModuleType:
+    """The module that answers Horovod's ``fullname``: syncdp's, or an empty package."""
+    name = _target(fullname)
+    if name is not None:
+        return importlib.import_module(name)
+    doc = f"{fullname}: Horovod's name, answered by syncdp (syncdp.horovod_names)."
+    module = types.ModuleType(fullname, doc)
+    module.__path__ = []
+    setattr(module, _MARK, True)
+    if fullname == "horovod":
+        from syncdp import __version__
+
+        module.__version__ = f"{horovod_api_version}+syncdp.{__version__}"
+    return module
+
+
+def real_horovod() -> str | None:
+    """Where another ``horovod`` package is (a real Horovod, or any package of that name that
+    another finder of ``sys.meta_path`` can import), or None where only syncdp answers."""
+    for finder in sys.meta_path:
+        if isinstance(finder, HorovodNames) or not hasattr(finder, "find_spec"):
+            continue
+        try:
+            spec = finder.find_spec("horovod", None)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None:
+            return spec.origin or ", ".join(spec.submodule_search_locations or []) or "horovod"
+    return None
+
+
+def installed() -> HorovodNames | None:
+    """The hook in ``sys.meta_path``, or None."""
+    return next((f for f in sys.meta_path if isinstance(f, HorovodNames)), None)
+
+
+def install() -> HorovodNames:
+    """Puts the hook first in ``sys.meta_path`` (once); returns it."""
+    hook = installed()
+    if hook is None:
+        hook = HorovodNames()
+        sys.meta_path.insert(0, hook)
+    return hook
