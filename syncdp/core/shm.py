@@ -26,11 +26,23 @@ The barriers are MPI barriers on the communicator (waited for politely, see
 the stall watchdog and a rank that dies raises ``MPI_ERR_PROC_FAILED`` under ULFM, exactly as
 for any other collective. ``MPI_Win_sync`` around each barrier orders the memory accesses as
 MPI's unified memory model asks.
+
+The window lives in a file of Open MPI's backing directory (``/dev/shm`` unless
+``OMPI_MCA_osc_sm_backing_directory`` says otherwise), whose pages a tmpfs only finds when they
+are first touched: a filesystem that fills after the window was made would kill the rank with
+SIGBUS in the middle of a later allreduce. So every rank claims its slots' pages when the plane
+opens (``MADV_POPULATE_WRITE``, or ``posix_fallocate`` on the window's file where the kernel is
+older than 5.14), the ranks agree on the outcome, and where any rank could not claim its pages
+no plane opens: collectives go through MPI and rank 0 says why, naming the directory.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import os
+import sys
 
 import numpy as np
 
@@ -52,13 +64,22 @@ _SPIN_SECONDS = 2e-3
 
 _UFUNC = {"sum": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
 
+# madvise(2) advice that faults pages in writable, failing with EFAULT where touching them
+# would raise SIGBUS (Linux 5.14; Python's mmap module only names it for its own maps).
+_MADV_POPULATE_WRITE = 23
+
+
+def backing_dir() -> str:
+    """The directory Open MPI puts shared windows' files in (its ``osc_sm_backing_directory``)."""
+    return os.environ.get("OMPI_MCA_osc_sm_backing_directory") or "/dev/shm"
+
 
 def open_plane(
     mpi_comm,
     *,
     agree_comm=None,
     segment_bytes: int | None = None,
-    shm_dir: str = "/dev/shm",
+    shm_dir: str | None = None,
 ):
     """A :class:`SharedPlane` over ``mpi_comm`` when all its ranks share a host; else None.
 
@@ -67,10 +88,19 @@ def open_plane(
     opens its plane or none does. The window
     is only made when the host's shared-memory filesystem has room for it with a wide margin:
     a window larger than a small ``/dev/shm`` (containers default to 64 MiB) would not fail
-    at allocation but kill the rank with SIGBUS when touched.
+    at allocation but kill the rank with SIGBUS when touched. Once made, every rank claims its
+    pages and the ranks agree that all could; otherwise the window is freed and None returned
+    (rank 0 of ``agree_comm`` prints why, naming ``shm_dir``).
+
+    Args:
+        mpi_comm: The ranks that would share the window.
+        agree_comm: The ranks that must all agree. Defaults to ``mpi_comm``.
+        segment_bytes: Bytes of one slot. Defaults to ``SEGMENT_BYTES``.
+        shm_dir: Where the window's file lives. Defaults to :func:`backing_dir`.
     """
     MPI = _mpi.load()
     segment_bytes = segment_bytes or SEGMENT_BYTES
+    shm_dir = shm_dir or backing_dir()
     agree_comm = mpi_comm if agree_comm is None else agree_comm
     size = mpi_comm.Get_size()
     if agree_comm.Get_size() < 2:
@@ -85,7 +115,48 @@ def open_plane(
     # but a rank may read it at a different moment).
     if not agree_comm.allreduce(bool(size > 1 and one_host and fits), op=MPI.LAND):
         return None
-    return SharedPlane(mpi_comm, segment_bytes)
+    plane = SharedPlane(mpi_comm, segment_bytes)
+    problem = plane.claim()
+    problems = agree_comm.allgather(problem)
+    if not any(problems):
+        return plane
+    plane.close()
+    if agree_comm.Get_rank() == 0:
+        rank, problem = next((r, p) for r, p in enumerate(problems) if p)
+        print(
+            f"syncdp: the shared-memory plane needs {need / 2**20:.0f} MiB per host in {shm_dir}, "
+            f"and rank {rank} could not claim its part ({problem}); allreduce goes through MPI "
+            f"instead. Free space in {shm_dir} (or enlarge it: docker --shm-size), or set "
+            "SYNCDP_SHARED_MEMORY=off to silence this.",
+            file=sys.stderr,
+            flush=True,
+        )
+    return None
+
+
+def _fallocate_mapping(address: int, length: int) -> str | None:
+    """Reserves ``length`` bytes from ``address`` in the file mapped there; None when done,
+    else why not. Open MPI unlinks the window's file once mapped, so it is reached through
+    ``/proc/self/map_files`` (which takes root, or Linux 4.3 and later)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if lo <= address < hi:
+                    break
+            else:
+                return "no mapping found for the window"
+        if fields[1][3] != "s" or len(fields) < 6:
+            return None  # private memory (a window of one process): no file to run out of
+        fd = os.open(f"/proc/self/map_files/{fields[0]}", os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, int(fields[2], 16) + address - lo, length)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def _free_bytes(path: str) -> int | None:
@@ -118,6 +189,24 @@ class SharedPlane:
             for r in range(self.size)
         ]
         self._set = 0
+
+    def claim(self) -> str | None:
+        """Makes the filesystem back every page of this rank's slots now, so that no later
+        touch can raise SIGBUS; not a collective. Returns None when done, else why not."""
+        raw = self._raw[self.rank]
+        page = mmap.PAGESIZE
+        lo = raw.ctypes.data // page * page
+        hi = -(-(raw.ctypes.data + raw.nbytes) // page) * page
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.madvise(lo, hi - lo, _MADV_POPULATE_WRITE) == 0:
+            return None
+        code = ctypes.get_errno()
+        if code == errno.EFAULT:  # a page the filesystem has no room for
+            return os.strerror(errno.ENOSPC)
+        if code != errno.EINVAL:  # EINVAL: a kernel before 5.14
+            return os.strerror(code)
+        return _fallocate_mapping(lo, hi - lo)
 
     def close(self, *, collective: bool = True) -> None:
         """Frees the window (a collective), or only drops it when ``collective`` is False (a
