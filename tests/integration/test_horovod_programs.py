@@ -1,0 +1,194 @@
+"""Horovod programs run unchanged: ``import horovod...``, launched by ``horovodrun``, under Keras 3
+and under Keras 2 (tf-keras with ``TF_USE_LEGACY_KERAS=1``), at np=1, 2 and 3.
+
+The program is written as a Horovod user writes one: ``horovod.tensorflow`` for the custom loop,
+``horovod.tensorflow.keras`` for ``fit``, ``tf.keras`` for Keras (which is Keras 2 when
+``TF_USE_LEGACY_KERAS=1``). Every rank trains on its shard of a fixed global batch; each result
+is compared, on every rank, with one process that trains the same model on the whole batch
+(the mathematics of synchronous data parallelism with equal shards: the average of the shards'
+mean gradients is the whole batch's mean gradient):
+
+- custom loop: ``DistributedGradientTape`` after ``broadcast_variables`` from rank 0 (each rank
+  starts from different weights);
+- ``fit`` with ``DistributedOptimizer``, ``BroadcastGlobalVariablesCallback`` and
+  ``MetricAverageCallback``: the weights, and the loss every rank logs (the average of the shard
+  losses, which is the whole batch's loss);
+- ``SyncBatchNormalization`` against ``BatchNormalization`` on the whole batch: the outputs and
+  the moving statistics;
+- ``PartialDistributedOptimizer``: the shared layer follows the whole batch, the local layer its
+  own shard's gradient divided by the number of ranks (Horovod's ``scale_local_gradients``);
+- checkpoint and resume: 2 epochs with Adam, rank 0 saves (``.keras`` for Keras 3, ``.h5`` for
+  Keras 2), every rank resumes with ``hvd.load_model`` and trains a third epoch: equal to 3
+  epochs in one go (Adam's slots and step count come back with the wrapped optimizer);
+- Keras 2 only: a ``tf.keras.optimizers.legacy`` optimizer built with ``lr=``, and
+  ``optimizer.lr`` read and set through ``tf.keras.backend.set_value``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from tests.launcher import check, launch, python_script
+
+PROGRAM = r'''
+import json, os, sys
+
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow as hvd_tf
+import horovod.tensorflow.keras as hvd
+
+keras = tf.keras
+KERAS2 = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
+assert KERAS2 == keras.__name__.startswith("tf_keras"), keras.__name__
+workdir = sys.argv[1]
+
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+G = 12
+n = G // size
+rng = np.random.default_rng(0)
+X = rng.normal(size=(G, 4)).astype("float32")
+Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32") + 0.1).astype("float32")
+mine = slice(rank * n, (rank + 1) * n)
+out = {"keras": keras.__name__, "size": size}
+
+
+def make(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)]
+    )
+
+
+def diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
+
+
+def barrier():
+    hvd_tf.allreduce(tf.constant(0.0), name="barrier")
+
+
+# Custom loop: DistributedGradientTape.
+model, ref = make(rank), make(0)
+opt, ref_opt = keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1)
+hvd_tf.broadcast_variables(model.variables, root_rank=0)
+
+
+@tf.function
+def step(x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x) - y) ** 2)
+    tape = hvd_tf.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+
+
+for _ in range(3):
+    step(X[mine], Y[mine])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((ref(X) - Y) ** 2)
+    ref_opt.apply_gradients(zip(tape.gradient(loss, ref.trainable_variables), ref.trainable_variables))
+out["custom_loop"] = diff(model.get_weights(), ref.get_weights())
+
+# fit: DistributedOptimizer, broadcast and metric averaging.
+model, ref = make(rank), make(0)
+model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1)), loss="mse")
+callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
+history = model.fit(X[mine], Y[mine], batch_size=n, epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
+ref.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1), loss="mse")
+ref_history = ref.fit(X, Y, batch_size=G, epochs=3, shuffle=False, verbose=0)
+out["fit"] = diff(model.get_weights(), ref.get_weights())
+out["fit_loss"] = diff(history.history["loss"], ref_history.history["loss"])
+
+# SyncBatchNormalization against BatchNormalization on the whole batch.
+extra = {"fused": False} if KERAS2 else {}
+bn = hvd_tf.SyncBatchNormalization(momentum=0.5, **extra)
+ref_bn = keras.layers.BatchNormalization(momentum=0.5)
+y_bn, ref_y = bn(X[mine], training=True), ref_bn(X, training=True)
+out["syncbn_output"] = diff(y_bn, ref_y[mine])
+out["syncbn_moving"] = diff(
+    [bn.moving_mean, bn.moving_variance], [ref_bn.moving_mean, ref_bn.moving_variance]
+)
+
+# PartialDistributedOptimizer: the last layer keeps its gradients local.
+model = make(0)
+opt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=[model.layers[-1]])
+model.compile(optimizer=opt, loss="mse")
+model.fit(X[mine], Y[mine], batch_size=n, epochs=1, shuffle=False, verbose=0)
+whole, shard = make(0), make(0)
+# Horovod scales local gradients by 1 / size (scale_local_gradients=True).
+for m, (x, y), lr in ((whole, (X, Y), 0.1), (shard, (X[mine], Y[mine]), 0.1 / size)):
+    m.compile(optimizer=keras.optimizers.SGD(lr), loss="mse")
+    m.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
+out["partial_shared"] = diff(model.layers[0].get_weights(), whole.layers[0].get_weights())
+out["partial_local"] = diff(model.layers[-1].get_weights(), shard.layers[-1].get_weights())
+
+# Checkpoint and resume with the wrapped optimizer.
+path = os.path.join(workdir, "model.h5" if KERAS2 else "model.keras")
+model = make(rank)
+model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
+model.fit(X[mine], Y[mine], batch_size=n, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+if rank == 0:
+    model.save(path)
+barrier()
+resumed = hvd.load_model(path)
+resumed.fit(X[mine], Y[mine], batch_size=n, epochs=1, shuffle=False, verbose=0)
+ref = make(0)
+ref.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+ref.fit(X, Y, batch_size=G, epochs=3, shuffle=False, verbose=0)
+out["resume"] = diff(resumed.get_weights(), ref.get_weights())
+out["resumed_steps"] = int(resumed.optimizer.iterations.numpy())
+
+if KERAS2:  # the legacy optimizers, lr= and optimizer.lr
+    model, ref = make(0), make(0)
+    opt = hvd.DistributedOptimizer(keras.optimizers.legacy.SGD(lr=0.2))
+    model.compile(optimizer=opt, loss="mse")
+    keras.backend.set_value(model.optimizer.lr, 0.1)
+    out["lr"] = float(keras.backend.get_value(model.optimizer.lr))
+    model.fit(X[mine], Y[mine], batch_size=n, epochs=2, shuffle=False, verbose=0)
+    ref.compile(optimizer=keras.optimizers.legacy.SGD(learning_rate=0.1), loss="mse")
+    ref.fit(X, Y, batch_size=G, epochs=2, shuffle=False, verbose=0)
+    out["legacy"] = diff(model.get_weights(), ref.get_weights())
+
+print("RESULT", json.dumps(out), flush=True)
+'''
+
+HAS_TF_KERAS = importlib.util.find_spec("tf_keras") is not None
+
+
+@pytest.mark.parametrize("np", [1, 2, 3])
+@pytest.mark.parametrize(
+    "keras2",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(not HAS_TF_KERAS, reason="tf-keras is not installed"),
+        ),
+    ],
+    ids=["keras3", "keras2"],
+)
+def test_a_horovod_program_runs_unchanged_under_horovodrun(tmp_path, np, keras2):
+    env = {"TF_USE_LEGACY_KERAS": "1"} if keras2 else {"TF_USE_LEGACY_KERAS": "0"}
+    script = python_script(tmp_path, PROGRAM)
+    result = check(
+        launch(np, "python", script, str(tmp_path), env=env, timeout=300, launcher="horovodrun")
+    )
+    lines = [line for line in result.stdout.splitlines() if "RESULT " in line]
+    assert len(lines) == np, result.stdout[-3000:]
+    for line in lines:
+        out = json.loads(line.split("RESULT ", 1)[1])
+        assert out["size"] == np
+        assert out["keras"].startswith("tf_keras" if keras2 else "keras")
+        for key in ("custom_loop", "fit", "fit_loss", "syncbn_output", "syncbn_moving"):
+            assert out[key] < 2e-5, (key, out)
+        assert out["partial_shared"] < 2e-5 and out["partial_local"] < 2e-5, out
+        assert out["resume"] < 2e-5 and out["resumed_steps"] == 3, out
+        if keras2:
+            assert abs(out["lr"] - 0.1) < 1e-7 and out["legacy"] < 2e-5, out
