@@ -309,14 +309,17 @@ def build_parser(prog: str = "syncdp-run") -> argparse.ArgumentParser:
     return p
 
 
-def _setting_error(message: str) -> None:
+def _setting_error(message: str, prog: str = "syncdp-run") -> None:
     """Exits 2 with one line: a setting's value is not allowed."""
-    print(f"syncdp-run: error: {message}", file=sys.stderr, flush=True)
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
 def _check_settings(
-    args: argparse.Namespace, environ: Mapping[str, str], spelled: Mapping[str, str]
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    spelled: Mapping[str, str],
+    prog: str = "syncdp-run",
 ) -> dict[str, Any]:
     """Every setting's value, from its flag and from the caller's ``SYNCDP_*`` variables,
     checked before anything starts; exits 2 naming the first one not allowed, as it was given
@@ -337,7 +340,7 @@ def _check_settings(
         flagged = {s.env for s in settings.SETTINGS if s.name in given}
         settings.from_env({k: v for k, v in environ.items() if k not in flagged})
     except ConfigError as e:
-        _setting_error(str(e))
+        _setting_error(str(e), prog)
     return given
 
 
@@ -379,7 +382,7 @@ def parse_args(
             raise ValueError(refused)
         horovodrun_flags.resolve_stall_check(args, spelled, on_command_line)
     except ValueError as e:  # config_file.ConfigFileError included
-        _setting_error(str(e))
+        _setting_error(str(e), prog)
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -414,14 +417,14 @@ def parse_args(
         parser.error(f"--ssh-port must be a TCP port (1-65535); got {args.ssh_port}")
     if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
         parser.error(f"--ssh-identity-file {args.ssh_identity_file!r} does not exist")
-    given = _check_settings(args, environ, spelled)
+    given = _check_settings(args, environ, spelled, prog)
     # Each flag sets only its own variable; the ranks read -np's defaults from the job's size.
     least, most = spelled.get("min_np", "--min-np"), spelled.get("max_np", "--max-np")
     if (given.get("min_np") or 0) > args.num_proc:
         parser.error(f"{least} ({given['min_np']}) must not exceed -np ({args.num_proc})")
     if given.get("max_np") and given["max_np"] < args.num_proc:
         parser.error(f"{most} ({given['max_np']}) must be at least -np ({args.num_proc})")
-    _check_spares(args.spares, args.num_proc, given, listed)
+    _check_spares(args.spares, args.num_proc, given, listed, prog)
     return LaunchConfig(
         num_proc=args.num_proc,
         command=tuple(command),
@@ -442,7 +445,9 @@ def parse_args(
     )
 
 
-def _check_spares(spares: int, num_proc: int, given: Mapping[str, Any], listed) -> None:
+def _check_spares(
+    spares: int, num_proc: int, given: Mapping[str, Any], listed, prog: str = "syncdp-run"
+) -> None:
     """Exits 2 with one line when ``--spares`` cannot be honoured: not elastic, negative, or
     more processes than the listed hosts have slots (spares hold slots too)."""
     problem = None
@@ -460,4 +465,4 @@ def _check_spares(spares: int, num_proc: int, given: Mapping[str, Any], listed) 
             "spares."
         )
     if problem is not None:
-        _setting_error(problem)
+        _setting_error(problem, prog)

@@ -103,7 +103,16 @@ def _answer(fullname: str) -> types.ModuleType:
     """The module that answers Horovod's ``fullname``: syncdp's, or an empty package."""
     name = _target(fullname)
     if name is not None:
-        return importlib.import_module(name)
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise  # something the module itself imports is missing
+            raise ModuleNotFoundError(
+                f"No module named {fullname!r}: syncdp, which answers Horovod's names here, "
+                f"has no {name}",
+                name=fullname,
+            ) from None
     doc = f"{fullname}: Horovod's name, answered by syncdp (syncdp.horovod_names)."
     module = types.ModuleType(fullname, doc)
     module.__path__ = []

@@ -1,0 +1,143 @@
+"""Horovod's names after the README's install: ``import horovod...`` and ``horovodrun``.
+
+Each check runs a fresh ``python`` (the hook is installed at interpreter start by the
+``syncdp-horovod.pth`` file in site-packages) with nothing added to its path, as a plain
+``python train.py`` would run. Where another ``horovod`` package is importable (a fake one on
+``PYTHONPATH`` stands for a real Horovod), that one is imported and ``horovodrun`` runs its
+launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.launcher import ROOT
+
+
+def _python(code: str, env: dict[str, str] | None = None, cwd=None):
+    full = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
+    full.pop("PYTHONPATH", None)
+    full.update({k: v for k, v in (env or {}).items()})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=full,
+        cwd=cwd or "/",
+    )
+
+
+def test_horovod_names_are_syncdps_own_modules():
+    result = _python(
+        """
+        import horovod, syncdp
+        import horovod.tensorflow as hvd
+        import horovod.tensorflow.keras as hvd_keras
+        import horovod.keras, horovod.keras.callbacks, horovod.keras.elastic
+        import horovod.tensorflow.elastic, horovod.tensorflow.keras.callbacks
+        import horovod.tensorflow.keras.elastic
+        from horovod.tensorflow.util import _executing_eagerly
+        from horovod.tensorflow.functions import broadcast_variables
+        from horovod.tensorflow.mpi_ops import allreduce, size_op
+        from horovod.tensorflow.compression import Compression
+        from horovod.common.util import is_version_greater_equal_than, check_extension
+        from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+        import syncdp.tensorflow, syncdp.keras, syncdp.tensorflow.keras, syncdp.keras.callbacks
+
+        assert hvd is syncdp.tensorflow and hvd_keras is syncdp.tensorflow.keras
+        assert horovod.keras is syncdp.keras
+        assert horovod.keras.callbacks is syncdp.keras.callbacks
+        assert horovod.tensorflow.keras.callbacks is syncdp.keras.callbacks
+        assert horovod.tensorflow.elastic is syncdp.tensorflow.elastic
+        assert broadcast_variables is hvd.broadcast_variables and allreduce is hvd.allreduce
+        assert Compression is hvd.Compression and _executing_eagerly()
+        assert HorovodInternalError is syncdp.core.errors.RankFailureError
+        assert is_version_greater_equal_than("2.21.0", "2.6.0")
+        assert not is_version_greater_equal_than("2.5.9", "2.6.0")
+        assert horovod.__version__.startswith("0.28.1+syncdp."), horovod.__version__
+        assert not hasattr(syncdp.tensorflow.util, "__path__")  # syncdp's modules untouched
+        for name in ("horovod.torch", "horovod.tensorflow.nonexistent"):
+            try:
+                __import__(name)
+            except ModuleNotFoundError as e:
+                assert name in str(e) and "syncdp" in str(e), e
+            else:
+                raise AssertionError(name + " was imported")
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+@pytest.fixture
+def fake_horovod(tmp_path):
+    """A minimal package named horovod, with a launcher, on a folder for PYTHONPATH."""
+    pkg = tmp_path / "site" / "horovod"
+    (pkg / "runner").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('__version__ = "0.0.fake"\n')
+    (pkg / "runner" / "__init__.py").write_text("")
+    (pkg / "runner" / "launch.py").write_text(
+        "import sys\n\ndef run_commandline():\n    print('fake horovodrun', sys.argv[1:])\n"
+    )
+    return tmp_path / "site"
+
+
+def test_a_real_horovod_is_imported_and_left_alone(fake_horovod):
+    result = _python(
+        """
+        import horovod
+        assert horovod.__version__ == "0.0.fake", horovod.__version__
+        try:
+            import horovod.tensorflow
+        except ModuleNotFoundError as e:
+            assert "syncdp" not in str(e), e  # Python's own error: syncdp stayed out of it
+        else:
+            raise AssertionError("syncdp answered a submodule of another horovod")
+        print("ok")
+        """,
+        env={"PYTHONPATH": str(fake_horovod)},
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def _horovodrun():
+    found = shutil.which("horovodrun")
+    if found is None:
+        pytest.fail("horovodrun is not on PATH: install syncdp as the README says")
+    return found
+
+
+def test_horovodrun_hands_a_real_horovod_its_command_line(fake_horovod):
+    env = dict(os.environ, PYTHONPATH=str(fake_horovod))
+    run = subprocess.run(
+        [_horovodrun(), "-np", "2", "python", "train.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "fake horovodrun ['-np', '2', 'python', 'train.py']"
+
+
+def test_horovodrun_is_syncdp_run_and_says_so():
+    version = subprocess.run(
+        [_horovodrun(), "--version"], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert version.returncode == 0 and "from syncdp" in version.stdout
+    assert "Horovod is not installed" in version.stdout
+    bad = subprocess.run(
+        [_horovodrun(), "-np", "2", "--gloo", "python", "x.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert bad.returncode == 2 and "horovodrun" in bad.stderr and "--gloo" in bad.stderr
