@@ -33,7 +33,7 @@ import pytest
 
 from tests.launcher import check, launch, python_script
 
-PROGRAM = r'''
+PROGRAM = r"""
 import json, os, sys
 
 import numpy as np
@@ -92,14 +92,21 @@ for _ in range(3):
     step(X[mine], Y[mine])
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean((ref(X) - Y) ** 2)
-    ref_opt.apply_gradients(zip(tape.gradient(loss, ref.trainable_variables), ref.trainable_variables))
+    grads = tape.gradient(loss, ref.trainable_variables)
+    ref_opt.apply_gradients(zip(grads, ref.trainable_variables))
 out["custom_loop"] = diff(model.get_weights(), ref.get_weights())
 
 # fit: DistributedOptimizer, broadcast and metric averaging.
 model, ref = make(rank), make(0)
-model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1)), loss="mse")
-callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
-history = model.fit(X[mine], Y[mine], batch_size=n, epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
+opt = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1))
+model.compile(optimizer=opt, loss="mse")
+callbacks = [
+    hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+    hvd.callbacks.MetricAverageCallback(),
+]
+history = model.fit(
+    X[mine], Y[mine], batch_size=n, epochs=3, shuffle=False, verbose=0, callbacks=callbacks
+)
 ref.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1), loss="mse")
 ref_history = ref.fit(X, Y, batch_size=G, epochs=3, shuffle=False, verbose=0)
 out["fit"] = diff(model.get_weights(), ref.get_weights())
@@ -157,7 +164,7 @@ if KERAS2:  # the legacy optimizers, lr= and optimizer.lr
     out["legacy"] = diff(model.get_weights(), ref.get_weights())
 
 print("RESULT", json.dumps(out), flush=True)
-'''
+"""
 
 HAS_TF_KERAS = importlib.util.find_spec("tf_keras") is not None
 
@@ -192,3 +199,128 @@ def test_a_horovod_program_runs_unchanged_under_horovodrun(tmp_path, np, keras2)
         assert out["resume"] < 2e-5 and out["resumed_steps"] == 3, out
         if keras2:
             assert abs(out["lr"] - 0.1) < 1e-7 and out["legacy"] < 2e-5, out
+
+
+# Horovod's elastic Keras example (tensorflow2_keras_mnist_elastic.py) as its users write it:
+# horovod's import names, tf.keras (Keras 2 under TF_USE_LEGACY_KERAS=1), compile with
+# experimental_run_tf_function=False, a one-step fit before the state exists, a reset callback
+# that sets optimizer.lr and fits one step, the epoch, batch and commit callbacks. Small
+# synthetic data instead of MNIST; rank 1 kills itself once as global batch 8 begins (a marker
+# file keeps its replacement alive).
+ELASTIC_PROGRAM = r"""
+import json, os, signal, sys
+
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow.keras as hvd
+
+EPOCHS, STEPS = 3, 6
+marker = sys.argv[1]
+
+hvd.init()
+rng = np.random.default_rng(hvd.rank())
+x = rng.normal(size=(256, 4)).astype("float32")
+y = (x @ np.array([1.0, -2.0, 0.5, 3.0], "float32") > 0).astype("int64")
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8)
+
+tf.keras.utils.set_random_seed(hvd.rank())
+model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(8, "relu"),
+                             tf.keras.layers.Dense(2, activation="softmax")])
+opt = hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.001 * hvd.size()))
+model.compile(loss=tf.keras.losses.SparseCategoricalCrossentropy(), optimizer=opt,
+              metrics=["accuracy"], experimental_run_tf_function=False)
+model.fit(dataset, steps_per_epoch=1, epochs=1, callbacks=None, verbose=0)
+
+state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+resets = []
+
+
+def on_state_reset():
+    tf.keras.backend.set_value(state.model.optimizer.lr, 0.001 * hvd.size())
+    state.model.fit(dataset, steps_per_epoch=1, epochs=1, callbacks=None, verbose=0)
+    resets.append(hvd.size())
+
+
+state.register_reset_callbacks([on_state_reset])
+
+
+class Kill(tf.keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if state.epoch * STEPS + state.batch == 8 and hvd.rank() == 1:
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+callbacks = [
+    hvd.elastic.UpdateEpochStateCallback(state),
+    hvd.elastic.UpdateBatchStateCallback(state),
+    hvd.elastic.CommitStateCallback(state),
+    Kill(),
+]
+
+
+@hvd.elastic.run
+def train(state):
+    state.model.fit(dataset, steps_per_epoch=STEPS, epochs=EPOCHS - state.epoch,
+                    callbacks=callbacks, verbose=0)
+
+
+train(state)
+result = {
+    "rank": hvd.rank(),
+    "size": hvd.size(),
+    "resets": resets,
+    "iterations": int(model.optimizer.iterations.numpy()),
+    "epoch": state.epoch,
+    "lr": float(tf.keras.backend.get_value(model.optimizer.lr)),
+    "weights": [w.tolist() for w in model.get_weights()],
+}
+print("RESULT " + json.dumps(result), flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "keras2",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(not HAS_TF_KERAS, reason="tf-keras is not installed"),
+        ),
+    ],
+    ids=["keras3", "keras2"],
+)
+def test_horovods_elastic_keras_example_survives_a_kill_under_horovodrun(tmp_path, keras2):
+    env = {"TF_USE_LEGACY_KERAS": "1" if keras2 else "0"}
+    script = python_script(tmp_path, ELASTIC_PROGRAM)
+    result = launch(
+        2,
+        "python",
+        script,
+        str(tmp_path / "killed"),
+        env=env,
+        launcher_args=("--min-np", "2"),
+        timeout=300,
+        launcher="horovodrun",
+    )
+    out = f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, out
+    assert (tmp_path / "killed").exists(), out
+    results = [
+        json.loads(line.split("RESULT ", 1)[1])
+        for line in result.stdout.splitlines()
+        if "RESULT " in line
+    ]
+    assert sorted(r["rank"] for r in results) == [0, 1], out
+    # Updates: the first one-step fit, 3 epochs of 6 batches, the reset callback's step, and the
+    # 2 batches of the interrupted epoch committed before the kill (the resumed fit runs that
+    # epoch in full, as Horovod's does).
+    for r in results:
+        assert r["size"] == 2 and r["epoch"] == 3, out
+        assert r["iterations"] == 1 + 3 * 6 + 1 + 2, out
+        assert abs(r["lr"] - 0.002) < 1e-9, out
+        assert r["weights"] == results[0]["weights"], out  # bit-identical replicas
+    assert [r["resets"] for r in results if r["rank"] == 0] == [[2]], out
+    assert "1 membership change(s)" in result.stderr, out
