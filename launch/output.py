@@ -19,7 +19,17 @@ to the console.
 Open MPI forwards a line in time quadratic in its length (one 10 MiB line took 20 s), so a
 supervisor sends a line longer than :data:`PIECE_BYTES` in pieces, each but the last ending in
 :data:`CONTINUED` and a newline; the launcher joins a rank's pieces back into the one line
-before it prints or writes anything.
+before it prints or writes anything. A supervisor ends a rank's last line with a newline when
+the rank did not, so that it never runs into another rank's.
+
+What the launcher prints is text, whatever mpirun sends: NUL bytes (Open MPI ends a help
+message after ``MPI_Abort`` with one) are dropped and bytes that are not UTF-8 become U+FFFD.
+The rank files keep the bytes as the rank wrote them.
+
+Open MPI's banners (a block of text between lines of dashes) that only say again what
+syncdp's own last line says (a rank called ``MPI_Abort``, exited non-zero or was killed) are
+folded into one line, their first sentence; ``--log-level DEBUG`` (``full_banners``) prints
+them whole. Other banners (Open MPI's advice on what it cannot do) pass unchanged.
 """
 
 from __future__ import annotations
@@ -40,6 +50,19 @@ PIECE_BYTES = 64 * 1024
 CONTINUED = b"\x1e\x1esyncdp-continued\x1e\x1e"
 
 _TAG = re.compile(rb"\[([0-9]+)\]<(stdout|stderr)>:")
+
+# The edge of an Open MPI banner (its help messages are framed by lines of 74 dashes).
+_RULE = re.compile(rb"^-{20,}\r?\n$")
+# Banners that repeat what the launcher's verdict says (their first words, joined by spaces).
+_REPEATS = re.compile(
+    rb"MPI_ABORT was invoked on rank"
+    rb"|\S+ has exited due to process rank"
+    rb"|\S+ detected that one or more processes exited with non-zero status"
+    rb"|Primary job +terminated normally, but"
+    rb"|\S+ noticed that process rank \d+ with PID \d+ on node \S+ exited on signal"
+)
+# A block this long is no banner of those: it is printed as it came.
+_BANNER_LINES = 40
 
 
 class RankFiles:
@@ -98,33 +121,93 @@ def _stamp() -> bytes:
     return time.asctime().encode()
 
 
-def _pump(source, sink, *, timestamps: bool, files: RankFiles | None) -> None:
+def _text(raw: bytes) -> bytes:
+    """``raw`` as text: NULs dropped, bytes that are not UTF-8 replaced by U+FFFD."""
+    raw = raw.replace(b"\0", b"")
+    try:
+        raw.decode()
+        return raw
+    except UnicodeDecodeError:
+        return raw.decode(errors="replace").encode()
+
+
+def _fold(block: list[bytes]) -> bytes | None:
+    """One line for a banner that repeats the verdict (``block``: its lines, rules included):
+    the first sentence of its first paragraph, else its first line; None for other banners."""
+    paragraph: list[bytes] = []
+    for line in block[1:-1]:
+        if line.strip():
+            paragraph.append(b" ".join(line.split()))
+        elif paragraph:
+            break
+    words = b" ".join(paragraph)
+    if not _REPEATS.match(words):
+        return None
+    sentence = re.match(rb"(.+?[.!])(?: |$)", words)
+    first = sentence[1] if sentence is not None else paragraph[0]
+    return b"syncdp-run: Open MPI: " + first + b" (in full at --log-level DEBUG)\n"
+
+
+def _pump(
+    source, sink, *, timestamps: bool, files: RankFiles | None, full_banners: bool = False
+) -> None:
     pending: dict[bytes, list[bytes]] = {}  # a rank's tag -> pieces of its unfinished line
+    banner: list[bytes] | None = None  # mpirun's lines since a rule, while it may be a banner
     marked = CONTINUED + b"\n"
+
+    def emit(raw: bytes, tag=None) -> None:
+        stamp = _stamp() if timestamps else b""
+        sink.write(stamp + _text(raw))
+        sink.flush()
+        if files is not None and tag is not None:
+            files.write(int(tag[1]), tag[2].decode(), stamp + raw[tag.end() :])
+
+    def end_banner(closed: bool) -> None:
+        nonlocal banner
+        folded = _fold(banner) if closed and not full_banners else None
+        if folded is not None:
+            emit(folded)
+        else:
+            for line in banner:
+                emit(line)
+        banner = None
+
     for raw in iter(source.readline, b""):
         if not raw.endswith(b"\n"):  # mpirun's last words may lack one; ours start on a new line
             raw += b"\n"
+        raw = raw.lstrip(b"\0")  # Open MPI's help messages end in one: not the next line's
         tag = _TAG.match(raw)
-        if tag is not None:
-            if raw.endswith(marked):
-                pending.setdefault(tag[0], []).append(raw[tag.end() : -len(marked)])
-                continue
-            if tag[0] in pending:
-                raw = tag[0] + b"".join(pending.pop(tag[0])) + raw[tag.end() :]
-        stamp = _stamp() if timestamps else b""
-        sink.write(stamp + raw)
-        sink.flush()
-        if files is not None:
-            if tag:
-                files.write(int(tag[1]), tag[2].decode(), stamp + raw[tag.end() :])
+        if tag is None:
+            if banner is not None:
+                banner.append(raw)
+                if _RULE.match(raw) or len(banner) > _BANNER_LINES:
+                    end_banner(closed=len(banner) <= _BANNER_LINES)
+            elif _RULE.match(raw):
+                banner = [raw]
+            else:
+                emit(raw)
+            continue
+        if raw.endswith(marked):
+            pending.setdefault(tag[0], []).append(raw[tag.end() : -len(marked)])
+            continue
+        if tag[0] in pending:
+            raw = tag[0] + b"".join(pending.pop(tag[0])) + raw[tag.end() :]
+            tag = _TAG.match(raw)
+        emit(raw, tag)
+    if banner is not None:
+        end_banner(closed=False)
     for key, pieces in pending.items():  # a rank that ended in the middle of a long line
-        sink.write(key + b"".join(pieces) + b"\n")
+        emit(key + b"".join(pieces) + b"\n")
     sink.flush()
     source.close()
 
 
 def copy_output(
-    process: subprocess.Popen, *, timestamps: bool = False, files: RankFiles | None = None
+    process: subprocess.Popen,
+    *,
+    timestamps: bool = False,
+    files: RankFiles | None = None,
+    full_banners: bool = False,
 ) -> list[threading.Thread]:
     """Starts copying mpirun's stdout and stderr to the launcher's; returns the two threads.
 
@@ -132,12 +215,14 @@ def copy_output(
         process: mpirun, its output on pipes.
         timestamps: Start every line with the time it arrived. Defaults to False.
         files: Where each rank's lines also go, or None. Defaults to None.
+        full_banners: Print Open MPI's banners that repeat the verdict whole instead of one
+            line each (``--log-level DEBUG``). Defaults to False.
     """
     pumps = [
         threading.Thread(
             target=_pump,
             args=(stream, sink),
-            kwargs=dict(timestamps=timestamps, files=files),
+            kwargs=dict(timestamps=timestamps, files=files, full_banners=full_banners),
             daemon=True,
         )
         for stream, sink in (

@@ -182,6 +182,10 @@ def _end_here(rank: str, child: subprocess.Popen, why: str) -> None:
 
 def _pump(source, sink, prefix: bytes) -> None:
     for line in iter(source.readline, b""):
+        if not line.endswith(b"\n"):
+            # The rank's last words, unterminated: mpirun would run them into the next line
+            # it forwards, which may be another rank's.
+            line += b"\n"
         # Open MPI forwards a line in time quadratic in its length (a 10 MiB line took 20 s):
         # a long line crosses in pieces, each but the last marked, and the launcher joins them.
         pieces = [line[i : i + PIECE_BYTES] for i in range(0, len(line), PIECE_BYTES)]

@@ -1,0 +1,97 @@
+"""The launcher's output through the real launcher: ranks' unterminated last lines (one past a
+piece) stay with their rank on the console and in ``--output-filename``; the console is text
+after ``MPI_Abort``, with Open MPI's banners that repeat the verdict folded into one line."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from launch import output
+from tests.launcher import ROOT, python_script, rank_env
+
+NOISY = r"""
+import os, sys
+r = int(os.environ["OMPI_COMM_WORLD_RANK"])
+out = sys.stdout.buffer
+for i in range(200):
+    out.write(f"L{r}-{i}-".encode() + str(r).encode() * ((i * 7919) % 90000 + 1) + b"\n")
+tail = str(r).encode() * (int(os.environ["PIECE"]) + 100 if r == 1 else 10)
+out.write(f"partial line from rank {r} ".encode() + tail)  # no newline
+out.flush()
+"""
+
+ABORTS = r"""
+import sys
+import syncdp
+syncdp.init()
+if syncdp.rank() == 0:
+    sys.stdout.buffer.write(b"bytes: \x00 \xff\xfe caf\xe9\n")
+    sys.stdout.flush()
+    raise ValueError("boom")
+syncdp.barrier()
+"""
+
+
+def _run(np: int, script: str, *launcher_args: str, timeout: float = 120):
+    """The launcher's exit code, stdout and stderr as bytes (nothing decoded for us)."""
+    cmd = [sys.executable, "-m", "launch", "-np", str(np), *launcher_args, "python", script]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=rank_env({"PIECE": str(output.PIECE_BYTES), "SYNCDP_STALL_TIMEOUT": "60"}),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"job did not end within {timeout} s:\n{err[-4000:]!r}")
+    return proc.returncode, out, err
+
+
+def test_unterminated_last_lines_stay_with_their_ranks(tmp_path):
+    script = python_script(tmp_path, NOISY, name="noisy.py")
+    files = tmp_path / "out"
+    code, out, err = _run(3, script, "--output-filename", str(files))
+    assert code == 0, err[-4000:]
+    lines = out.split(b"\n")
+    assert lines[-1] == b""  # the last one ends too
+    for line in lines[:-1]:
+        m = re.fullmatch(
+            rb"\[(\d)\]<stdout>:(?:L(\d)-\d+-|partial line from rank (\d) )(\d+)", line
+        )
+        assert m, line[:200]
+        rank = m[1]
+        assert (m[2] or m[3]) == rank and set(m[4]) == {rank[0]}, line[:200]
+    assert len(lines) - 1 == 3 * 201
+    for r in range(3):
+        mine = (files / f"rank.{r}" / "stdout").read_bytes().split(b"\n")
+        assert len(mine) == 202 and mine[-1] == b"", (r, len(mine))
+        tail = str(r).encode() * (output.PIECE_BYTES + 100 if r == 1 else 10)
+        assert mine[-2] == f"partial line from rank {r} ".encode() + tail
+        assert f"[{r}]<stdout>:".encode() + mine[-2] in lines
+
+
+def test_the_console_is_text_and_repeated_banners_fold_after_mpi_abort(tmp_path):
+    script = python_script(tmp_path, ABORTS, name="aborts.py")
+    code, out, err = _run(2, script)
+    assert code == 1, err[-4000:]
+    both = out + err
+    assert b"\x00" not in both
+    text = out.decode() + err.decode()  # strict UTF-8
+    assert "[0]<stdout>:bytes:  \ufffd\ufffd caf\ufffd\n" in text
+    folded = [line for line in text.splitlines() if line.startswith("syncdp-run: Open MPI: ")]
+    assert any("MPI_ABORT was invoked on rank 0" in line for line in folded), text[-3000:]
+    assert "NOTE: invoking MPI_ABORT" not in text
+    assert "-" * 40 not in text, text[-3000:]  # no banner left whole
+    last = err.decode().splitlines()[-1]
+    assert last.startswith("syncdp-run: the job failed") and "ValueError: boom" in last

@@ -1,0 +1,113 @@
+"""The launcher's output: one rank's lines never run into another's, it is always text, and
+Open MPI's banners that repeat the verdict take one line (the jobs are in
+tests/integration/test_hostile_output.py)."""
+
+from __future__ import annotations
+
+import io
+
+from launch import output, worker
+
+ABORT_BANNER = (
+    b"--------------------------------------------------------------------------\n"
+    b"MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD\n"
+    b"  Proc: [[25580,1],0]\n"
+    b"  Errorcode: 1\n"
+    b"\n"
+    b"NOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.\n"
+    b"You may or may not see output from other processes, depending on\n"
+    b"exactly when Open MPI kills them.\n"
+    b"--------------------------------------------------------------------------\n"
+)
+EXITED_BANNER = (
+    b"--------------------------------------------------------------------------\n"
+    b"prterun has exited due to process rank 0 with PID 0 on node vm calling\n"
+    b'"abort". This may have caused other processes in the application to be\n'
+    b"terminated by signals sent by prterun (as reported here).\n"
+    b"--------------------------------------------------------------------------\n"
+)
+ADVICE_BANNER = (
+    b"--------------------------------------------------------------------------\n"
+    b"It appears as if there is not enough space for /dev/shm/osc_sm.vm.1 (the\n"
+    b"shared-memory backing file).\n"
+    b"--------------------------------------------------------------------------\n"
+)
+
+
+def _supervised(rank: int, text: bytes, stream: str = "stdout") -> bytes:
+    sink = io.BytesIO()
+    worker._pump(io.BytesIO(text), sink, f"[{rank}]<{stream}>:".encode())
+    return sink.getvalue()
+
+
+def _launcher(sent: bytes, files=None, **kwargs) -> bytes:
+    sink = io.BytesIO()
+    output._pump(io.BytesIO(sent), sink, timestamps=False, files=files, **kwargs)
+    return sink.getvalue()
+
+
+def test_an_unterminated_last_line_stays_with_its_rank(tmp_path):
+    one = _supervised(1, b"first\npartial line from rank 1")
+    zero = _supervised(0, b"partial line from rank 0")
+    files = output.RankFiles(str(tmp_path), 2)
+    shown = _launcher(one + zero, files)
+    files.close()
+    assert shown.splitlines() == [
+        b"[1]<stdout>:first",
+        b"[1]<stdout>:partial line from rank 1",
+        b"[0]<stdout>:partial line from rank 0",
+    ]
+    assert (tmp_path / "rank.0" / "stdout").read_bytes() == b"partial line from rank 0\n"
+    assert (tmp_path / "rank.1" / "stdout").read_bytes() == b"first\npartial line from rank 1\n"
+
+
+def test_an_unterminated_line_over_a_piece_is_joined_whole_among_other_ranks(tmp_path):
+    long_tail = b"x" * (output.PIECE_BYTES + 123)  # two pieces, the last unterminated
+    one = _supervised(1, long_tail).splitlines(keepends=True)
+    assert len(one) == 2 and all(line.endswith(b"\n") for line in one)
+    zero = _supervised(0, b"partial line from rank 0")
+    files = output.RankFiles(str(tmp_path), 2)
+    shown = _launcher(one[0] + zero + one[1], files)
+    files.close()
+    assert shown.splitlines() == [
+        b"[0]<stdout>:partial line from rank 0",
+        b"[1]<stdout>:" + long_tail,
+    ]
+    assert (tmp_path / "rank.1" / "stdout").read_bytes() == long_tail + b"\n"
+
+
+def test_the_console_gets_text_whatever_mpirun_sends(tmp_path):
+    rank_line = _supervised(0, b"caf\xe9 \x00 \xff\xfe end\n")
+    sent = ABORT_BANNER[:-1] + b"\n\x00" + b"syncdp-run: rank 0 exited with code 1.\n" + rank_line
+    files = output.RankFiles(str(tmp_path), 1)
+    shown = _launcher(sent, files, full_banners=True)
+    files.close()
+    assert b"\x00" not in shown
+    text = shown.decode()  # strict: fails on any byte that is not UTF-8
+    assert "syncdp-run: rank 0 exited with code 1.\n" in text.splitlines(keepends=True)
+    assert "[0]<stdout>:caf\ufffd  \ufffd\ufffd end\n" in text
+    # The rank's own file holds what it wrote.
+    assert (tmp_path / "rank.0" / "stdout").read_bytes() == b"caf\xe9 \x00 \xff\xfe end\n"
+
+
+def test_banners_that_repeat_the_verdict_take_one_line_each():
+    shown = _launcher(ABORT_BANNER + b"[1]<stderr>:late\n" + EXITED_BANNER).decode()
+    assert shown.splitlines() == [
+        "syncdp-run: Open MPI: MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD "
+        "(in full at --log-level DEBUG)",
+        "[1]<stderr>:late",
+        "syncdp-run: Open MPI: prterun has exited due to process rank 0 with PID 0 on node vm "
+        'calling "abort". (in full at --log-level DEBUG)',
+    ]
+
+
+def test_full_banners_and_other_banners_pass_unchanged():
+    assert _launcher(ABORT_BANNER + EXITED_BANNER, full_banners=True) == (
+        ABORT_BANNER + EXITED_BANNER
+    )
+    assert _launcher(ADVICE_BANNER) == ADVICE_BANNER
+    # A banner cut off by the end of the stream, or one too long to be a banner, is kept.
+    assert _launcher(ABORT_BANNER[:-75]) == ABORT_BANNER[:-75]  # no closing rule
+    rules = b"-" * 74 + b"\n"
+    long_block = rules + b"MPI_ABORT was invoked on rank 0\n" * 60 + rules
+    assert _launcher(long_block) == long_block
