@@ -12,6 +12,7 @@ The layers, each importing only the ones above it in this list:
     syncdp.data        each rank's TFRecord shards, the same number of steps everywhere
     syncdp.checkpoint  rank 0 writes, every rank restores
     syncdp.keras       the Keras face: DistributedOptimizer, callbacks
+    syncdp.horovod_names  ``import horovod...`` answered by the layers above
 
 Example:
     >>> import syncdp

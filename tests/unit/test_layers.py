@@ -1,4 +1,5 @@
-"""Layers import one way: core <- engine <- elastic <- tensorflow <- data <- checkpoint <- keras.
+"""Layers import one way: core <- engine <- elastic <- tensorflow <- data <- checkpoint <- keras
+<- horovod_names (Horovod's import names, answered by every layer below).
 
 Read from the source (no import needed): a module may import syncdp modules of its own layer
 or lower ones, never higher. The Horovod-path alias ``syncdp.tensorflow.keras`` (a re-export
@@ -15,7 +16,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "syncdp"
 # syncdp/elastic.py is the framework-neutral elastic state and loop; the TensorFlow and Keras
 # states build on it.
-LAYERS = ["core", "engine", "elastic", "tensorflow", "data", "checkpoint", "keras"]
+LAYERS = ["core", "engine", "elastic", "tensorflow", "data", "checkpoint", "keras", "horovod_names"]
 EXEMPT = {
     "__init__.py",
     "tensorflow/__init__.py",
