@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import alternate, machine, median, say, setup_threads, write_markdown
+from common import alternate, machine, median, pyplot, say, setup_threads, write_markdown
 
 __all__ = ["main"]
 
@@ -183,11 +183,9 @@ def _write(results: list[dict], args) -> None:
     write_markdown(
         "breakdown", "Where a synchronous step loses time", ["np", *VARIANTS], rows, notes
     )
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("breakdown")
+    if plt is None:
+        return
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.8 / len(VARIANTS)
     for j, k in enumerate(VARIANTS):

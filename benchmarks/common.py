@@ -128,6 +128,24 @@ def write_markdown(
     return path
 
 
+def pyplot(name: str):
+    """matplotlib's pyplot (drawing to files), or None with one line saying the plot
+    ``results/NAME.png`` is skipped because matplotlib is not installed (the tables are still
+    written)."""
+    try:
+        import matplotlib
+    except ImportError:
+        say(
+            f"matplotlib is not installed, so results/{name}.png is not drawn (the table is "
+            "written); pip install -e '.[bench]' adds it."
+        )
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_lines(
     name: str,
     title: str,
@@ -138,13 +156,12 @@ def plot_lines(
     logx: bool = False,
     logy: bool = False,
     kind: str = "line",
-) -> Path:
-    """Writes ``results/NAME.png``: one line (or bar group) per series; returns the path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+) -> Path | None:
+    """Writes ``results/NAME.png``: one line (or bar group) per series; returns the path, or
+    None where matplotlib is missing (:func:`pyplot`)."""
+    plt = pyplot(name)
+    if plt is None:
+        return None
     RESULTS.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4.2))
     if kind == "bar":
