@@ -336,9 +336,13 @@ def _check_settings(
                 spelling = spelled.get(s.name)
                 given[s.name] = settings.validate(s, value, source="flag", spelling=spelling)
         # The variables the ranks inherit, except those a flag replaces: unknown names and bad
-        # values are found here, not by every rank after it has loaded TensorFlow.
+        # values are found here, not by every rank after it has loaded TensorFlow; so is a
+        # file rank 0 could not write (the autotune log), read as the ranks will read it.
         flagged = {s.env for s in settings.SETTINGS if s.name in given}
-        settings.from_env({k: v for k, v in environ.items() if k not in flagged})
+        inherited = {k: v for k, v in environ.items() if k.startswith("SYNCDP_")}
+        settings.from_env(
+            {k: v for k, v in inherited.items() if k not in flagged} | settings.launcher_env(given)
+        )
     except ConfigError as e:
         _setting_error(str(e), prog)
     return given

@@ -37,6 +37,7 @@ __all__ = [
     "ELASTIC_IMPLIED_BY",
     "from_env_or_default",
     "validate",
+    "unwritable",
 ]
 
 MiB = 1024 * 1024
@@ -529,7 +530,53 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides) -> Config:
             values[key] = value
     if any(values.get(name) for name in ELASTIC_IMPLIED_BY):
         values["elastic"] = True
-    return Config(**values)
+    config = Config(**values)
+    _check_autotune_log(config, environ)
+    return config
+
+
+def unwritable(path: str) -> str | None:
+    """Why a file could not be written at ``path`` (replaced through ``PATH.tmp``), in a few
+    words that name what is wrong; None when it can. Touches nothing.
+
+    Example:
+        >>> unwritable("/nonexistent/tune.csv")
+        "No such directory: '/nonexistent'"
+    """
+    path = os.path.abspath(path)
+    directory = os.path.dirname(path)
+    if os.path.isdir(path):
+        return f"{path!r} is a directory"
+    if not os.path.exists(directory):
+        return f"No such directory: {directory!r}"
+    if not os.path.isdir(directory):
+        return f"Not a directory: {directory!r}"
+    try:
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            return f"Read-only file system: {directory!r}"
+    except OSError:
+        pass
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"Permission denied: {directory!r}"
+    return None
+
+
+def _check_autotune_log(config: Config, environ: Mapping[str, str]) -> None:
+    """On the rank that writes it (rank 0), the autotune log's file can be written: found at
+    init rather than when the first sample is logged, steps into training."""
+    rank = next(
+        (environ[k] for k in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK") if k in environ),
+        "0",
+    )
+    if rank != "0" or not config.autotune or config.elastic or not config.autotune_log_file:
+        return  # elastic jobs do not tune (syncdp.tensorflow.autotuning)
+    problem = unwritable(config.autotune_log_file)
+    if problem is not None:
+        s = _BY_NAME["autotune_log_file"]
+        raise ConfigError(
+            f"The autotune log {config.autotune_log_file!r} ({s.env}, syncdp-run {s.flag}) "
+            f"cannot be written: {problem}. Name a file in a writable directory."
+        )
 
 
 def from_env_or_default(environ: Mapping[str, str] | None = None) -> Config:

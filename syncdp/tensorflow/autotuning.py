@@ -38,6 +38,7 @@ __all__ = ["tuner", "reduce_tuned"]
 
 _TUNER: autotune.Tuner | None = None
 _ELASTIC_SAID = False
+_LOG_FAILED = False
 # Call site -> (every grid pair's buckets, a key per pair equal for identical buckets).
 _PLANS: dict[tuple, tuple[list, list]] = {}
 
@@ -119,13 +120,28 @@ def _select(t: autotune.Tuner) -> int:
 
 
 def _log(t: autotune.Tuner, finished: bool) -> None:
-    """Rank 0: rewrites the CSV log (it is short) and says the choice once."""
+    """Rank 0: rewrites the CSV log (it is short) and says the choice once.
+
+    The file was found writable at ``init()``; one that stops being so (its directory removed
+    while training) is said once and not written again: a log is no reason to end training,
+    and an error here would surface as TensorFlow's "Graph execution error", naming no file.
+    """
+    global _LOG_FAILED
     path = runtime.get_config().autotune_log_file
-    if path:
+    if path and not _LOG_FAILED:
         tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            f.write("\n".join(autotune.csv_lines(t.rows)) + "\n")
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                f.write("\n".join(autotune.csv_lines(t.rows)) + "\n")
+            os.replace(tmp, path)
+        except OSError as e:
+            _LOG_FAILED = True
+            print(
+                f"syncdp: cannot write the autotune log {path!r} ({e.strerror}: {e.filename}); "
+                "autotune goes on without it.",
+                file=sys.stderr,
+                flush=True,
+            )
     if finished:
         print(f"syncdp: {t.summary()}", file=sys.stderr, flush=True)
 
