@@ -129,10 +129,18 @@ def read(path: str) -> Contents:
             value cannot stand for its flag (named by its key).
     """
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
+        data = yaml.safe_load(raw.decode("utf-8-sig"))
     except OSError as e:
         raise ConfigFileError(f"cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigFileError(
+            f"is not UTF-8 text: byte 0x{raw[e.start]:02x} at line {line}, column {column}; "
+            "save it as UTF-8"
+        ) from None
     except yaml.YAMLError as e:
         raise ConfigFileError(f"is not YAML: {' '.join(str(e).split())}") from None
     if data is None:
