@@ -14,6 +14,11 @@ Example output::
          0  vm       105.2        81%      12%      7%   2.10
          1  vm       104.9        90%       3%      7%   2.03
     syncdp-run: slowest: rank 1 (waits 3% of its step; the others wait 12% on average)
+
+The bandwidth column takes one unit for every row, the largest of GB/s, MB/s and kB/s in
+which the fastest rank moves at least 1 (a small model moves kilobytes per step, which in GB/s
+would print 0.00); a rank that moved nothing shows ``-``, one too slow to show in that unit
+``<0.01``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ __all__ = ["TimingBoard", "format_table", "latest_by_rank"]
 
 # Below this much waiting between the slowest rank and the others, no rank is singled out.
 _STRAGGLER_GAP = 0.02
+# The bandwidth column's units, largest first: (heading, bytes per second per unit / 1e9).
+_RATE_UNITS = (("GB/s", 1.0), ("MB/s", 1e-3), ("kB/s", 1e-6))
 
 
 def latest_by_rank(reports: Iterable[Mapping]) -> dict[int, Mapping]:
@@ -40,6 +47,23 @@ def _share(value) -> str:
     return f"{value:.0%}" if isinstance(value, int | float) else "-"
 
 
+def _rate_unit(rates: Iterable[float]) -> tuple[str, float]:
+    """The bandwidth column's unit for these rates in GB/s: the largest in which the fastest
+    is at least 1 (kB/s below that)."""
+    fastest = max(rates, default=0.0)
+    return next((u for u in _RATE_UNITS if fastest >= u[1]), _RATE_UNITS[-1])
+
+
+def _rate(gbps, per_unit: float) -> str:
+    """One rank's bandwidth in the column's unit, three significant digits or so."""
+    if not isinstance(gbps, int | float) or not gbps > 0:
+        return "-"
+    value = gbps / per_unit
+    if value < 0.01:
+        return "<0.01"
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
 def format_table(reports: Iterable[Mapping], *, prefix: str = "syncdp-run: ") -> str:
     """The summary lines for the latest ``timing`` report of each rank ('' if none).
 
@@ -52,21 +76,23 @@ def format_table(reports: Iterable[Mapping], *, prefix: str = "syncdp-run: ") ->
         return ""
     steps = min(int(r.get("steps") or 0) for r in latest.values())
     what = f"over {steps} steps" if steps >= 2 else "no training steps: whole run"
+    unit, per_unit = _rate_unit(
+        r["gbps"] for r in latest.values() if isinstance(r.get("gbps"), int | float)
+    )
     lines = [
         f"{prefix}where the time went (per rank, {what}):",
         f"  {'rank':>4}  {'host':<12}{'step ms':>8}{'computing':>11}{'waiting':>9}"
-        f"{'moving':>8}{'GB/s':>7}",
+        f"{'moving':>8}{unit:>7}",
     ]
     for rank in sorted(latest):
         r = latest[rank]
         step = r.get("step_s")
-        gbps = r.get("gbps")
         lines.append(
             f"  {rank:>4}  {str(r.get('host', '?'))[:11]:<12}"
             f"{step * 1e3 if step else float('nan'):>8.1f}"
             f"{_share(r.get('computing')):>11}{_share(r.get('waiting')):>9}"
             f"{_share(r.get('moving')):>8}"
-            f"{gbps if gbps else float('nan'):>7.2f}"
+            f"{_rate(r.get('gbps'), per_unit):>7}"
         )
     if len(latest) >= 2:
         waits = {rank: float(r.get("waiting") or 0.0) for rank, r in latest.items()}
