@@ -11,6 +11,7 @@ A host that does not is named with the reason, and nothing starts.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import shlex
 import socket
@@ -241,18 +242,26 @@ def check_hosts(hosts: Sequence[Host], shell: list[str], timeout: float = 30.0) 
     return [f"host {h}: {problems[h]}" for h in remote if h in problems]
 
 
+def _ip_addresses() -> list[tuple[str, str]]:
+    """This machine's IPv4 addresses as ``(interface, address)``, from ``ip -o -4 addr``."""
+    try:
+        out = subprocess.run(
+            ["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    found = []
+    for line in out.stdout.splitlines():
+        words = line.split()
+        if len(words) >= 4 and words[2] == "inet":
+            found.append((words[1], words[3].split("/")[0]))
+    return found
+
+
 def local_address(interface: str) -> str | None:
     """This machine's IPv4 address on ``interface`` (a NIC name, or a CIDR subnet such as
     ``10.0.0.0/24``); None when it has none."""
-    import ipaddress
-
-    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True)
-    for line in out.stdout.splitlines():
-        words = line.split()
-        if len(words) < 4:
-            continue
-        name, cidr = words[1], words[3]
-        address = cidr.split("/")[0]
+    for name, address in _ip_addresses():
         if name == interface:
             return address
         try:
@@ -263,14 +272,29 @@ def local_address(interface: str) -> str | None:
     return None
 
 
-def _route_source(host: str) -> str | None:
-    """This machine's address on the way to ``host`` (no packet is sent); None when unknown."""
+def _loopback(address: str) -> bool:
     try:
-        infos = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(infos[0][4])
-            return probe.getsockname()[0]
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _resolve(name: str) -> str | None:
+    """The IPv4 address ``name`` resolves to here; None when it does not resolve."""
+    try:
+        return socket.getaddrinfo(name, 9, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
     except (OSError, IndexError):
+        return None
+
+
+def _route_source(address: str) -> str | None:
+    """This machine's address on the way to ``address`` (no packet is sent); None when there
+    is no route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))
+            return probe.getsockname()[0]
+    except OSError:
         return None
 
 
@@ -288,18 +312,45 @@ def _slurm_nodes(environ: Mapping[str, str]) -> list[str]:
     return out.stdout.split() if out.returncode == 0 else []
 
 
+def _slurm_node_addresses(nodes: Sequence[str]) -> dict[str, str]:
+    """Each node's ``NodeAddr`` as Slurm knows it (``scontrol show node``): how slurmctld
+    reaches a node whose name does not resolve here. Empty when Slurm cannot say."""
+    if not nodes:
+        return {}
+    try:
+        out = subprocess.run(
+            ["scontrol", "-o", "show", "node", ",".join(nodes)],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    found = {}
+    for line in out.stdout.splitlines():
+        fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
+        if fields.get("NodeName") and fields.get("NodeAddr"):
+            found[fields["NodeName"]] = fields["NodeAddr"]
+    return found
+
+
 def job_address(
     hosts: Sequence[Host] = (),
     *,
     network_interfaces: Sequence[str] = (),
     environ: Mapping[str, str] | None = None,
-) -> tuple[str, str]:
-    """Where the launcher listens for its ranks: only on the interface the job uses.
+) -> tuple[str, tuple[str, ...]]:
+    """Where the launcher listens for its ranks, and the addresses they are told.
 
-    Loopback for a job on this host alone; with ``network_interfaces``, this machine's address
-    on the first of them it has; otherwise the address this machine reaches the first remote
-    host from (a listed host, or a node of a Slurm allocation of several). Every interface,
-    under this host's name, only when none of that can be told.
+    Loopback for a job on this host alone. With ``network_interfaces``: this machine's address
+    on the first of them it has. Otherwise the address this machine reaches the first remote
+    host from: a listed host, or a node of a Slurm allocation of several, by the address its
+    name resolves to here or, for a Slurm node whose name does not resolve, the ``NodeAddr``
+    Slurm has for it. When none of that can be told (names that resolve nowhere here), the
+    launcher listens on every interface and tells the ranks every non-loopback address of this
+    machine: each supervisor tries them all and keeps the first that answers
+    (:func:`syncdp.core.report.connect`). A name that resolves to loopback is never what
+    remote ranks are told (Debian maps the host name to 127.0.1.1; a container, to 127.0.0.1).
 
     Args:
         hosts: The job's hosts (``-H``/``--hostfile``). Defaults to none.
@@ -308,21 +359,43 @@ def job_address(
         environ: The environment (for Slurm's). Defaults to ``os.environ``.
 
     Returns:
-        ``(address to listen on, address the ranks are told)``.
+        ``(address to listen on, addresses the ranks are told, in the order to try them)``.
+
+    Raises:
+        HostError: The job has remote hosts but this machine has no address other than
+            loopback to give them.
     """
     environ = os.environ if environ is None else environ
     remote = [h.name for h in hosts if not is_local(h.name)]
     nodes = environ.get("SLURM_JOB_NUM_NODES", "1")
-    if not hosts and nodes.isdigit() and int(nodes) > 1:
-        remote = [n for n in _slurm_nodes(environ) if not is_local(n)] or ["?"]
-    if not remote:
-        return "127.0.0.1", "127.0.0.1"
+    slurm = not hosts and nodes.isdigit() and int(nodes) > 1
+    if slurm:
+        remote = [n for n in _slurm_nodes(environ) if not is_local(n)]
+    if not remote and not slurm:
+        return "127.0.0.1", ("127.0.0.1",)
     for interface in network_interfaces:
         address = local_address(interface)
         if address:
-            return address, address
-    for name in remote:
-        address = _route_source(name) if name != "?" else None
-        if address:
-            return address, address
-    return "0.0.0.0", socket.gethostname()
+            return address, (address,)
+    addresses = {name: _resolve(name) for name in remote}
+    if slurm:
+        unresolved = [n for n, a in addresses.items() if a is None or _loopback(a)]
+        addresses.update(_slurm_node_addresses(unresolved))
+    for address in addresses.values():
+        if address is None or _loopback(address):
+            continue
+        source = _route_source(address)
+        if source and not _loopback(source):
+            return source, (source,)
+    every = [a for name, a in _ip_addresses() if name != "lo" and not _loopback(a)]
+    mine = _resolve(socket.gethostname())
+    if mine and not _loopback(mine) and mine not in every:
+        every.append(mine)
+    if not every:
+        raise HostError(
+            "the ranks on other hosts must reach the launcher, but this machine has no "
+            "address other than loopback (ip -4 addr lists none, and its name resolves to "
+            f"{mine or 'nothing'}); connect it to the hosts' network, or run the launcher on "
+            "one of the hosts"
+        )
+    return "0.0.0.0", tuple(every)

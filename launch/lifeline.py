@@ -32,7 +32,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from syncdp.core import report
 
@@ -101,10 +101,11 @@ class LifelineServer:
     Args:
         job: The job whose secret signs the supervisors' first lines.
         host: The address to listen on. Defaults to ``"127.0.0.1"``.
-        advertise: The address supervisors are told to use. Defaults to ``host``.
+        advertise: The address, or addresses in the order to try them, supervisors are told to
+            use. Defaults to ``host``.
 
     Attributes:
-        address: ``host:port`` for ``SYNCDP_LIFELINE_ADDR``.
+        address: ``host:port`` (or several, comma-separated) for ``SYNCDP_LIFELINE_ADDR``.
         rejected: Connections dropped, by reason, like the report server's.
     """
 
@@ -113,7 +114,7 @@ class LifelineServer:
         job: report.Job,
         *,
         host: str = "127.0.0.1",
-        advertise: str | None = None,
+        advertise: str | Sequence[str] | None = None,
     ):
         _raise_open_files_limit()
         self.job = job
@@ -122,7 +123,7 @@ class LifelineServer:
         self.rejected: collections.Counter[str] = collections.Counter()
         self._sock = socket.create_server((host, 0), backlog=1024)
         self._sock.setblocking(False)
-        self.address = f"{advertise or host}:{self._sock.getsockname()[1]}"
+        self.address = report.join_address(advertise or host, self._sock.getsockname()[1])
         self._links: list[Link] = []
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -318,13 +319,13 @@ class Lifeline:
 
     @classmethod
     def connect(cls, address: str, job: report.Job, timeout: float = 10.0) -> Lifeline:
-        """Connects to the launcher's lifeline at ``address``.
+        """Connects to the launcher's lifeline at ``address`` (``host:port``, or several,
+        comma-separated: the first that answers, :func:`syncdp.core.report.connect`).
 
         Raises:
             OSError: The launcher cannot be reached (it is gone, or the address is wrong).
         """
-        host, _, port = address.rpartition(":")
-        sock = socket.create_connection((host, int(port)), timeout=timeout)
+        sock = report.connect(address, timeout)
         return cls(sock, address, job)
 
     def start(
@@ -386,9 +387,8 @@ class Lifeline:
                 )
 
     def _answers(self) -> bool:
-        host, _, port = self._address.rpartition(":")
         try:
-            with socket.create_connection((host, int(port)), timeout=_BEAT_SECONDS):
+            with report.connect(self._address, _BEAT_SECONDS):
                 return True
-        except OSError:
+        except (OSError, ValueError):
             return False

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from syncdp.core import report
 
@@ -48,11 +48,12 @@ class ReportServer:
     Args:
         job: The job whose secret signs its reports.
         host: The address to listen on. Defaults to ``"127.0.0.1"``.
-        advertise: The address the ranks are told to use. Defaults to ``host``.
+        advertise: The address, or addresses in the order to try them, the ranks are told to
+            use. Defaults to ``host``.
         max_connections: Most connections open at once. Defaults to 64.
 
     Attributes:
-        address: ``host:port`` for ``SYNCDP_REPORT_ADDR``.
+        address: ``host:port`` (or several, comma-separated) for ``SYNCDP_REPORT_ADDR``.
         rejected: Lines dropped, by reason (``bad signature``, ``too long``, ...).
         accepted: How many reports were taken.
     """
@@ -62,7 +63,7 @@ class ReportServer:
         job: report.Job,
         *,
         host: str = "127.0.0.1",
-        advertise: str | None = None,
+        advertise: str | Sequence[str] | None = None,
         max_connections: int = 64,
     ):
         self.job = job
@@ -71,7 +72,7 @@ class ReportServer:
         self.accepted = 0
         self._sock = socket.create_server((host, 0), backlog=1024)
         self._sock.setblocking(False)
-        self.address = f"{advertise or host}:{self._sock.getsockname()[1]}"
+        self.address = report.join_address(advertise or host, self._sock.getsockname()[1])
         self._on_report: Callable[[dict], None] = lambda r: None
         self._seen: set[str] = set()
         self._stopping = threading.Event()

@@ -34,7 +34,10 @@ timeout and the job ends; on that host, the supervisors end Open MPI's daemon an
 once the launcher has been silent and unreachable that long (:mod:`launch.lifeline`).
 
 Also set on every rank: SYNCDP_LAUNCHER=1; SYNCDP_REPORT_ADDR=host:port, where the launcher
-listens for the ranks' reports; SYNCDP_LIFELINE_ADDR=host:port, the launcher's lifeline;
+listens for the ranks' reports; SYNCDP_LIFELINE_ADDR=host:port, the launcher's lifeline (each
+may list several host:port, comma-separated, when the launcher cannot tell which of its
+addresses the other hosts route to: the first that answers is used, and a name that resolves to
+loopback is never one of them, :func:`launch.hosts.job_address`);
 SYNCDP_JOB_ID and SYNCDP_REPORT_SECRET, the job's id and the key its reports are signed with
 (new for every job; exported to other hosts by name, so never on a command line);
 OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (so root works without Open MPI's
@@ -305,6 +308,13 @@ def run(config: LaunchConfig) -> int:
         if problem is not None:
             _say(problem)
             return 1
+    try:
+        host, advertise = _hosts.job_address(
+            _listed_hosts(config), network_interfaces=config.network_interfaces
+        )
+    except _hosts.HostError as e:
+        _say(f"cannot start the job: {e}.")
+        return 1
     files = None
     if config.output_filename:
         try:
@@ -312,9 +322,6 @@ def run(config: LaunchConfig) -> int:
         except OSError as e:
             _say(f"error: --output-filename {config.output_filename!r}: {e.strerror}: {e.filename}")
             return 2
-    host, advertise = _hosts.job_address(
-        _listed_hosts(config), network_interfaces=config.network_interfaces
-    )
     job = report.Job.new()
     server = ReportServer(
         job,

@@ -1,7 +1,9 @@
 """The failure channel: ranks tell the launcher what happened, as data, and prove who they are.
 
 Under ``syncdp-run`` every rank finds ``SYNCDP_REPORT_ADDR=host:port`` in its environment: the
-launcher listens there. A report is one JSON object on one line::
+launcher listens there. Where the launcher cannot tell which of its addresses the ranks reach
+(host names that resolve nowhere on its host), it gives several, ``a:port,b:port``, and
+:func:`connect` takes the first that answers. A report is one JSON object on one line::
 
     {"kind": "stall", "rank": 0, "host": "node3", "pid": 4242, "time": 1795433058.9,
      "message": "collective #23 gradients.bucket0 waited 60.0 s ...", "ranks": [1]}
@@ -37,14 +39,16 @@ same words are printed to stderr by the caller either way.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import hmac
 import json
 import os
 import secrets
+import select
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 __all__ = [
     "ADDRESS_VAR",
@@ -57,6 +61,8 @@ __all__ = [
     "make",
     "encode",
     "decode",
+    "connect",
+    "join_address",
     "send",
 ]
 
@@ -178,6 +184,108 @@ def decode(line: bytes, job: Job) -> dict:
     return report
 
 
+# Per address list: the entry that answered last, tried alone first next time.
+_ANSWERED: dict[str, tuple[str, int]] = {}
+
+
+def _targets(address: str) -> list[tuple[str, int]]:
+    """``"a:1,b:2"`` -> ``[("a", 1), ("b", 2)]``.
+
+    Raises:
+        ValueError: An entry is not ``host:port``.
+    """
+    targets = []
+    for entry in address.split(","):
+        host, _, port = entry.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{entry!r} is not host:port")
+        targets.append((host, int(port)))
+    return targets
+
+
+def join_address(hosts: str | Sequence[str], port: int) -> str:
+    """The address a rank is told: ``host:port``, or several, comma-separated, to try in turn.
+
+    Args:
+        hosts: One host (a name or address), or several in the order to try them.
+        port: The port, the same on each.
+    """
+    hosts = [hosts] if isinstance(hosts, str) else list(hosts)
+    return ",".join(f"{host}:{port}" for host in hosts)
+
+
+def connect(address: str, timeout: float) -> socket.socket:
+    """Connects to the first of ``address``'s ``host:port`` entries (comma-separated) that
+    answers, trying them all at once: an address this host cannot route to fails at once, one
+    that drops packets only at ``timeout``, and neither holds up the others.
+
+    Args:
+        address: ``host:port`` or ``host:port,host:port,...``.
+        timeout: Seconds to wait for an answer; also the returned socket's timeout.
+
+    Returns:
+        The connected socket (blocking, with ``timeout``).
+
+    Raises:
+        OSError: None answered; the message names each address and why.
+        ValueError: ``address`` is not a list of ``host:port``.
+    """
+    targets = _targets(address)
+    if len(targets) == 1:
+        return socket.create_connection(targets[0], timeout=timeout)
+    known = _ANSWERED.get(address)
+    if known is not None:
+        try:
+            return socket.create_connection(known, timeout=min(timeout, _CONNECT_SECONDS))
+        except OSError:
+            pass  # it moved: try them all
+    why: dict[tuple[str, int], str] = {}
+    pending: dict[socket.socket, tuple[str, int]] = {}
+    try:
+        for target in targets:
+            try:
+                family, kind, proto, _, sockaddr = socket.getaddrinfo(
+                    *target, type=socket.SOCK_STREAM
+                )[0]
+                sock = socket.socket(family, kind, proto)
+            except OSError as e:
+                why[target] = e.strerror or str(e)
+                continue
+            sock.setblocking(False)
+            code = sock.connect_ex(sockaddr)
+            if code in (0, errno.EINPROGRESS):
+                pending[sock] = target
+            else:
+                why[target] = os.strerror(code)
+                sock.close()
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            _, ready, _ = select.select([], list(pending), [], left)
+            # Several at once: the first in the list wins, as it would in turn.
+            for sock in sorted(ready, key=lambda s: targets.index(pending[s])):
+                target = pending.pop(sock)
+                code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if code == 0:
+                    sock.setblocking(True)
+                    sock.settimeout(timeout)
+                    _ANSWERED[address] = target
+                    return sock
+                why[target] = os.strerror(code)
+                sock.close()
+        for target in pending.values():
+            why[target] = f"no answer within {timeout:g} s"
+    finally:
+        for sock in pending:
+            sock.close()
+    raise OSError(
+        "none of the launcher's addresses answered: "
+        + ", ".join(f"{host}:{port} ({why.get((host, port), '?')})" for host, port in targets)
+    )
+
+
 def send(kind: str, rank: int | None, message: str = "", **fields) -> bool:
     """Sends one report to the launcher, if there is one; never raises.
 
@@ -194,10 +302,9 @@ def send(kind: str, rank: int | None, message: str = "", **fields) -> bool:
     job = Job.from_env()
     if not address or job is None:
         return False
-    host, _, port = address.rpartition(":")
     try:
         line = encode(make(kind, rank, message, **fields), job)
-        with socket.create_connection((host, int(port)), timeout=_CONNECT_SECONDS) as s:
+        with connect(address, _CONNECT_SECONDS) as s:
             s.sendall(line)
             s.shutdown(socket.SHUT_WR)
             s.settimeout(_REPLY_SECONDS)
