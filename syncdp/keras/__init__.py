@@ -6,6 +6,12 @@ module. Keras' progress output stays on rank 0 unless ``SYNCDP_LOG_ALL_RANKS`` i
 Horovod's Keras 2 spellings ``compile(..., experimental_run_tf_function=False)`` and
 ``optimizer.lr`` work (:mod:`syncdp.tensorflow.keras2_names`).
 
+Keras 2 (tf-keras, ``tf.keras`` under ``TF_USE_LEGACY_KERAS=1``) is served by the same code:
+``DistributedOptimizer`` wraps an optimizer of either Keras (the wrapper follows the optimizer
+given), and :mod:`syncdp.tensorflow.keras` is the face whose callbacks, ``elastic``,
+``load_model`` and ``SyncBatchNormalization`` are built for ``tf.keras``'s Keras
+(:mod:`syncdp.keras._face`). The ones here are Keras 3's.
+
 Example:
     >>> import keras
     >>> import syncdp.keras as hvd
@@ -20,11 +26,16 @@ Example:
 # some of them (DistributedOptimizer is the Keras class here).
 from syncdp.tensorflow import *  # noqa: F403
 from syncdp.tensorflow import __all__ as _core_all
+import keras as _keras
 from syncdp.keras import callbacks
 import syncdp.keras.elastic as elastic  # noqa: F401, F811 - replaces the TensorFlow one
 from syncdp.keras.checkpoint import CheckpointCallback
 from syncdp.keras.optimizer import DistributedOptimizer  # noqa: F401 (in _core_all)
-from syncdp.keras.optimizer import PartialDistributedOptimizer, load_model
+from syncdp.keras.optimizer import PartialDistributedOptimizer
+from syncdp.keras.saving import load_model
+from syncdp.tensorflow.sync_batch_norm import for_package as _sync_batch_norm_for
+
+SyncBatchNormalization = _sync_batch_norm_for(_keras)  # Keras 3's, where tf.keras may be Keras 2
 
 __all__ = [
     *_core_all,  # includes "DistributedOptimizer", bound above to the Keras class

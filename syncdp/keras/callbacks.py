@@ -15,13 +15,22 @@ Every syncdp callback, when attached to a model, also
   :class:`~syncdp.keras.DistributedOptimizer`, because XLA cannot compile syncdp's host-side
   collectives (the train function is rebuilt without XLA);
 - keeps Keras' progress output to rank 0 (see :mod:`syncdp.keras._display`).
+
+A callback is an object of one Keras, so :func:`for_package` builds these classes for a Keras
+package, once per package: the names here are Keras 3's (``horovod.keras``'s, for models of
+``import keras``); ``syncdp.tensorflow.keras.callbacks`` has the same classes built for the
+Keras ``tf.keras`` stands for (``horovod.tensorflow.keras``'s: Keras 2 under
+``TF_USE_LEGACY_KERAS=1``). Given a model of the other Keras, a callback says so.
 """
 
 from __future__ import annotations
 
+import functools
 import numbers
 import sys
+import types
 import warnings
+from types import ModuleType
 
 import keras
 import numpy as np
@@ -29,9 +38,14 @@ import tensorflow as tf
 
 from syncdp.core import runtime
 from syncdp.core.errors import CollectiveError
-from syncdp.keras import _display
+from syncdp.keras import _callback, _display
 from syncdp.keras.optimizer import turn_off_jit
 from syncdp.tensorflow import collectives as ops
+from syncdp.tensorflow.keras2_names import (
+    create_optimizer_variables,
+    optimizer_variables,
+    package_of,
+)
 
 __all__ = [
     "BroadcastGlobalVariablesCallback",
@@ -40,121 +54,6 @@ __all__ = [
     "LearningRateWarmupCallback",
     "BestModelCheckpoint",
 ]
-
-
-class _SyncdpCallback(keras.callbacks.Callback):
-    """Makes the model fit for syncdp when attached: no XLA around collectives, quiet ranks."""
-
-    def set_model(self, model):
-        super().set_model(model)
-        _display.quiet_other_ranks()
-        # fit() attaches callbacks before it builds its train function, so this is in time.
-        turn_off_jit(model)
-
-
-class BroadcastGlobalVariablesCallback(_SyncdpCallback):
-    """Broadcasts the model's weights and optimizer state from ``root_rank`` before training.
-
-    Runs at ``on_train_begin``, before the first step (Horovod broadcast after the first step,
-    so its first update mixed different initial weights): with it, N ranks on 1/N of each
-    batch take exactly the steps one process would take on the whole batch. The optimizer's
-    variables are created first if needed. Use it also after rank 0 alone restored a
-    checkpoint. A synchronization point: every rank must pass it to ``fit``.
-
-    If the model has no weights yet when training begins (a ``Sequential`` without
-    ``keras.Input``, or a subclassed model whose shapes Keras could not infer), the broadcast
-    happens after the first batch instead (Horovod's behaviour), with a warning; build the
-    model first (``keras.Input``, ``model.build(shape)`` or call it on a batch) to avoid it.
-
-    Args:
-        root_rank: The rank whose state everyone receives. Defaults to 0.
-        device: Accepted for Horovod compatibility.
-        local_variables: Variables (one or a list) that keep each rank's own values: they are
-            not broadcast. Defaults to none.
-
-    Example:
-        >>> model.fit(ds, callbacks=[BroadcastGlobalVariablesCallback(0)])
-    """
-
-    def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
-        super().__init__()
-        self.root_rank = root_rank
-        self.device = device
-        self.broadcast_done = False
-        if local_variables is None:
-            local_variables = []
-        elif not isinstance(local_variables, (list, tuple)):
-            local_variables = [local_variables]
-        if not all(isinstance(v, (tf.Variable, keras.Variable)) for v in local_variables):
-            raise ValueError("All local variables must be tf.Variable or keras.Variable.")
-        self.local_variables = list(local_variables)
-
-    def _broadcast(self):
-        model = self.model
-        optimizer = getattr(model, "optimizer", None)
-        variables = list(model.weights)
-        if optimizer is not None:
-            if not optimizer.built:
-                optimizer.build(model.trainable_variables)
-            variables += list(optimizer.variables)
-        local = {id(v) for v in self.local_variables}
-        variables = [v for v in variables if id(v) not in local]
-        ops.broadcast_variables(variables, root_rank=self.root_rank)
-        self.broadcast_done = True
-
-    def on_train_begin(self, logs=None):
-        if self.broadcast_done:
-            return
-        if not self.model.weights:
-            warnings.warn(
-                "syncdp: the model has no weights before its first step, so "
-                "BroadcastGlobalVariablesCallback broadcasts after it and the first step mixes "
-                "different initial weights. Build the model before fit() "
-                "(model.build(input_shape) or model(batch)) for an exact first step.",
-                stacklevel=2,
-            )
-            return
-        self._broadcast()
-
-    def on_train_batch_end(self, batch, logs=None):
-        if not self.broadcast_done:
-            self._broadcast()
-
-
-class MetricAverageCallback(_SyncdpCallback):
-    """Averages the epoch-end metrics over all ranks, in place.
-
-    Each rank computes its metrics on its own shard; at the end of every epoch the logs
-    (``loss``, ``accuracy``, ``val_*``, ...) are replaced by their mean over ranks, so every
-    rank, the progress bar and every later callback (ReduceLROnPlateau, EarlyStopping, a
-    rank-0 ModelCheckpoint) see the same values. Put it before those callbacks. A
-    synchronization point once per epoch. Non-numeric log entries are left alone.
-
-    Args:
-        device: Accepted for Horovod compatibility.
-
-    Raises:
-        CollectiveError: Ranks logged different metric names.
-    """
-
-    def __init__(self, device: str = ""):
-        super().__init__()
-
-    def on_epoch_end(self, epoch, logs=None):
-        if logs is None:
-            return
-        mine = {k: float(v) for k, v in logs.items() if _is_number(v)}
-        everyone = ops.allgather_object(mine, name="MetricAverageCallback")
-        names = sorted(mine)
-        for r, theirs in enumerate(everyone):
-            if sorted(theirs) != names:
-                raise CollectiveError(
-                    "MetricAverageCallback needs the same metrics on every rank: rank "
-                    f"{runtime.rank()} logged {names}, rank {r} logged {sorted(theirs)}. "
-                    "Compile the same metrics and validation data on every rank."
-                )
-        for k in names:
-            logs[k] = float(np.mean([theirs[k] for theirs in everyone], dtype=np.float64))
 
 
 def _is_number(value) -> bool:
@@ -179,219 +78,374 @@ def _momentum_buffers(optimizer) -> list:
     Keras 3 keeps ``momentum`` as a Python number traced into the train step, so Horovod's
     trick of changing it for one batch has no effect; scaling these buffers by the ratio of
     the new to the old learning rate is the same momentum correction (Goyal et al. 2017).
+    Keras 2's optimizers keep the same buffers (its legacy ones as ``momentum`` slots).
     """
     while getattr(optimizer, "inner_optimizer", None) is not None:
         optimizer = optimizer.inner_optimizer
-    if isinstance(optimizer, keras.optimizers.SGD):
+    optimizers = package_of(optimizer).optimizers
+    if isinstance(optimizer, optimizers.SGD):
         return list(getattr(optimizer, "momentums", []))
-    if isinstance(optimizer, keras.optimizers.RMSprop):
+    if isinstance(optimizer, optimizers.RMSprop):
         return list(getattr(optimizer, "_momentums", []))
+    legacy = getattr(optimizers, "legacy", None)
+    if isinstance(getattr(legacy, "Optimizer", None), type) and isinstance(
+        optimizer, (legacy.SGD, legacy.RMSprop)
+    ):
+        return [slots["momentum"] for slots in optimizer._slots.values() if "momentum" in slots]
     return []
 
 
-class LearningRateScheduleCallback(_SyncdpCallback):
-    """Sets the learning rate to ``initial_lr * multiplier`` during ``[start_epoch, end_epoch)``.
-
-    With Horovod's meaning of ``multiplier``: a constant is a constant factor, applied at the
-    first batch of every epoch in the window (``staircase`` is then forced to True); a function
-    is called with the epoch, an integer with ``staircase=True``, otherwise at every batch with
-    the fractional epoch ``epoch + batch / steps_per_epoch``. Outside the window the rate is
-    left as it is, so a schedule is several callbacks with adjacent windows. At each epoch end
-    the rate is logged as ``lr``. Not a collective: every rank computes the same rates.
+@functools.cache
+def for_package(keras: ModuleType) -> types.SimpleNamespace:
+    """The callbacks of this module built for ``keras`` (Keras 3's ``keras`` or tf-keras's
+    ``tf_keras``), once per package.
 
     Args:
-        initial_lr: The learning rate the multiplier scales (usually the base rate times
-            ``syncdp.size()``).
-        multiplier: A constant factor, or a function ``epoch -> factor`` (e.g.
-            ``lambda epoch: 0.95 ** epoch`` for exponential decay).
-        start_epoch: First epoch (0-based) to adjust. Defaults to 0.
-        end_epoch: First epoch not to adjust; None for no end. Defaults to None.
-        staircase: Adjust once per epoch (True) or every batch (False); ignored (True) for a
-            constant ``multiplier``. Defaults to True.
-        momentum_correction: When the rate changes, scale SGD/RMSprop momentum buffers by
-            ``new_lr / old_lr``. Defaults to True.
-        steps_per_epoch: Batches per epoch, needed when ``staircase=False``. Defaults to what
-            ``fit`` reports.
+        keras: The Keras package whose ``Callback`` (and ``ModelCheckpoint``) they extend.
 
-    Raises:
-        ValueError: ``initial_lr`` is None, or the steps per epoch cannot be known.
-
-    Example:
-        >>> # The ImageNet schedule after a 5-epoch warmup: x1 to epoch 30, x0.1 to 60,
-        >>> # x0.01 to 80 (Goyal et al. 2017; Horovod's keras_imagenet_resnet50.py).
-        >>> lr = 0.0125 * syncdp.size()
-        >>> callbacks = [
-        ...     LearningRateWarmupCallback(initial_lr=lr, warmup_epochs=5),
-        ...     LearningRateScheduleCallback(lr, multiplier=1.0, start_epoch=5, end_epoch=30),
-        ...     LearningRateScheduleCallback(lr, multiplier=0.1, start_epoch=30, end_epoch=60),
-        ...     LearningRateScheduleCallback(lr, multiplier=0.01, start_epoch=60, end_epoch=80),
-        ... ]
+    Returns:
+        A namespace with one class per name in ``__all__``.
     """
 
-    def __init__(
-        self,
-        initial_lr: float,
-        multiplier,
-        start_epoch: int = 0,
-        end_epoch: int | None = None,
-        staircase: bool = True,
-        momentum_correction: bool = True,
-        steps_per_epoch: int | None = None,
-    ):
-        super().__init__()
-        if initial_lr is None:
-            raise ValueError(
-                f"{type(self).__name__} needs initial_lr, the learning rate the "
-                "schedule scales; got None. Pass e.g. initial_lr=0.1 * "
-                "syncdp.size()."
-            )
-        self.initial_lr = float(initial_lr)
-        if callable(multiplier):
-            self.multiplier = multiplier
-        else:
-            # Horovod's meaning: the same factor for the whole window, so there is nothing to
-            # recompute per batch (and no need to know the steps per epoch).
-            factor = float(multiplier)
-            self.multiplier = lambda epoch: factor
-            staircase = True
-        self.start_epoch = start_epoch
-        self.end_epoch = end_epoch
-        self.staircase = staircase
-        self.momentum_correction = momentum_correction
-        self.steps_per_epoch = steps_per_epoch
-        self.current_epoch = 0
+    class _SyncdpCallback(_callback.base_for(keras)):
+        """Makes the model fit for syncdp when attached: no XLA around collectives, quiet ranks."""
 
-    def on_train_begin(self, logs=None):
-        if not self.staircase and not self.steps_per_epoch:
-            steps = self.params.get("steps") if self.params else None
-            if not steps:
-                raise ValueError(
-                    f"{type(self).__name__} needs the number of batches per epoch, and fit() "
-                    "does not know it (the dataset's cardinality is unknown). Pass "
-                    "steps_per_epoch= to the callback (or to fit())."
+        def set_model(self, model):
+            super().set_model(model)
+            _display.quiet_other_ranks(keras)
+            # fit() attaches callbacks before it builds its train function, so this is in time.
+            turn_off_jit(model)
+
+    class BroadcastGlobalVariablesCallback(_SyncdpCallback):
+        """Broadcasts the model's weights and optimizer state from ``root_rank`` before training.
+
+        Runs at ``on_train_begin``, before the first step (Horovod broadcast after the first step,
+        so its first update mixed different initial weights): with it, N ranks on 1/N of each
+        batch take exactly the steps one process would take on the whole batch. The optimizer's
+        variables are created first if needed. Use it also after rank 0 alone restored a
+        checkpoint. A synchronization point: every rank must pass it to ``fit``.
+
+        If the model has no weights yet when training begins (a ``Sequential`` without
+        ``keras.Input``, or a subclassed model whose shapes Keras could not infer), the broadcast
+        happens after the first batch instead (Horovod's behaviour), with a warning; build the
+        model first (``keras.Input``, ``model.build(shape)`` or call it on a batch) to avoid it.
+
+        Args:
+            root_rank: The rank whose state everyone receives. Defaults to 0.
+            device: Accepted for Horovod compatibility.
+            local_variables: Variables (one or a list) that keep each rank's own values: they are
+                not broadcast. Defaults to none.
+
+        Example:
+            >>> model.fit(ds, callbacks=[BroadcastGlobalVariablesCallback(0)])
+        """
+
+        def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
+            super().__init__()
+            self.root_rank = root_rank
+            self.device = device
+            self.broadcast_done = False
+            if local_variables is None:
+                local_variables = []
+            elif not isinstance(local_variables, (list, tuple)):
+                local_variables = [local_variables]
+            variable_types = (tf.Variable, getattr(keras, "Variable", tf.Variable))
+            if not all(isinstance(v, variable_types) for v in local_variables):
+                raise ValueError("All local variables must be tf.Variable or keras.Variable.")
+            self.local_variables = list(local_variables)
+
+        def _broadcast(self):
+            model = self.model
+            optimizer = getattr(model, "optimizer", None)
+            variables = list(model.weights)
+            if optimizer is not None:
+                create_optimizer_variables(optimizer, model.trainable_variables)
+                variables += optimizer_variables(optimizer)
+            local = {id(v) for v in self.local_variables}
+            variables = [v for v in variables if id(v) not in local]
+            ops.broadcast_variables(variables, root_rank=self.root_rank)
+            self.broadcast_done = True
+
+        def on_train_begin(self, logs=None):
+            if self.broadcast_done:
+                return
+            if not self.model.weights:
+                warnings.warn(
+                    "syncdp: the model has no weights before its first step, so "
+                    "BroadcastGlobalVariablesCallback broadcasts after it and the first step mixes "
+                    "different initial weights. Build the model before fit() "
+                    "(model.build(input_shape) or model(batch)) for an exact first step.",
+                    stacklevel=2,
                 )
-            self.steps_per_epoch = steps
+                return
+            self._broadcast()
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self.current_epoch = epoch
+        def on_train_batch_end(self, batch, logs=None):
+            if not self.broadcast_done:
+                self._broadcast()
 
-    def on_train_batch_begin(self, batch, logs=None):
-        epoch = self.current_epoch
-        if epoch < self.start_epoch or (self.end_epoch is not None and epoch >= self.end_epoch):
-            return
-        if self.staircase:
-            if batch == 0:
-                self._set_lr(self.initial_lr * self.multiplier(epoch))
-        else:
-            self._set_lr(self.initial_lr * self.multiplier(epoch + batch / self.steps_per_epoch))
+    class MetricAverageCallback(_SyncdpCallback):
+        """Averages the epoch-end metrics over all ranks, in place.
 
-    def _set_lr(self, new_lr: float) -> None:
-        optimizer = self.model.optimizer
-        old_lr = _get_lr(optimizer)
-        optimizer.learning_rate = new_lr
-        if self.momentum_correction and old_lr > 0 and new_lr != old_lr:
-            for buffer in _momentum_buffers(optimizer):
-                buffer.assign(buffer * (new_lr / old_lr))
+        Each rank computes its metrics on its own shard; at the end of every epoch the logs
+        (``loss``, ``accuracy``, ``val_*``, ...) are replaced by their mean over ranks, so every
+        rank, the progress bar and every later callback (ReduceLROnPlateau, EarlyStopping, a
+        rank-0 ModelCheckpoint) see the same values. Put it before those callbacks. A
+        synchronization point once per epoch. Non-numeric log entries are left alone.
 
-    def on_epoch_end(self, epoch, logs=None):
-        if logs is not None:
-            logs["lr"] = _get_lr(self.model.optimizer)
+        Args:
+            device: Accepted for Horovod compatibility.
 
+        Raises:
+            CollectiveError: Ranks logged different metric names.
+        """
 
-class LearningRateWarmupCallback(LearningRateScheduleCallback):
-    """Ramps the learning rate from ``initial_lr / size`` up to ``initial_lr``, batch by batch.
+        def __init__(self, device: str = ""):
+            super().__init__()
 
-    Linear scaling with gradual warmup (Goyal et al. 2017, "Accurate, Large Minibatch SGD"):
-    train with ``initial_lr = base_lr * syncdp.size()``, but start at ``base_lr`` and grow
-    linearly over ``warmup_epochs``. At batch ``b`` of epoch ``e`` the rate is, as in Horovod,
-    ``initial_lr / size * (t * (size - 1) / warmup_epochs + 1)`` with
-    ``t = e + (b + 1) / steps_per_epoch``, so the last batch of the warmup runs at
-    ``initial_lr``. Not a collective: every rank computes the same rates.
+        def on_epoch_end(self, epoch, logs=None):
+            if logs is None:
+                return
+            mine = {k: float(v) for k, v in logs.items() if _is_number(v)}
+            everyone = ops.allgather_object(mine, name="MetricAverageCallback")
+            names = sorted(mine)
+            for r, theirs in enumerate(everyone):
+                if sorted(theirs) != names:
+                    raise CollectiveError(
+                        "MetricAverageCallback needs the same metrics on every rank: rank "
+                        f"{runtime.rank()} logged {names}, rank {r} logged {sorted(theirs)}. "
+                        "Compile the same metrics and validation data on every rank."
+                    )
+            for k in names:
+                logs[k] = float(np.mean([theirs[k] for theirs in everyone], dtype=np.float64))
 
-    Args:
-        initial_lr: The rate reached at the end of the warmup (base rate times size).
-        warmup_epochs: Epochs the warmup lasts. Defaults to 5.
-        momentum_correction: Scale SGD/RMSprop momentum buffers when the rate changes.
-            Defaults to True.
-        steps_per_epoch: Batches per epoch. Defaults to what ``fit`` reports.
-        verbose: 1 to print (on rank 0) when the warmup ends. Defaults to 0.
+    class LearningRateScheduleCallback(_SyncdpCallback):
+        """Sets the learning rate to ``initial_lr * multiplier`` in ``[start_epoch, end_epoch)``.
 
-    Example:
-        >>> LearningRateWarmupCallback(initial_lr=0.01 * syncdp.size(), warmup_epochs=3)
-    """
+        With Horovod's meaning of ``multiplier``: a constant is a constant factor, applied at the
+        first batch of every epoch in the window (``staircase`` is then forced to True); a function
+        is called with the epoch, an integer with ``staircase=True``, otherwise at every batch with
+        the fractional epoch ``epoch + batch / steps_per_epoch``. Outside the window the rate is
+        left as it is, so a schedule is several callbacks with adjacent windows. At each epoch end
+        the rate is logged as ``lr``. Not a collective: every rank computes the same rates.
 
-    def __init__(
-        self,
-        initial_lr: float,
-        warmup_epochs: int = 5,
-        momentum_correction: bool = True,
-        steps_per_epoch: int | None = None,
-        verbose: int = 0,
-    ):
-        super().__init__(
-            initial_lr,
-            self._warmup_factor,
-            start_epoch=0,
-            end_epoch=warmup_epochs,
-            staircase=False,
-            momentum_correction=momentum_correction,
-            steps_per_epoch=steps_per_epoch,
-        )
-        self.warmup_epochs = warmup_epochs
-        self.verbose = verbose
+        Args:
+            initial_lr: The learning rate the multiplier scales (usually the base rate times
+                ``syncdp.size()``).
+            multiplier: A constant factor, or a function ``epoch -> factor`` (e.g.
+                ``lambda epoch: 0.95 ** epoch`` for exponential decay).
+            start_epoch: First epoch (0-based) to adjust. Defaults to 0.
+            end_epoch: First epoch not to adjust; None for no end. Defaults to None.
+            staircase: Adjust once per epoch (True) or every batch (False); ignored (True) for a
+                constant ``multiplier``. Defaults to True.
+            momentum_correction: When the rate changes, scale SGD/RMSprop momentum buffers by
+                ``new_lr / old_lr``. Defaults to True.
+            steps_per_epoch: Batches per epoch, needed when ``staircase=False``. Defaults to what
+                ``fit`` reports.
 
-    def _warmup_factor(self, epoch: float) -> float:
-        size = runtime.size()
-        # The +1/steps shifts each batch to its end, so epoch boundaries give round rates.
-        t = epoch + 1.0 / self.steps_per_epoch
-        return (t * (size - 1) / self.warmup_epochs + 1) / size
+        Raises:
+            ValueError: ``initial_lr`` is None, or the steps per epoch cannot be known.
 
-    def on_epoch_end(self, epoch, logs=None):
-        super().on_epoch_end(epoch, logs)
-        if epoch == self.warmup_epochs - 1 and self.verbose and runtime.rank() == 0:
-            print(
-                f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
-                f"{_get_lr(self.model.optimizer):g}.",
-                file=sys.stdout,
-                flush=True,
+        Example:
+            >>> # The ImageNet schedule after a 5-epoch warmup: x1 to epoch 30, x0.1 to 60,
+            >>> # x0.01 to 80 (Goyal et al. 2017; Horovod's keras_imagenet_resnet50.py).
+            >>> lr = 0.0125 * syncdp.size()
+            >>> callbacks = [
+            ...     LearningRateWarmupCallback(initial_lr=lr, warmup_epochs=5),
+            ...     LearningRateScheduleCallback(lr, multiplier=1.0, start_epoch=5, end_epoch=30),
+            ...     LearningRateScheduleCallback(lr, multiplier=0.1, start_epoch=30, end_epoch=60),
+            ...     LearningRateScheduleCallback(lr, multiplier=0.01, start_epoch=60, end_epoch=80),
+            ... ]
+        """
+
+        def __init__(
+            self,
+            initial_lr: float,
+            multiplier,
+            start_epoch: int = 0,
+            end_epoch: int | None = None,
+            staircase: bool = True,
+            momentum_correction: bool = True,
+            steps_per_epoch: int | None = None,
+        ):
+            super().__init__()
+            if initial_lr is None:
+                raise ValueError(
+                    f"{type(self).__name__} needs initial_lr, the learning rate the "
+                    "schedule scales; got None. Pass e.g. initial_lr=0.1 * "
+                    "syncdp.size()."
+                )
+            self.initial_lr = float(initial_lr)
+            if callable(multiplier):
+                self.multiplier = multiplier
+            else:
+                # Horovod's meaning: the same factor for the whole window, so there is nothing to
+                # recompute per batch (and no need to know the steps per epoch).
+                factor = float(multiplier)
+                self.multiplier = lambda epoch: factor
+                staircase = True
+            self.start_epoch = start_epoch
+            self.end_epoch = end_epoch
+            self.staircase = staircase
+            self.momentum_correction = momentum_correction
+            self.steps_per_epoch = steps_per_epoch
+            self.current_epoch = 0
+
+        def on_train_begin(self, logs=None):
+            if not self.staircase and not self.steps_per_epoch:
+                steps = self.params.get("steps") if self.params else None
+                if not steps:
+                    raise ValueError(
+                        f"{type(self).__name__} needs the number of batches per epoch, and fit() "
+                        "does not know it (the dataset's cardinality is unknown). Pass "
+                        "steps_per_epoch= to the callback (or to fit())."
+                    )
+                self.steps_per_epoch = steps
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.current_epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            epoch = self.current_epoch
+            if epoch < self.start_epoch or (self.end_epoch is not None and epoch >= self.end_epoch):
+                return
+            if self.staircase:
+                if batch == 0:
+                    self._set_lr(self.initial_lr * self.multiplier(epoch))
+            else:
+                self._set_lr(
+                    self.initial_lr * self.multiplier(epoch + batch / self.steps_per_epoch)
+                )
+
+        def _set_lr(self, new_lr: float) -> None:
+            optimizer = self.model.optimizer
+            old_lr = _get_lr(optimizer)
+            optimizer.learning_rate = new_lr
+            if self.momentum_correction and old_lr > 0 and new_lr != old_lr:
+                for buffer in _momentum_buffers(optimizer):
+                    buffer.assign(buffer * (new_lr / old_lr))
+
+        def on_epoch_end(self, epoch, logs=None):
+            if logs is not None:
+                logs["lr"] = _get_lr(self.model.optimizer)
+
+    class LearningRateWarmupCallback(LearningRateScheduleCallback):
+        """Ramps the learning rate from ``initial_lr / size`` up to ``initial_lr``, batch by batch.
+
+        Linear scaling with gradual warmup (Goyal et al. 2017, "Accurate, Large Minibatch SGD"):
+        train with ``initial_lr = base_lr * syncdp.size()``, but start at ``base_lr`` and grow
+        linearly over ``warmup_epochs``. At batch ``b`` of epoch ``e`` the rate is, as in Horovod,
+        ``initial_lr / size * (t * (size - 1) / warmup_epochs + 1)`` with
+        ``t = e + (b + 1) / steps_per_epoch``, so the last batch of the warmup runs at
+        ``initial_lr``. Not a collective: every rank computes the same rates.
+
+        Args:
+            initial_lr: The rate reached at the end of the warmup (base rate times size).
+            warmup_epochs: Epochs the warmup lasts. Defaults to 5.
+            momentum_correction: Scale SGD/RMSprop momentum buffers when the rate changes.
+                Defaults to True.
+            steps_per_epoch: Batches per epoch. Defaults to what ``fit`` reports.
+            verbose: 1 to print (on rank 0) when the warmup ends. Defaults to 0.
+
+        Example:
+            >>> LearningRateWarmupCallback(initial_lr=0.01 * syncdp.size(), warmup_epochs=3)
+        """
+
+        def __init__(
+            self,
+            initial_lr: float,
+            warmup_epochs: int = 5,
+            momentum_correction: bool = True,
+            steps_per_epoch: int | None = None,
+            verbose: int = 0,
+        ):
+            super().__init__(
+                initial_lr,
+                self._warmup_factor,
+                start_epoch=0,
+                end_epoch=warmup_epochs,
+                staircase=False,
+                momentum_correction=momentum_correction,
+                steps_per_epoch=steps_per_epoch,
+            )
+            self.warmup_epochs = warmup_epochs
+            self.verbose = verbose
+
+        def _warmup_factor(self, epoch: float) -> float:
+            size = runtime.size()
+            # The +1/steps shifts each batch to its end, so epoch boundaries give round rates.
+            t = epoch + 1.0 / self.steps_per_epoch
+            return (t * (size - 1) / self.warmup_epochs + 1) / size
+
+        def on_epoch_end(self, epoch, logs=None):
+            super().on_epoch_end(epoch, logs)
+            if epoch == self.warmup_epochs - 1 and self.verbose and runtime.rank() == 0:
+                print(
+                    f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                    f"{_get_lr(self.model.optimizer):g}.",
+                    file=sys.stdout,
+                    flush=True,
+                )
+
+    class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+        """Keeps the best model seen so far, judged by ``monitor`` (Horovod's name).
+
+        A ``keras.callbacks.ModelCheckpoint`` with ``save_best_only=True``. Horovod's Spark
+        estimator sets the path later; here ``filepath`` may be given, or set on the callback
+        (``callback.filepath = ...``) before ``fit``. Give it to rank 0 only (or average the metric
+        with :class:`MetricAverageCallback` first) so one file is written.
+
+        Args:
+            monitor: The metric to watch. Defaults to ``"val_loss"``.
+            verbose: Keras' verbosity. Defaults to 0.
+            save_weights_only: Save only the weights. Defaults to False.
+            mode: ``"auto"``, ``"min"`` or ``"max"``. Defaults to ``"auto"``.
+            save_freq: ``"epoch"`` or a number of batches. Defaults to ``"epoch"``.
+            filepath: Where to save. Defaults to a placeholder ``best.keras`` (or
+                ``best.weights.h5`` with ``save_weights_only``) to be replaced before ``fit``.
+        """
+
+        def __init__(
+            self,
+            monitor="val_loss",
+            verbose=0,
+            save_weights_only=False,
+            mode="auto",
+            save_freq="epoch",
+            filepath=None,
+        ):
+            if filepath is None:  # Keras 3 checks the extension at construction time
+                filepath = "best.weights.h5" if save_weights_only else "best.keras"
+            super().__init__(
+                filepath=filepath,
+                monitor=monitor,
+                verbose=verbose,
+                save_best_only=True,
+                save_weights_only=save_weights_only,
+                mode=mode,
+                save_freq=save_freq,
             )
 
+        def set_model(self, model):
+            _callback.check_same_keras(self, model)
+            super().set_model(model)
 
-class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
-    """Keeps the best model seen so far, judged by ``monitor`` (Horovod's name).
+    # Each class under its public name (they print and pickle as that), one namespace.
+    classes = types.SimpleNamespace(
+        BroadcastGlobalVariablesCallback=BroadcastGlobalVariablesCallback,
+        MetricAverageCallback=MetricAverageCallback,
+        LearningRateScheduleCallback=LearningRateScheduleCallback,
+        LearningRateWarmupCallback=LearningRateWarmupCallback,
+        BestModelCheckpoint=BestModelCheckpoint,
+    )
+    for name, cls in vars(classes).items():
+        cls.__qualname__ = name
+    return classes
 
-    A ``keras.callbacks.ModelCheckpoint`` with ``save_best_only=True``. Horovod's Spark
-    estimator sets the path later; here ``filepath`` may be given, or set on the callback
-    (``callback.filepath = ...``) before ``fit``. Give it to rank 0 only (or average the metric
-    with :class:`MetricAverageCallback` first) so one file is written.
 
-    Args:
-        monitor: The metric to watch. Defaults to ``"val_loss"``.
-        verbose: Keras' verbosity. Defaults to 0.
-        save_weights_only: Save only the weights. Defaults to False.
-        mode: ``"auto"``, ``"min"`` or ``"max"``. Defaults to ``"auto"``.
-        save_freq: ``"epoch"`` or a number of batches. Defaults to ``"epoch"``.
-        filepath: Where to save. Defaults to a placeholder ``best.keras`` (or
-            ``best.weights.h5`` with ``save_weights_only``) to be replaced before ``fit``.
-    """
-
-    def __init__(
-        self,
-        monitor="val_loss",
-        verbose=0,
-        save_weights_only=False,
-        mode="auto",
-        save_freq="epoch",
-        filepath=None,
-    ):
-        if filepath is None:  # Keras 3 checks the extension at construction time
-            filepath = "best.weights.h5" if save_weights_only else "best.keras"
-        super().__init__(
-            filepath=filepath,
-            monitor=monitor,
-            verbose=verbose,
-            save_best_only=True,
-            save_weights_only=save_weights_only,
-            mode=mode,
-            save_freq=save_freq,
-        )
+_keras3 = for_package(keras)
+BroadcastGlobalVariablesCallback = _keras3.BroadcastGlobalVariablesCallback
+MetricAverageCallback = _keras3.MetricAverageCallback
+LearningRateScheduleCallback = _keras3.LearningRateScheduleCallback
+LearningRateWarmupCallback = _keras3.LearningRateWarmupCallback
+BestModelCheckpoint = _keras3.BestModelCheckpoint

@@ -12,14 +12,24 @@
 in any order: the commit is taken when the next batch begins (or the epoch or training ends),
 after every callback has updated the state, so a commit always holds the batch and epoch
 counters of the weights it saved.
+
+:class:`KerasState` takes a model and optimizer of either Keras. The callbacks are objects of
+one Keras: :func:`for_package` builds them for a Keras package (once per package); the ones here
+are Keras 3's, and ``syncdp.tensorflow.keras.elastic`` has those of the Keras ``tf.keras``
+stands for (Keras 2 under ``TF_USE_LEGACY_KERAS=1``).
 """
 
 from __future__ import annotations
+
+import functools
+import types
+from types import ModuleType
 
 import keras
 
 from syncdp.core.errors import HorovodInternalError, HostsUpdatedInterrupt, RankFailureError
 from syncdp.elastic import ObjectState, State, run
+from syncdp.keras import _callback
 from syncdp.tensorflow.elastic import TensorFlowKerasState
 
 __all__ = [
@@ -40,6 +50,9 @@ __all__ = [
 class KerasState(TensorFlowKerasState):
     """State of a Keras model and its optimizer, plus picklable values (Horovod's name).
 
+    Keras 3 and Keras 2 alike (tf-keras, its legacy optimizers included): ``commit()`` copies
+    the weights and the optimizer's variables (slots, step count) to host memory.
+
     Args:
         model: A built Keras model.
         optimizer: Its optimizer. Defaults to ``model.optimizer``.
@@ -50,104 +63,123 @@ class KerasState(TensorFlowKerasState):
         super().__init__(model, optimizer, **kwargs)
 
 
-class CommitStateCallback(keras.callbacks.Callback):
-    """Commits the state every ``batches_per_commit`` batches and at the end of every epoch.
+@functools.cache
+def for_package(keras: ModuleType) -> types.SimpleNamespace:
+    """The callbacks below built for ``keras`` (Keras 3's ``keras`` or tf-keras's
+    ``tf_keras``), once per package: a namespace with ``CommitStateCallback``,
+    ``UpdateBatchStateCallback`` and ``UpdateEpochStateCallback``."""
 
-    Args:
-        state: The elastic state.
-        batches_per_commit: Batches between commits; a commit copies the model and optimizer
-            to host memory, so commit less often for large models. Defaults to 1.
+    class CommitStateCallback(_callback.base_for(keras)):
+        """Commits the state every ``batches_per_commit`` batches and at the end of every epoch.
 
-    Raises:
-        ValueError: ``batches_per_commit`` is below 1.
-    """
+        Args:
+            state: The elastic state.
+            batches_per_commit: Batches between commits; a commit copies the model and optimizer
+                to host memory, so commit less often for large models. Defaults to 1.
 
-    def __init__(self, state: State, batches_per_commit: int = 1):
-        super().__init__()
-        if int(batches_per_commit) != batches_per_commit or batches_per_commit < 1:
-            raise ValueError(
-                f"batches_per_commit must be an integer >= 1; got {batches_per_commit!r}."
-            )
-        self.state = state
-        self.batches_per_commit = int(batches_per_commit)
-        self._since = 0
-        self._pending = False
+        Raises:
+            ValueError: ``batches_per_commit`` is below 1.
+        """
 
-    def _commit_pending(self) -> None:
-        if self._pending:
+        def __init__(self, state: State, batches_per_commit: int = 1):
+            super().__init__()
+            if int(batches_per_commit) != batches_per_commit or batches_per_commit < 1:
+                raise ValueError(
+                    f"batches_per_commit must be an integer >= 1; got {batches_per_commit!r}."
+                )
+            self.state = state
+            self.batches_per_commit = int(batches_per_commit)
+            self._since = 0
             self._pending = False
-            self.state.commit()
 
-    def on_train_batch_begin(self, batch, logs=None):
-        self._commit_pending()
+        def _commit_pending(self) -> None:
+            if self._pending:
+                self._pending = False
+                self.state.commit()
 
-    def on_train_batch_end(self, batch, logs=None):
-        self._since += 1
-        if self._since >= self.batches_per_commit:
+        def on_train_batch_begin(self, batch, logs=None):
+            self._commit_pending()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self._since += 1
+            if self._since >= self.batches_per_commit:
+                self._since = 0
+                self._pending = True
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._commit_pending()
+
+        def on_epoch_end(self, epoch, logs=None):
             self._since = 0
             self._pending = True
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self._commit_pending()
+        def on_train_end(self, logs=None):
+            self._commit_pending()
 
-    def on_epoch_end(self, epoch, logs=None):
-        self._since = 0
-        self._pending = True
+    class UpdateBatchStateCallback(_callback.base_for(keras)):
+        """Keeps ``state.batch`` = batches of the current epoch done, counting from where this
+        ``fit`` resumed (``state.batch`` when it began); 0 again when the epoch ends.
 
-    def on_train_end(self, logs=None):
-        self._commit_pending()
+        After a reset, ``fit`` runs the interrupted epoch's ``steps_per_epoch`` batches in full
+        (a callback cannot shorten a Keras epoch; Horovod's changed only the progress bar's
+        count), so ``state.batch`` may then exceed ``steps_per_epoch``.
+
+        Args:
+            state: The elastic state; it needs a ``batch`` value.
+        """
+
+        def __init__(self, state: State):
+            super().__init__()
+            self.state = state
+            self._start = 0
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start = self.state.batch
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.state.batch = self._start + batch + 1
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.state.batch = 0
+            self._start = 0
+
+    class UpdateEpochStateCallback(_callback.base_for(keras)):
+        """Keeps ``state.epoch`` = the next epoch to run, counted over the whole training.
+
+        Either way of resuming works: Horovod's, ``fit(epochs=total - state.epoch)`` (Keras
+        numbers this ``fit``'s epochs from 0), and Keras', ``fit(initial_epoch=state.epoch,
+        epochs=total)``. The first epoch of each ``fit`` is taken to be ``state.epoch``.
+
+        Args:
+            state: The elastic state; it needs an ``epoch`` value.
+        """
+
+        def __init__(self, state: State):
+            super().__init__()
+            self.state = state
+            self._offset = None  # state.epoch less Keras' number for the same epoch, in this fit
+
+        def on_train_begin(self, logs=None):
+            self._offset = None
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if self._offset is None:
+                self._offset = self.state.epoch - epoch
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.state.epoch = (self._offset or 0) + epoch + 1
+
+    classes = types.SimpleNamespace(
+        CommitStateCallback=CommitStateCallback,
+        UpdateBatchStateCallback=UpdateBatchStateCallback,
+        UpdateEpochStateCallback=UpdateEpochStateCallback,
+    )
+    for name, cls in vars(classes).items():
+        cls.__qualname__ = name
+    return classes
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
-    """Keeps ``state.batch`` = batches of the current epoch done, counting from where this
-    ``fit`` resumed (``state.batch`` when it began); 0 again when the epoch ends.
-
-    After a reset, ``fit`` runs the interrupted epoch's ``steps_per_epoch`` batches in full
-    (a callback cannot shorten a Keras epoch; Horovod's changed only the progress bar's
-    count), so ``state.batch`` may then exceed ``steps_per_epoch``.
-
-    Args:
-        state: The elastic state; it needs a ``batch`` value.
-    """
-
-    def __init__(self, state: State):
-        super().__init__()
-        self.state = state
-        self._start = 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = self.state.batch
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.state.batch = self._start + batch + 1
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.state.batch = 0
-        self._start = 0
-
-
-class UpdateEpochStateCallback(keras.callbacks.Callback):
-    """Keeps ``state.epoch`` = the next epoch to run, counted over the whole training.
-
-    Either way of resuming works: Horovod's, ``fit(epochs=total - state.epoch)`` (Keras
-    numbers this ``fit``'s epochs from 0), and Keras', ``fit(initial_epoch=state.epoch,
-    epochs=total)``. The first epoch of each ``fit`` is taken to be ``state.epoch``.
-
-    Args:
-        state: The elastic state; it needs an ``epoch`` value.
-    """
-
-    def __init__(self, state: State):
-        super().__init__()
-        self.state = state
-        self._offset = None  # state.epoch less Keras' number for the same epoch, in this fit
-
-    def on_train_begin(self, logs=None):
-        self._offset = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if self._offset is None:
-            self._offset = self.state.epoch - epoch
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.state.epoch = (self._offset or 0) + epoch + 1
+_keras3 = for_package(keras)
+CommitStateCallback = _keras3.CommitStateCallback
+UpdateBatchStateCallback = _keras3.UpdateBatchStateCallback
+UpdateEpochStateCallback = _keras3.UpdateEpochStateCallback

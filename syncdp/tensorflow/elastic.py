@@ -18,6 +18,7 @@ import tensorflow as tf
 from syncdp.core.errors import HorovodInternalError, HostsUpdatedInterrupt, RankFailureError
 from syncdp.elastic import ObjectState, State, run, run_fn
 from syncdp.tensorflow.collectives import broadcast_object, broadcast_object_fn, broadcast_variables
+from syncdp.tensorflow.keras2_names import create_optimizer_variables, optimizer_variables
 
 __all__ = [
     "run",
@@ -89,7 +90,8 @@ class TensorFlowKerasState(_VariablesState):
     """State of a Keras model and its optimizer, plus any picklable values.
 
     The optimizer's variables (slots, iteration count) are created before the first sync, so a
-    replacement, whose optimizer has not run yet, receives them too.
+    replacement, whose optimizer has not run yet, receives them too. Keras 3 and Keras 2
+    (tf-keras, its legacy optimizers included) alike: the state follows the objects given.
 
     Args:
         model: A built Keras model.
@@ -108,7 +110,6 @@ class TensorFlowKerasState(_VariablesState):
         variables = list(self.model.variables)
         opt = self.optimizer
         if opt is not None:
-            if not opt.built:
-                opt.build(self.model.trainable_variables)
-            variables += list(opt.variables)
+            create_optimizer_variables(opt, self.model.trainable_variables)
+            variables += optimizer_variables(opt)
         return variables

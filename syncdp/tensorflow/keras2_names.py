@@ -1,48 +1,148 @@
-"""Two Keras 2 spellings that Horovod's programs use everywhere, accepted again on Keras 3.
+"""The two Kerases side by side: which one an object belongs to, and Keras 2's spellings.
+
+syncdp serves Keras 3 (``import keras``) and Keras 2 (the ``tf_keras`` package of tf-keras, which
+``tf.keras`` is under ``TF_USE_LEGACY_KERAS=1``) in one process: every Keras-facing piece is
+built for the package of the object the user passes (:func:`package_of`), and
+``syncdp.tensorflow``'s Keras names follow ``tf.keras`` (:func:`package_behind_tf_keras`).
+tf_keras is never imported here: an object's package is loaded already, and ``tf.keras`` is
+tf_keras only where TensorFlow itself imported it.
+
+Where the two Kerases name the same thing differently and the TensorFlow layer needs it (the
+elastic state), one function hides the difference: :func:`create_optimizer_variables` and
+:func:`optimizer_variables` work on Keras 3's optimizers, tf-keras's, and tf-keras's legacy
+``OptimizerV2`` (``tf.keras.optimizers.legacy``).
+
+And Horovod's Keras 2 spellings, which Horovod programs use everywhere:
 
 - ``model.compile(..., experimental_run_tf_function=False)``: Horovod's documentation told every
   Keras user to pass it (so that TensorFlow 2.0-2.1 called the distributed optimizer). Keras 2
-  accepted it and, from TensorFlow 2.2 on, ignored it; Keras 3's ``compile`` raises
-  ``TypeError``.
+  accepts it and ignores it; Keras 3's ``compile`` raises ``TypeError``.
 - ``optimizer.lr``: Keras 2's name for the learning rate, used as ``opt.lr.assign(x)`` (Horovod's
   elastic TF2 example) and ``tf.keras.backend.set_value(model.optimizer.lr, x)``. Keras 3 has
   only ``learning_rate``.
+- ``tf.keras.optimizers.Adam(lr=0.01)``: Keras 2's optimizers took ``lr=`` for the rate (Horovod's
+  examples pass it). tf-keras's legacy optimizers still do; its current ones log a warning and
+  train at the default rate instead, silently 10 or 100 times off.
 
-Without them a Horovod program that only swapped its import would stop before or after syncdp
-ever ran. :func:`install` (run when :mod:`syncdp.tensorflow` is imported) adds exactly these
-two, once, and changes nothing else: ``compile`` drops that one argument and passes the rest
-through (any other unknown argument still raises Keras' own error), and ``lr`` is added only
-where Keras' optimizer has no attribute of that name.
+Without them a Horovod program that only swapped its import would stop, or train wrongly,
+before or after syncdp ever ran. :func:`install` (run when :mod:`syncdp.tensorflow` is imported)
+adds exactly these, once per Keras, and changes nothing else: ``compile`` drops that one
+argument and passes the rest through (any other unknown argument still raises Keras' own error;
+Keras 2's ``compile`` takes it already),
+``lr`` is added only where Keras' optimizer has no attribute of that name, and ``lr=`` is the
+rate only where tf-keras would otherwise drop it (as in Keras 2, it wins over
+``learning_rate=``).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
+import weakref
+from types import ModuleType
 
-__all__ = ["install"]
+__all__ = [
+    "install",
+    "package_of",
+    "package_behind_tf_keras",
+    "create_optimizer_variables",
+    "optimizer_variables",
+]
 
 _IGNORED_COMPILE_ARGUMENT = "experimental_run_tf_function"
+_KERAS_PACKAGES = ("keras", "tf_keras")
 
 
-def install() -> None:
-    """Accepts both spellings from here on; idempotent. Nothing happens where Keras cannot
-    be imported (TensorFlow works without it, and so does syncdp.tensorflow)."""
+def package_of(obj) -> ModuleType | None:
+    """The Keras package that defines ``obj``'s class (or ``obj``, a class), if any.
+
+    Args:
+        obj: A Keras object (optimizer, model, layer, callback) or class, or anything else.
+
+    Returns:
+        The ``keras`` module (Keras 3) or the ``tf_keras`` module (Keras 2), whichever the
+        first Keras class in the class's MRO comes from; None for an object of neither (a
+        subclass written by a user counts as its Keras base's).
+
+    Example:
+        >>> package_of(tf.keras.optimizers.Adam()).__name__  # TF_USE_LEGACY_KERAS=1
+        'tf_keras'
+    """
+    cls = obj if isinstance(obj, type) else type(obj)
+    for klass in cls.__mro__:
+        top = klass.__module__.partition(".")[0]
+        if top in _KERAS_PACKAGES:
+            return sys.modules[top]
+    return None
+
+
+def package_behind_tf_keras() -> ModuleType | None:
+    """The Keras package ``tf.keras`` stands for: tf_keras under ``TF_USE_LEGACY_KERAS=1``
+    (which TensorFlow then imports itself), Keras 3 otherwise; None where there is none."""
     try:
-        import keras
-    except ImportError:
-        return
+        import tensorflow as tf
+
+        return package_of(tf.keras.Model)
+    except (ImportError, AttributeError):
+        return None
+
+
+def create_optimizer_variables(optimizer, var_list) -> None:
+    """Creates a Keras optimizer's variables (slots, step count) for ``var_list``, once.
+
+    Args:
+        optimizer: A Keras 3 or tf-keras optimizer, current or legacy.
+        var_list: The variables it will update (the model's trainable variables).
+    """
+    if hasattr(optimizer, "_create_all_weights"):  # tf-keras's legacy OptimizerV2
+        optimizer._create_all_weights(var_list)  # idempotent: existing slots are kept
+    elif not getattr(optimizer, "built", getattr(optimizer, "_built", False)):
+        optimizer.build(var_list)
+
+
+def optimizer_variables(optimizer) -> list:
+    """A Keras optimizer's variables, in its own order (a property in Keras 3 and tf-keras's
+    current optimizers, a method in its legacy ones)."""
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def install(keras: ModuleType | None = None) -> None:
+    """Accepts Keras 2's spellings on ``keras`` from here on; idempotent.
+
+    Args:
+        keras: The Keras package to adapt. Defaults to Keras 3's ``keras`` and, where it is
+            another package, the one ``tf.keras`` stands for. Nothing happens where Keras
+            cannot be imported (TensorFlow works without it, and so does syncdp.tensorflow).
+    """
+    if keras is None:
+        try:
+            import keras
+        except ImportError:
+            return
+        behind = package_behind_tf_keras()
+        if behind is not None and behind is not keras:
+            install(behind)
     _accept_compile_argument(keras)
     if not hasattr(keras.optimizers.Optimizer, "lr"):
         keras.optimizers.Optimizer.lr = property(_get_lr, _set_lr, doc=_get_lr.__doc__)
+    _accept_lr_argument(keras)
+
+
+def _owner(cls: type, name: str) -> type:
+    """The class in ``cls``'s MRO that defines ``name``: a method is replaced where it lives,
+    so that Keras' own checks that a method is still the base class's keep working."""
+    return next(c for c in cls.__mro__ if name in vars(c))
 
 
 def _accept_compile_argument(keras) -> None:
     # Replaced where it is defined (Keras' Trainer), not on keras.Model: Keras compiles a
     # loaded model only when the class's compile is still the Trainer's own.
-    owner = next(c for c in keras.Model.__mro__ if "compile" in vars(c))
+    owner = _owner(keras.Model, "compile")
     compile_ = owner.compile
-    if getattr(compile_, "_syncdp_wrapped", False):
-        return
+    if getattr(compile_, "_syncdp_wrapped", False) or _takes_any_keyword(compile_):
+        return  # wrapped already, or a Keras (2) that accepts it
 
     @functools.wraps(compile_)
     def compile(self, *args, **kwargs):  # noqa: A001 - the method it stands for
@@ -51,6 +151,47 @@ def _accept_compile_argument(keras) -> None:
 
     compile._syncdp_wrapped = True
     owner.compile = compile
+
+
+def _takes_any_keyword(function) -> bool:
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        for p in inspect.signature(function).parameters.values()
+    )
+
+
+# tf-keras optimizer -> the lr= it was built with, between its base class's __init__ (which
+# reads the keyword arguments) and its own (which builds the learning rate afterwards).
+_lr_arguments: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _accept_lr_argument(keras) -> None:
+    # tf-keras's current optimizers read their extra keyword arguments in _process_kwargs,
+    # where lr= is dropped with a warning; Keras 3 has no such hook (it refuses lr=).
+    base = keras.optimizers.Optimizer
+    if not hasattr(base, "_process_kwargs") or not hasattr(base, "_build_learning_rate"):
+        return
+    process_owner = _owner(base, "_process_kwargs")
+    process = process_owner._process_kwargs
+    if getattr(process, "_syncdp_wrapped", False):
+        return
+    build_owner = _owner(base, "_build_learning_rate")
+    build = build_owner._build_learning_rate
+
+    @functools.wraps(process)
+    def _process_kwargs(self, kwargs):
+        lr = kwargs.pop("lr", None)
+        if lr is not None:
+            _lr_arguments[self] = lr
+        return process(self, kwargs)
+
+    @functools.wraps(build)
+    def _build_learning_rate(self, learning_rate):
+        return build(self, _lr_arguments.pop(self, learning_rate))
+
+    _process_kwargs._syncdp_wrapped = True
+    process_owner._process_kwargs = _process_kwargs
+    build_owner._build_learning_rate = _build_learning_rate
 
 
 def _get_lr(optimizer):

@@ -6,55 +6,115 @@ mean of squares ``m_r^2 + v_r``; one allreduce sums ``n_r``, ``n_r m_r`` and
 concatenated global batch exactly, whatever each rank's batch size. Those normalize the batch
 and update the moving statistics, as one process on the whole batch would. Inference uses the
 moving statistics and sends nothing.
+
+The layer is a subclass of the ``BatchNormalization`` of one Keras: :func:`for_package` builds
+it for a Keras package (once per package), and ``SyncBatchNormalization`` here, as in Horovod's
+``horovod.tensorflow``, is the one for the Keras ``tf.keras`` stands for (Keras 2 under
+``TF_USE_LEGACY_KERAS=1``, Keras 3 otherwise); ``syncdp.keras.SyncBatchNormalization`` is Keras
+3's.
 """
 
 from __future__ import annotations
 
-import keras
+import functools
+import inspect
+from types import ModuleType
+
 import tensorflow as tf
 
 from syncdp.core import runtime
 from syncdp.tensorflow import collectives
+from syncdp.tensorflow.keras2_names import package_behind_tf_keras
 
-__all__ = ["SyncBatchNormalization"]
+__all__ = ["SyncBatchNormalization"]  # noqa: F822 - from __getattr__
 
 
-class SyncBatchNormalization(keras.layers.BatchNormalization):
-    """``keras.layers.BatchNormalization`` with batch statistics reduced across the ranks.
+@functools.cache
+def for_package(keras: ModuleType) -> type:
+    """The SyncBatchNormalization layer class for ``keras`` (Keras 3's or tf-keras's package).
 
-    Takes Keras' arguments (``axis``, ``momentum``, ``epsilon``, ...). ``fused`` is accepted for
-    Horovod compatibility and must be False. Every rank must call the layer in training at the
-    same points (the reduction is a collective).
+    Args:
+        keras: The Keras package whose ``layers.BatchNormalization`` the layer extends.
 
-    Raises:
-        ValueError: ``fused`` is True or None.
+    Returns:
+        The layer class, registered with that Keras as ``syncdp>SyncBatchNormalization``.
     """
+    base = keras.layers.BatchNormalization
+    # Keras 2's layer takes fused= (and picks the fused kernel by default, which computes its
+    # moments where they cannot be reduced); Keras 3's has no such argument.
+    takes_fused = "fused" in inspect.signature(base.__init__).parameters
 
-    def __init__(self, fused=False, **kwargs):
-        if fused in (True, None):
-            raise ValueError("SyncBatchNormalization does not support fused=True.")
-        kwargs.setdefault("name", "sync_batch_normalization")
-        super().__init__(**kwargs)
+    @keras.saving.register_keras_serializable(package="syncdp")
+    class SyncBatchNormalization(base):
+        """``BatchNormalization`` with batch statistics reduced across the ranks.
 
-    def _moments(self, inputs, mask):
-        mean, variance = super()._moments(inputs, mask)
-        if mask is not None or runtime.size() == 1:
-            return mean, variance
-        dtype = mean.dtype
-        mean64, var64 = tf.cast(mean, tf.float64), tf.cast(variance, tf.float64)
-        count = tf.cast(tf.size(inputs), tf.float64) / tf.cast(tf.size(mean), tf.float64)
-        local = tf.concat(
-            [
-                tf.reshape(count, [1]),
-                tf.reshape(count * mean64, [-1]),
-                tf.reshape(count * (var64 + tf.square(mean64)), [-1]),
-            ],
-            axis=0,
-        )
-        total = collectives.allreduce(local, op=collectives.Sum, name="sync_batch_norm")
-        k = tf.size(mean)
-        n = total[0]
-        global_mean = tf.reshape(total[1 : 1 + k] / n, tf.shape(mean))
-        mean_square = tf.reshape(total[1 + k :] / n, tf.shape(mean))
-        global_var = tf.maximum(mean_square - tf.square(global_mean), 0.0)
-        return tf.cast(global_mean, dtype), tf.cast(global_var, dtype)
+        Takes its Keras' arguments (``axis``, ``momentum``, ``epsilon``, ..., and Keras 2's
+        ``renorm``, ``virtual_batch_size``, ...). ``fused`` is accepted for Horovod
+        compatibility and must be False. Every rank must call the layer in training at the same
+        points (the reduction is a collective).
+
+        Raises:
+            ValueError: ``fused`` is True or None.
+
+        Example:
+            >>> bn = syncdp.tensorflow.SyncBatchNormalization(momentum=0.9)
+            >>> y = bn(x, training=True)  # normalized with the global batch's statistics
+        """
+
+        def __init__(self, fused=False, **kwargs):
+            if fused in (True, None):
+                raise ValueError("SyncBatchNormalization does not support fused=True.")
+            kwargs.setdefault("name", "sync_batch_normalization")
+            if takes_fused:
+                kwargs["fused"] = False
+            super().__init__(**kwargs)
+
+        # Keras 3 computes the batch moments in _moments, Keras 2 in _calculate_mean_and_var;
+        # each Keras calls its own, and both end in the same reduction.
+        def _moments(self, inputs, mask):
+            mean, variance = super()._moments(inputs, mask)
+            if mask is not None:
+                return mean, variance
+            return _global_moments(inputs, mean, variance)
+
+        def _calculate_mean_and_var(self, inputs, reduction_axes, keep_dims, mask=None):
+            mean, variance = super()._calculate_mean_and_var(
+                inputs, reduction_axes, keep_dims, mask=mask
+            )
+            if mask is not None:
+                return mean, variance
+            return _global_moments(inputs, mean, variance)
+
+    SyncBatchNormalization.__qualname__ = SyncBatchNormalization.__name__
+    return SyncBatchNormalization
+
+
+def _global_moments(inputs, mean, variance):
+    """The mean and variance of every rank's batch together, from this rank's (a collective)."""
+    if runtime.size() == 1:
+        return mean, variance
+    dtype = mean.dtype
+    mean64, var64 = tf.cast(mean, tf.float64), tf.cast(variance, tf.float64)
+    count = tf.cast(tf.size(inputs), tf.float64) / tf.cast(tf.size(mean), tf.float64)
+    local = tf.concat(
+        [
+            tf.reshape(count, [1]),
+            tf.reshape(count * mean64, [-1]),
+            tf.reshape(count * (var64 + tf.square(mean64)), [-1]),
+        ],
+        axis=0,
+    )
+    total = collectives.allreduce(local, op=collectives.Sum, name="sync_batch_norm")
+    k = tf.size(mean)
+    n = total[0]
+    global_mean = tf.reshape(total[1 : 1 + k] / n, tf.shape(mean))
+    mean_square = tf.reshape(total[1 + k :] / n, tf.shape(mean))
+    global_var = tf.maximum(mean_square - tf.square(global_mean), 0.0)
+    return tf.cast(global_mean, dtype), tf.cast(global_var, dtype)
+
+
+def __getattr__(name: str):
+    # Built on first use, for the Keras tf.keras stands for (Horovod's tf.keras layer).
+    if name == "SyncBatchNormalization":
+        return for_package(package_behind_tf_keras())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

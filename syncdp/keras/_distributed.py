@@ -1,0 +1,495 @@
+"""The behaviour of every DistributedOptimizer, whatever Keras it belongs to.
+
+:class:`Distributed` is written once and put by :func:`syncdp.keras.optimizer.for_package` on a
+Keras package's ``optimizers.Optimizer`` (Keras 3's, or Keras 2's from tf-keras): it reduces the
+gradients (:func:`syncdp.tape.reduce_gradients`), accumulates them over backward passes, and
+hands them to the optimizer it wraps, to which it also forwards the learning rate, the step
+count, the variables and the config. What differs between the Kerases is read from the package
+and the wrapped optimizer (:mod:`syncdp.tensorflow.keras2_names`), never copied.
+
+syncdp's collectives run on the host (``tf.numpy_function`` nodes), which XLA cannot compile:
+traced inside an XLA-compiled function, the wrapper raises a clear error.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from types import ModuleType
+
+import tensorflow as tf
+
+from syncdp.core.errors import UnsupportedError
+from syncdp.keras import _display
+from syncdp.tensorflow import collectives as ops
+from syncdp.tensorflow import graph
+from syncdp.tensorflow.compression import Compression
+from syncdp.tensorflow.keras2_names import (
+    create_optimizer_variables,
+    optimizer_variables,
+    package_of,
+)
+from syncdp.tensorflow.tape import local_positions, reduce_gradients
+
+try:  # Private, but the only way to know at trace time that XLA will compile the graph.
+    from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
+except ImportError:  # pragma: no cover - a TensorFlow that moved it: the check is skipped.
+    GraphOrParentsInXlaContext = None
+
+__all__ = ["Distributed", "keras_of_optimizer"]
+
+_COMPRESSION_NAMES = {Compression.none: "none", Compression.fp16: "fp16"}
+
+
+class Distributed:
+    """Wraps a Keras optimizer so that gradients are averaged over all ranks before use.
+
+    Every ``apply``/``apply_gradients`` is a synchronization point: all ranks must call it,
+    with gradients of the same shapes, once per step. Broadcast the initial state first
+    (:class:`syncdp.keras.callbacks.BroadcastGlobalVariablesCallback`, or
+    ``syncdp.broadcast_variables``) so that all replicas start, and stay, identical.
+
+    The wrapped optimizer does the update: its learning rate (``optimizer.learning_rate``, and
+    Keras 2's ``optimizer.lr``, both settable), ``iterations``, variables and config are
+    reachable through this object, and other public attributes (``momentum``, ``beta_1``, ...)
+    are read from it. The wrapper is an optimizer of the wrapped one's Keras: Keras 3's
+    ``keras.optimizers.Optimizer``, or Keras 2's ``tf.keras.optimizers.Optimizer`` (tf-keras,
+    for its current and legacy optimizers).
+
+    Args:
+        optimizer: The Keras optimizer to wrap (``keras.optimizers.SGD(...)``, ``Adam``, ...;
+            under ``TF_USE_LEGACY_KERAS=1`` also ``tf.keras.optimizers.legacy.SGD(...)``).
+        name: This optimizer's name. Defaults to ``"distributed_" + optimizer.name``.
+        device_dense: Accepted for Horovod compatibility; placement follows the gradients.
+        device_sparse: Accepted for Horovod compatibility.
+        compression: ``Compression.none`` or ``Compression.fp16`` (gradients travel as
+            float16). Defaults to ``Compression.none``.
+        sparse_as_dense: Reduce ``IndexedSlices`` gradients (embeddings) as dense tensors.
+            Defaults to False.
+        gradient_predivide_factor: Divide gradients by this before the sum and by
+            ``size / factor`` after it. Defaults to 1.
+        op: ``syncdp.Average`` or ``syncdp.Sum``. Defaults to ``syncdp.Average``.
+        backward_passes_per_step: Accumulate this many local gradients before one allreduce
+            and one update; the wrapped optimizer's ``iterations`` counts updates. Defaults
+            to 1.
+        average_aggregated_gradients: With ``backward_passes_per_step > 1``, divide the
+            accumulated gradients by ``backward_passes_per_step`` (so k passes on k batches
+            equal one step on the k batches together). Defaults to True.
+        num_groups: Accepted for Horovod compatibility; fusion follows the threshold.
+        groups: Accepted for Horovod compatibility.
+        process_set: The ranks that average together; a rank outside it keeps its own
+            gradients. Defaults to the whole job.
+        scale_local_gradients: Divide the gradients of variables registered with
+            :meth:`register_local_var` by the set's size. Defaults to True.
+        **kwargs: Only for deserialization; must be empty otherwise.
+
+    Raises:
+        TypeError: ``optimizer`` is not a Keras optimizer.
+        ValueError: An argument is out of range.
+
+    Example:
+        >>> opt = keras.optimizers.SGD(0.01 * syncdp.size(), momentum=0.9)
+        >>> opt = syncdp.keras.DistributedOptimizer(opt)
+        >>> model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    """
+
+    # Set by syncdp.keras.optimizer.for_package on each class it builds:
+    _keras: ModuleType  # the Keras package served
+    _base_arguments: dict  # what that Keras' base class's __init__ needs besides the name
+    _for_package: Callable[[ModuleType], type]  # the class for another Keras' optimizer
+
+    def __new__(cls, optimizer=None, *args, **kwargs):
+        # Keras' compile takes only its own Keras' optimizers: wrap with the class of the
+        # optimizer's Keras, whichever package's class was called.
+        keras_ = keras_of_optimizer(optimizer)
+        if keras_ is not None and keras_ is not cls._keras:
+            return cls._for_package(keras_)(optimizer, *args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        optimizer,
+        name: str | None = None,
+        device_dense: str = "",
+        device_sparse: str = "",
+        compression=Compression.none,
+        sparse_as_dense: bool = False,
+        gradient_predivide_factor: float = 1.0,
+        op=ops.Average,
+        backward_passes_per_step: int = 1,
+        average_aggregated_gradients: bool = True,
+        num_groups: int = 0,
+        groups=None,
+        process_set=ops.global_process_set,
+        scale_local_gradients: bool = True,
+        **kwargs,
+    ):
+        if keras_of_optimizer(optimizer) is None:
+            raise TypeError(
+                "DistributedOptimizer wraps a Keras optimizer (Keras 3's "
+                "keras.optimizers.Optimizer, or Keras 2's tf.keras.optimizers.Optimizer or "
+                "tf.keras.optimizers.legacy.Optimizer from tf-keras); got "
+                f"{type(optimizer).__module__}.{type(optimizer).__name__}. Pass an "
+                "instance such as keras.optimizers.Adam(1e-3)."
+            )
+        if isinstance(optimizer, Distributed):
+            raise ValueError(
+                "The optimizer is already a DistributedOptimizer; wrap the "
+                "plain Keras optimizer once."
+            )
+        if op not in (ops.Average, ops.Sum):
+            raise ValueError(f"op must be syncdp.Average or syncdp.Sum; got {op!r}.")
+        if (
+            int(backward_passes_per_step) != backward_passes_per_step
+            or backward_passes_per_step < 1
+        ):
+            raise ValueError(
+                "backward_passes_per_step must be an integer >= 1; got "
+                f"{backward_passes_per_step!r}."
+            )
+        if compression not in _COMPRESSION_NAMES:
+            raise ValueError(
+                "compression must be syncdp.Compression.none or "
+                f"syncdp.Compression.fp16; got {compression!r}."
+            )
+        if kwargs:
+            raise TypeError(
+                f"DistributedOptimizer got unexpected arguments {sorted(kwargs)}; "
+                "set learning rate, clipping, weight decay and the like on the "
+                "wrapped optimizer."
+            )
+        # Keras 2's legacy optimizers keep their name private.
+        inner_name = getattr(optimizer, "name", None) or optimizer._name
+        # The base class may want a learning rate; the wrapped optimizer's is the one used.
+        super().__init__(name=name or f"distributed_{inner_name}", **self._base_arguments)
+        self.built = False
+        self.inner_optimizer = optimizer
+        self.compression = compression
+        self.sparse_as_dense = sparse_as_dense
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.op = op
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self.average_aggregated_gradients = average_aggregated_gradients
+        self.process_set = process_set
+        self.scale_local_gradients = scale_local_gradients
+        self._local_vars: list = []
+        self._reduced: tuple | None = None  # ids of gradients _compute_gradients reduced
+        self._accumulators = []
+        self._passes = None
+        self._built_for = self._no_dependency([])  # the variables build() was given
+        _display.quiet_other_ranks(self._keras)
+
+    def build(self, var_list):
+        """Creates the wrapped optimizer's variables and, when accumulating, the accumulators.
+
+        Args:
+            var_list: The model's trainable variables.
+        """
+        if self.built:
+            return
+        var_list = list(var_list)
+        # Built outside any trace: the first apply may be traced after the function's first
+        # trace (Horovod's elastic example traces its step once without syncdp), where
+        # tf.function refuses new variables.
+        with graph.creating_variables():
+            create_optimizer_variables(self.inner_optimizer, var_list)
+            if self.backward_passes_per_step > 1:
+                self._accumulators = [
+                    self.add_variable_from_reference(v, "syncdp_accumulator") for v in var_list
+                ]
+                self._passes = self.add_variable(
+                    shape=(), dtype="int64", initializer="zeros", name="syncdp_passes"
+                )
+        super().build(var_list)
+        self._built_for = self._no_dependency(var_list)  # the model's, not this optimizer's
+        self.built = True
+
+    @property
+    def variables(self):
+        """The wrapped optimizer's variables, then the gradient accumulators (if any); also
+        callable, as Keras 2's ``optimizer.variables()``."""
+        own = list(self._accumulators) + ([self._passes] if self._passes is not None else [])
+        return _VariableList(optimizer_variables(self.inner_optimizer) + own)
+
+    def get_weights(self) -> list:
+        """The values of :attr:`variables`, as arrays (Keras 2's optimizer API)."""
+        return [v.numpy() for v in self.variables]
+
+    def set_weights(self, weights) -> None:
+        """Sets :attr:`variables` from ``weights``, in order (Keras 2's ``.h5`` loading).
+
+        Raises:
+            ValueError: ``weights`` do not match the variables in number or shape.
+        """
+        variables = self.variables
+        if len(weights) != len(variables):
+            raise ValueError(
+                f"{self.name} has {len(variables)} variables; got {len(weights)} values. Load "
+                "weights saved from the same optimizer, with the same backward_passes_per_step."
+            )
+        for variable, value in zip(variables, weights, strict=True):
+            if tuple(variable.shape) != tuple(getattr(value, "shape", ())):
+                raise ValueError(
+                    f"{self.name}'s variable {variable.name} has shape {tuple(variable.shape)}; "
+                    f"got a value of shape {tuple(getattr(value, 'shape', ()))}."
+                )
+            variable.assign(value)
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    def __getattr__(self, name):
+        # Called only when ordinary lookup fails: hyperparameters of the wrapped optimizer
+        # (momentum, beta_1, ...), which Horovod-era code reads from model.optimizer.
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(inner, name)
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        finalize = getattr(self.inner_optimizer, "finalize_variable_values", None)
+        if finalize is not None:  # Keras 2's legacy optimizers have nothing to finalize
+            finalize(var_list)
+
+    def apply_gradients(self, grads_and_vars, name=None, **kwargs):
+        """Averages the gradients over all ranks, then applies them (a collective).
+
+        Args:
+            grads_and_vars: Pairs of (gradient, variable), as for any Keras optimizer.
+            name: Accepted for Keras 2; the wrapped optimizer names its own ops.
+            **kwargs: Keras 2's ``skip_gradients_aggregation`` and
+                ``experimental_aggregate_gradients``, accepted and not needed: the
+                gradients are aggregated over the ranks here.
+
+        Returns:
+            The wrapped optimizer's ``iterations``.
+        """
+        grads_and_vars = list(grads_and_vars)
+        if grads_and_vars:
+            grads, variables = zip(*grads_and_vars, strict=True)
+            self.apply(grads, variables)
+        return self.iterations
+
+    def apply(self, grads, trainable_variables=None):
+        """Averages ``grads`` over all ranks, then lets the wrapped optimizer apply them.
+
+        A synchronization point: every rank must call it once per step. With
+        ``backward_passes_per_step = k`` the gradients are accumulated locally and reduced and
+        applied on every k-th call.
+
+        Args:
+            grads: Gradients, one per variable (None for a variable without one).
+            trainable_variables: The variables. Defaults to those the optimizer was built with.
+
+        Raises:
+            UnsupportedError: Traced inside an XLA-compiled function (``jit_compile=True``).
+            StepMismatchError: Ranks are at different updates (``iterations``); see
+                :func:`syncdp.tape.reduce_gradients`, which also runs the
+                ``SYNCDP_VERIFY_EVERY`` replica check on the variables.
+        """
+        grads = list(grads)
+        if not grads:
+            return
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "apply() without trainable_variables needs a built "
+                    "optimizer; call optimizer.build(model.trainable_variables) "
+                    "first, or pass the variables."
+                )
+            trainable_variables = self._built_for
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            with self._creation_scope():
+                self.build(trainable_variables)
+        _check_not_xla()
+        if self.backward_passes_per_step == 1:
+            if self._reduced is not None and self._reduced == tuple(id(g) for g in grads):
+                reduced = grads  # from _compute_gradients, reduced already
+            else:
+                reduced = self._reduce(grads, trainable_variables)
+            self._reduced = None
+            self._apply_inner(reduced, trainable_variables)
+        else:
+            self._accumulate(grads, trainable_variables)
+
+    def register_local_var(self, var) -> None:
+        """Keeps ``var``'s gradient on this rank: it is never reduced (Horovod's local var)."""
+        self._local_vars.append(var)
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        """Horovod's (Keras 2) hook: ``(gradient, variable)`` pairs, gradients reduced.
+
+        Keras 2's legacy optimizers compute their gradients here in ``minimize``.
+
+        Args:
+            loss: A callable returning the loss, or (with ``tape``) the loss tensor.
+            var_list: The variables.
+            grad_loss: Optional gradient of the loss. Defaults to None.
+            tape: A tape that recorded ``loss``. Defaults to a new one around ``loss()``.
+
+        Returns:
+            Pairs ready for :meth:`apply_gradients`, which then does not reduce them again.
+            With ``backward_passes_per_step > 1`` the gradients are returned as computed and
+            accumulated by :meth:`apply_gradients`.
+        """
+        var_list = list(var_list)
+        if tape is None:
+            tape = tf.GradientTape()
+            with tape:
+                tape.watch(var_list)
+                value = loss()
+        else:
+            value = loss() if callable(loss) else loss
+        grads = tape.gradient(value, var_list, grad_loss)
+        if self.backward_passes_per_step == 1:
+            if not self.built:
+                with self._creation_scope():
+                    self.build(var_list)
+            grads = self._reduce(list(grads), var_list)
+            self._reduced = tuple(id(g) for g in grads)
+        return list(zip(grads, var_list))
+
+    @property
+    def _agg_helper(self):
+        """Horovod's view of the accumulation: ``counter`` = passes since the last update."""
+        if self.backward_passes_per_step == 1:
+            return None
+        return _PassCounter(self)
+
+    def _creation_scope(self):
+        # Keras 3 names variables by its own scopes (its base class's apply() opens this one);
+        # Keras 2 by TensorFlow's.
+        name_scope = getattr(self._keras, "name_scope", None)
+        if name_scope is not None:
+            return name_scope(self.name, caller=self)
+        return tf.name_scope(self.name)
+
+    def _apply_inner(self, grads, variables) -> None:
+        # apply_gradients is the one method every Keras optimizer has (Keras 3's calls apply).
+        self.inner_optimizer.apply_gradients(list(zip(grads, variables, strict=True)))
+
+    def _reduce(self, grads, variables):
+        # step= is the update about to be made: ranks that disagree fail before any exchange.
+        return reduce_gradients(
+            grads,
+            process_set=self.process_set,
+            local=local_positions(variables, self._local_vars),
+            scale_local_gradients=self.scale_local_gradients,
+            op=self.op,
+            compression=self.compression,
+            sparse_as_dense=self.sparse_as_dense,
+            gradient_predivide_factor=self.gradient_predivide_factor,
+            name=self.name,
+            variables=variables,
+            step=self.iterations,
+        )
+
+    def _accumulate(self, grads, variables):
+        k = self.backward_passes_per_step
+        position = {id(v): i for i, v in enumerate(self._built_for)}
+        accumulators = [self._accumulators[position[id(v)]] for v in variables]
+        for acc, grad in zip(accumulators, grads, strict=True):
+            if grad is not None:
+                acc.assign_add(tf.cast(tf.convert_to_tensor(grad), acc.dtype))
+        self._passes.assign_add(1)
+
+        def reduce_and_apply():
+            summed = [
+                None if g is None else tf.convert_to_tensor(acc)
+                for acc, g in zip(accumulators, grads, strict=True)
+            ]
+            if self.average_aggregated_gradients:
+                summed = [None if s is None else s / tf.cast(k, s.dtype) for s in summed]
+            self._apply_inner(self._reduce(summed, variables), variables)
+            for acc in accumulators:
+                acc.assign(tf.zeros_like(acc))
+
+        # Every rank counts the same passes, so every rank takes the same branch and the
+        # collectives inside it stay in step.
+        tf.cond(
+            tf.equal(tf.math.floormod(tf.convert_to_tensor(self._passes), k), 0),
+            reduce_and_apply,
+            lambda: None,
+        )
+
+    def get_config(self):
+        # Only this wrapper's settings and the wrapped optimizer; the base class's arguments
+        # (clipping, weight decay, ...) belong to the wrapped optimizer.
+        return {
+            "name": self.name,
+            "optimizer": self._keras.optimizers.serialize(self.inner_optimizer),
+            "compression": _COMPRESSION_NAMES[self.compression],
+            "sparse_as_dense": self.sparse_as_dense,
+            "gradient_predivide_factor": self.gradient_predivide_factor,
+            "op": self.op.value,
+            "backward_passes_per_step": self.backward_passes_per_step,
+            "average_aggregated_gradients": self.average_aggregated_gradients,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = copy.deepcopy(config)  # Keras' deserialize edits the optimizer's entry
+        optimizer = cls._keras.optimizers.deserialize(
+            config.pop("optimizer"), custom_objects=custom_objects
+        )
+        config["compression"] = getattr(Compression, config.get("compression", "none"))
+        config["op"] = ops.ReduceOp(config.get("op", ops.Average.value))
+        return cls(optimizer, **config)
+
+
+class _VariableList(list):
+    """A list of variables that can also be called (Keras 2 spells ``optimizer.variables()``)."""
+
+    def __call__(self):
+        return self
+
+
+class _PassCounter:
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+
+    @property
+    def counter(self):
+        passes = self._optimizer._passes
+        k = self._optimizer.backward_passes_per_step
+        return tf.math.floormod(tf.convert_to_tensor(0 if passes is None else passes), k)
+
+
+def _optimizer_bases(keras_: ModuleType) -> tuple[type, ...]:
+    """``keras_``'s optimizer base classes: Keras 2 adds its legacy ``OptimizerV2``."""
+    legacy = getattr(getattr(keras_.optimizers, "legacy", None), "Optimizer", None)
+    return (keras_.optimizers.Optimizer,) + ((legacy,) if isinstance(legacy, type) else ())
+
+
+def keras_of_optimizer(optimizer) -> ModuleType | None:
+    """The Keras package of ``optimizer`` if it is a Keras optimizer; None otherwise."""
+    keras_ = package_of(optimizer)
+    if keras_ is None or not isinstance(optimizer, _optimizer_bases(keras_)):
+        return None
+    return keras_
+
+
+def _check_not_xla() -> None:
+    if GraphOrParentsInXlaContext is None or tf.executing_eagerly():
+        return
+    if GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise UnsupportedError(
+            "DistributedOptimizer cannot run inside an XLA-compiled function: syncdp's "
+            "collectives run on the host, which XLA cannot compile, and this step was traced "
+            "with jit_compile=True. Compile the model with model.compile(..., "
+            "jit_compile=False), or pass a syncdp.keras callback to fit() (it turns "
+            "jit_compile off), or drop jit_compile=True from your tf.function."
+        )
