@@ -69,21 +69,26 @@ def for_package(keras: ModuleType) -> type:
                 kwargs["fused"] = False
             super().__init__(**kwargs)
 
-        # Keras 3 computes the batch moments in _moments, Keras 2 in _calculate_mean_and_var;
-        # each Keras calls its own, and both end in the same reduction.
-        def _moments(self, inputs, mask):
-            mean, variance = super()._moments(inputs, mask)
-            if mask is not None:
-                return mean, variance
-            return _global_moments(inputs, mean, variance)
+        # Keras 2 computes this rank's batch moments in _calculate_mean_and_var (its own
+        # synchronized layer's hook), Keras 3 in _moments (a name Keras 2 also has, with other
+        # arguments): the layer takes its Keras' hook, and both end in the same reduction.
+        if hasattr(base, "_calculate_mean_and_var"):
 
-        def _calculate_mean_and_var(self, inputs, reduction_axes, keep_dims, mask=None):
-            mean, variance = super()._calculate_mean_and_var(
-                inputs, reduction_axes, keep_dims, mask=mask
-            )
-            if mask is not None:
-                return mean, variance
-            return _global_moments(inputs, mean, variance)
+            def _calculate_mean_and_var(self, inputs, reduction_axes, keep_dims, mask=None):
+                mean, variance = super()._calculate_mean_and_var(
+                    inputs, reduction_axes, keep_dims, mask=mask
+                )
+                if mask is not None:
+                    return mean, variance
+                return _global_moments(inputs, mean, variance)
+
+        else:
+
+            def _moments(self, inputs, mask):
+                mean, variance = super()._moments(inputs, mask)
+                if mask is not None:
+                    return mean, variance
+                return _global_moments(inputs, mean, variance)
 
     SyncBatchNormalization.__qualname__ = SyncBatchNormalization.__name__
     return SyncBatchNormalization
