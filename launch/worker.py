@@ -6,6 +6,13 @@ which rank it was and how it ended (exit code or signal) before exiting non-zero
 makes mpirun end every other rank. The child is started with a parent-death signal, so it can
 never outlive this supervisor.
 
+Asked to end (SIGTERM, SIGINT or SIGHUP: Open MPI ending the job), the supervisor passes the
+signal on with SIGCONT (a rank stopped by SIGSTOP, a stalled rank, would otherwise never act
+on it) and kills the rank's process group if the rank has not ended within
+:data:`_ASKED_GRACE_SECONDS`: Open MPI kills the supervisor about 0.25 s after its SIGTERM, and
+a rank whose supervisor dies before reaping it waits as a zombie under init, for seconds where
+init reaps slowly. However it ends, the supervisor reaps its rank before it exits.
+
 However the child ends, the supervisor sends the launcher an ``exit`` report
 (:mod:`syncdp.core.report`, which like :mod:`syncdp.core.settings` loads neither TensorFlow nor
 MPI): ``code`` or ``signal``, and ``requested`` when the child was stopped because the job was
@@ -89,6 +96,13 @@ def _send_exit_report(
 _DAEMONS = frozenset({"prted", "prterun", "mpirun", "orted"})
 # After SIGTERM, the rank's process group gets this long before SIGKILL.
 _END_GRACE_SECONDS = 2.0
+# Signals that ask the rank to end, and how long it gets before SIGKILL: shorter than the
+# ~0.25 s between Open MPI's SIGTERM and SIGKILL to this supervisor, so that the supervisor
+# reaps its rank before it is killed itself.
+_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_ASKED_GRACE_SECONDS = 0.1
+# How long a supervisor leaving on its own waits for its rank, killed, to be reaped.
+_REAP_SECONDS = 1.0
 
 
 def _comm(pid: int) -> str:
@@ -167,17 +181,39 @@ def _end_here(rank: str, child: subprocess.Popen, why: str) -> None:
     except OSError:  # Open MPI's daemon, which read our stderr, may be what is gone
         pass
     chain = _daemon_chain(os.getpid())
-    deadline = time.monotonic() + _END_GRACE_SECONDS
-    if _signal_group(child.pid, signal.SIGTERM):
-        while time.monotonic() < deadline and _signal_group(child.pid, 0):
-            time.sleep(0.05)
-        _signal_group(child.pid, signal.SIGKILL)
+    _end_rank(child, _END_GRACE_SECONDS)
+    _await_reaped(child, _REAP_SECONDS)
     for pid in chain:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
     os._exit(1)
+
+
+def _end_rank(child: subprocess.Popen, grace: float, signum: int | None = signal.SIGTERM) -> None:
+    """Ends the rank's process group: ``signum`` (if any) and SIGCONT, then SIGKILL once the
+    rank is reaped or ``grace`` seconds have passed.
+
+    The main thread reaps the rank (it waits in ``child.wait()``, which holds the lock that
+    ``poll()`` needs): from any other thread, ``returncode`` says it was reaped. A process
+    group that is gone (no rank, nothing it started) needs nothing.
+    """
+    if signum is not None and not _signal_group(child.pid, signum):
+        return
+    if not _signal_group(child.pid, signal.SIGCONT):  # a stopped rank acts on nothing else
+        return
+    deadline = time.monotonic() + grace
+    while child.returncode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _signal_group(child.pid, signal.SIGKILL)  # what is left of the group: the job is ending
+
+
+def _await_reaped(child: subprocess.Popen, seconds: float) -> None:
+    """Waits up to ``seconds`` for the main thread to reap the rank (see :func:`_end_rank`)."""
+    deadline = time.monotonic() + seconds
+    while child.returncode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _pump(source, sink, prefix: bytes) -> None:
@@ -273,11 +309,17 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     forwarded: list[int] = []
+    ending: list[int] = []  # the first signal that asked the rank to end, once sent on
 
     def forward(signum, frame):
         if child.poll() is None:
             forwarded.append(signum)
             child.send_signal(signum)
+            if signum in _ENDING_SIGNALS and not ending:
+                ending.append(signum)
+                threading.Thread(
+                    target=_end_rank, args=(child, _ASKED_GRACE_SECONDS, None), daemon=True
+                ).start()
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(signum, forward)
