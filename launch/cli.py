@@ -33,7 +33,11 @@ Flags of the launcher itself:
 
 Every other flag is a row of :data:`syncdp.core.settings.SETTINGS` and sets exactly that row's
 ``SYNCDP_*`` variable on every rank (flags ending in ``-mb`` take MiB; the variable holds
-bytes). ``syncdp-run --help`` lists them with their defaults. Every value, given as a flag or
+bytes). ``syncdp-run --help`` lists them with their defaults. Each setting is resolved once, here:
+the command line, then ``--config-file``, then the launcher's ``SYNCDP_*`` variable; the launcher
+acts on that value (``SYNCDP_MIN_NP`` in the environment makes the job elastic, mpirun included)
+and exports it to every rank, a false boolean too (``--no-autotune`` beats an inherited
+``SYNCDP_AUTOTUNE=1``). Every value, given as a flag or
 as a ``SYNCDP_*`` variable in the launcher's environment or a key of ``--config-file``, is
 checked before anything starts
 (:func:`syncdp.core.settings.validate`, the check ``init()`` also runs): NaN, infinity, text
@@ -92,8 +96,11 @@ class LaunchConfig:
         command: The program and its arguments, run on every rank.
         hosts: mpirun's ``--host`` value, or None.
         hostfile: mpirun's ``--hostfile`` value, or None.
-        settings: The settings given as flags, by setting name (``stall_timeout``), each in
-            the flag's unit (MiB for the ``-mb`` flags); settings not given are absent.
+        settings: Every setting a flag, a ``--config-file`` key or a ``SYNCDP_*`` variable of
+            the launcher's environment sets, in that precedence, by setting name
+            (``stall_timeout``), each in the flag's unit (MiB for the ``-mb`` flags); settings
+            set nowhere are absent. The launcher acts on these and exports each of them
+            (:func:`syncdp.core.settings.launcher_env`), so the ranks read the same values.
         mpi_args: Extra mpirun arguments.
         ssh_port: The remote shell's port, or None.
         ssh_identity_file: The remote shell's identity file, or None.
@@ -321,12 +328,14 @@ def _check_settings(
     spelled: Mapping[str, str],
     prog: str = "syncdp-run",
 ) -> dict[str, Any]:
-    """Every setting's value, from its flag and from the caller's ``SYNCDP_*`` variables,
-    checked before anything starts; exits 2 naming the first one not allowed, as it was given
-    (the flag's spelling, or the config file's key).
+    """Every setting's value, from its flag, its ``--config-file`` key or the caller's
+    ``SYNCDP_*`` variable (in that precedence), checked before anything starts; exits 2 naming
+    the first one not allowed, as it was given (the flag's spelling, the config file's key, or
+    the variable).
 
     Returns:
-        The settings given as flags, by name, in the flag's unit.
+        The settings, resolved once (:func:`syncdp.core.settings.resolve`), by name, in the
+        flag's unit: what the launcher acts on and exports to every rank.
     """
     given = {}
     try:
@@ -335,17 +344,19 @@ def _check_settings(
             if value is not None:
                 spelling = spelled.get(s.name)
                 given[s.name] = settings.validate(s, value, source="flag", spelling=spelling)
-        # The variables the ranks inherit, except those a flag replaces: unknown names and bad
-        # values are found here, not by every rank after it has loaded TensorFlow; so is a
-        # file rank 0 could not write (the autotune log), read as the ranks will read it.
+        # The variables the ranks would inherit, except those a flag replaces: unknown names
+        # and bad values are found here, not by every rank after it has loaded TensorFlow.
         flagged = {s.env for s in settings.SETTINGS if s.name in given}
         inherited = {k: v for k, v in environ.items() if k.startswith("SYNCDP_")}
-        settings.from_env(
-            {k: v for k, v in inherited.items() if k not in flagged} | settings.launcher_env(given)
-        )
+        unflagged = {k: v for k, v in inherited.items() if k not in flagged}
+        settings.from_env(unflagged)
+        resolved = settings.resolve(given, unflagged)
+        # What the ranks will read, exactly: a file rank 0 could not write (the autotune log)
+        # is found here too.
+        settings.from_env(settings.launcher_env(resolved))
     except ConfigError as e:
         _setting_error(str(e), prog)
-    return given
+    return resolved
 
 
 def parse_args(
@@ -421,20 +432,21 @@ def parse_args(
         parser.error(f"--ssh-port must be a TCP port (1-65535); got {args.ssh_port}")
     if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
         parser.error(f"--ssh-identity-file {args.ssh_identity_file!r} does not exist")
-    given = _check_settings(args, environ, spelled, prog)
+    resolved = _check_settings(args, environ, spelled, prog)
     # Each flag sets only its own variable; the ranks read -np's defaults from the job's size.
-    least, most = spelled.get("min_np", "--min-np"), spelled.get("max_np", "--max-np")
-    if (given.get("min_np") or 0) > args.num_proc:
-        parser.error(f"{least} ({given['min_np']}) must not exceed -np ({args.num_proc})")
-    if given.get("max_np") and given["max_np"] < args.num_proc:
-        parser.error(f"{most} ({given['max_np']}) must be at least -np ({args.num_proc})")
-    _check_spares(args.spares, args.num_proc, given, listed, prog)
+    least = spelled.get("min_np") or _origin("min_np", args)
+    most = spelled.get("max_np") or _origin("max_np", args)
+    if (resolved.get("min_np") or 0) > args.num_proc:
+        parser.error(f"{least} ({resolved['min_np']}) must not exceed -np ({args.num_proc})")
+    if resolved.get("max_np") and resolved["max_np"] < args.num_proc:
+        parser.error(f"{most} ({resolved['max_np']}) must be at least -np ({args.num_proc})")
+    _check_spares(args.spares, args.num_proc, resolved, listed, prog)
     return LaunchConfig(
         num_proc=args.num_proc,
         command=tuple(command),
         hosts=args.hosts,
         hostfile=args.hostfile,
-        settings=types.MappingProxyType(given),
+        settings=types.MappingProxyType(resolved),
         mpi_args=tuple(shlex.split(args.mpi_args)),
         ssh_port=args.ssh_port,
         ssh_identity_file=args.ssh_identity_file,
@@ -447,6 +459,13 @@ def parse_args(
         notes=tuple(notes + horovodrun_flags.notes(args, spelled)),
         spares=args.spares,
     )
+
+
+def _origin(name: str, args: argparse.Namespace) -> str:
+    """How an error names a setting that no flag spelled: its flag, or its variable when the
+    value came from the environment."""
+    s = next(s for s in settings.SETTINGS if s.name == name)
+    return s.flag if getattr(args, name) is not None else s.env
 
 
 def _check_spares(

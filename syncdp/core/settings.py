@@ -32,6 +32,7 @@ __all__ = [
     "Setting",
     "from_env",
     "launcher_env",
+    "resolve",
     "markdown_table",
     "INTERNAL_VARS",
     "ELASTIC_IMPLIED_BY",
@@ -588,22 +589,54 @@ def from_env_or_default(environ: Mapping[str, str] | None = None) -> Config:
         return Config()
 
 
-def launcher_env(flag_values: Mapping[str, Any]) -> dict[str, str]:
-    """The ``SYNCDP_*`` variables for the flags given on the launcher's command line.
+def resolve(flag_values: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """The launcher's settings, each resolved once: a flag (a ``--config-file`` key counts as
+    its flag, below the command line) wins over the environment's ``SYNCDP_*`` variable.
+
+    What is returned is what :func:`launcher_env` exports for every rank, so the ranks read
+    exactly the values the launcher acts on (elastic mode, ``--spares``, its timeouts).
 
     Args:
-        flag_values: Setting name -> the flag's parsed value, None (or False) when not given.
+        flag_values: Setting name -> the flag's parsed value (:func:`validate`,
+            ``source="flag"``); settings not given are absent or None.
+        environ: The launcher's environment.
 
     Returns:
-        One variable per given flag.
+        Setting name -> value in the flag's unit, for every setting a flag or a variable sets.
+
+    Raises:
+        ConfigError: A variable not replaced by a flag is malformed (named).
+    """
+    resolved = {name: value for name, value in flag_values.items() if value is not None}
+    for s in SETTINGS:
+        if s.name in resolved or s.env not in environ:
+            continue
+        value = validate(s, environ[s.env], source="env")
+        if s.flag_unit != 1:
+            value = value / s.flag_unit  # exact: the unit is a power of two
+        resolved[s.name] = value
+    return resolved
+
+
+def launcher_env(flag_values: Mapping[str, Any]) -> dict[str, str]:
+    """The ``SYNCDP_*`` variables for the launcher's settings (:func:`resolve`).
+
+    A false boolean is exported too (``--no-autotune``, a config file's ``enabled: false``):
+    it replaces a true variable the ranks would otherwise inherit.
+
+    Args:
+        flag_values: Setting name -> the flag's parsed value, None when not given.
+
+    Returns:
+        One variable per given setting.
     """
     env = {}
     for s in SETTINGS:
         value = flag_values.get(s.name)
-        if value is None or (s.type is bool and not value):
+        if value is None:
             continue
         named_file = s.name in ("timeline", "autotune_log_file")
-        if named_file or (s.name == "host_discovery_script" and os.path.exists(value)):
+        if value and (named_file or s.name == "host_discovery_script" and os.path.exists(value)):
             value = os.path.abspath(value)  # ranks may start in another working directory
         env[s.env] = s.env_text(value)
     return env
