@@ -512,7 +512,9 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides) -> Config:
 
     Raises:
         ConfigError: A ``SYNCDP_*`` variable is unknown or cannot be parsed, a keyword names
-            no setting, or a value is out of range.
+            no setting, or a value is out of range; or, on rank 0 (the environment's
+            ``OMPI_COMM_WORLD_RANK``, else this process) of a job that tunes, the autotune log
+            cannot be written there (:func:`unwritable`).
     """
     environ = os.environ if environ is None else environ
     values = {}
