@@ -1,9 +1,9 @@
-"""The settings table: one row per setting drives init(), the environment, the launcher, the README.
+"""The settings table: one row per setting drives init(), the environment, the launcher, the docs.
 
 The first half checks :func:`syncdp.core.settings.from_env` (one frozen Config, keyword arguments
 win, unknown or malformed variables raise). The second half checks that every place derived from
 :data:`~syncdp.core.settings.SETTINGS` agrees with it: the launcher's flags and their help, the
-variables the launcher sets, and the README's table.
+variables the launcher sets, and the table in docs/settings.md.
 """
 
 import argparse
@@ -227,10 +227,11 @@ def test_flag_below_the_rows_minimum_is_a_usage_error_naming_it(s, capsys):
     assert f"{s.flag} must be " in err and f"at least {s.minimum / s.flag_unit:g}" in err, err
 
 
-def test_readme_holds_the_generated_settings_table():
-    readme = (ROOT / "README.md").read_text()
-    assert settings.markdown_table() in readme, (
-        "README.md's settings table differs from syncdp/core/settings.py; paste the output of "
+def test_docs_hold_the_generated_settings_table():
+    page = (ROOT / "docs" / "settings.md").read_text()
+    assert settings.markdown_table() in page, (
+        "docs/settings.md's settings table differs from syncdp/core/settings.py; paste the "
+        "output of "
         '`python -c "from syncdp.core import settings; print(settings.markdown_table())"`.'
     )
 
