@@ -8,8 +8,14 @@ The data is scikit-learn's bundled digits (1,797 8x8 images, 10 classes). Rank 0
 once to TFRecord shards (a training and a held-out set); every rank then reads its own,
 disjoint share of the training shards through tf.data, with the same number of batches on every
 rank. Training is ordinary Keras: the syncdp lines are marked ``# syncdp:``. Rank 0 keeps
-checkpoints, so running the same command again resumes where the last run stopped (pass a new
-``--checkpoint-dir`` to start afresh), and prints the held-out accuracy at the end.
+checkpoints, so running the same command again resumes where the last run stopped, and prints
+the held-out accuracy at the end.
+
+Its folders are ``runs/digits/data`` and ``runs/digits/checkpoints`` under the current
+directory (``--data-dir``, ``--checkpoint-dir``; both printed at the start). Each checkpoint
+records the epochs done, the samples seen and the number of ranks and global batch of the run
+that wrote it: a run with another number of ranks resumes at the same epoch and says so (pass
+``--fresh`` or another ``--checkpoint-dir`` to start from scratch).
 
 Each rank trains on ``--batch-size`` examples per step, so the global batch is
 ``size * batch_size``; the learning rate is scaled by ``size`` and warmed up over the first
@@ -20,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
 import keras
 import numpy as np
@@ -35,7 +40,7 @@ PIXELS, CLASSES = 64, 10
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    base = os.path.join(tempfile.gettempdir(), "syncdp-digits")
+    base = os.path.join("runs", "digits")
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--epochs", type=int, default=20, help="epochs to train (default 20)")
     p.add_argument("--batch-size", type=int, default=32, help="examples per rank per step")
@@ -50,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--checkpoint-dir",
         default=os.path.join(base, "checkpoints"),
         help="where rank 0 keeps checkpoints (resumed from if present)",
+    )
+    p.add_argument(
+        "--fresh", action="store_true", help="ignore existing checkpoints (they are kept)"
     )
     p.add_argument("--verbose", type=int, default=2, help="Keras fit verbosity on rank 0")
     return p.parse_args(argv)
@@ -103,20 +111,27 @@ def build_model() -> keras.Model:
 
 
 class SaveCheckpoint(keras.callbacks.Callback):
-    """Saves a checkpoint at the end of every epoch (rank 0 writes; every rank calls save)."""
+    """Saves a checkpoint at the end of every epoch (rank 0 writes; every rank calls save),
+    with what a later run needs to resume at the right epoch whatever its number of ranks."""
 
-    def __init__(self, manager):
+    def __init__(self, manager, global_batch: int, samples_per_epoch: int):
         super().__init__()
         self.manager = manager
+        self.record = {"ranks": hvd.size(), "global_batch": global_batch}
+        self.samples_per_epoch = samples_per_epoch
 
     def on_epoch_end(self, epoch, logs=None):
-        self.manager.save(int(self.model.optimizer.iterations))
+        record = dict(self.record, epochs=epoch + 1, samples=(epoch + 1) * self.samples_per_epoch)
+        self.manager.save(int(self.model.optimizer.iterations), metadata=record)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     hvd.init()  # syncdp: start MPI, learn this process's rank
     keras.utils.set_random_seed(1234)
+    if hvd.rank() == 0:
+        print(f"data: {os.path.abspath(args.data_dir)}")
+        print(f"checkpoints: {os.path.abspath(args.checkpoint_dir)}")
 
     # syncdp: rank 0 writes the data once (training shards last); the others wait for it.
     if hvd.rank() == 0 and not os.path.isdir(os.path.join(args.data_dir, "train")):
@@ -135,6 +150,7 @@ def main(argv=None) -> None:
         os.path.join(args.data_dir, "test", "*.tfrecord"), parse, args.batch_size
     )
     steps_per_epoch = int(train.cardinality())
+    global_batch = hvd.size() * args.batch_size
 
     model = build_model()
     # syncdp: scale the learning rate by the number of ranks; average gradients across them.
@@ -150,9 +166,8 @@ def main(argv=None) -> None:
     manager = syncdp.checkpoint.CheckpointManager(
         args.checkpoint_dir, model=model, optimizer=optimizer
     )
-    initial_epoch = min(manager.restore() // steps_per_epoch, args.epochs)
-    if initial_epoch and hvd.rank() == 0:
-        print(f"Resuming from the checkpoint of epoch {initial_epoch} in {args.checkpoint_dir}")
+    resumed = resume(manager, args)
+    initial_epoch = min(resumed.get("epochs", 0), args.epochs)
 
     callbacks = [
         # syncdp: every rank starts from rank 0's weights, before the first step.
@@ -165,7 +180,7 @@ def main(argv=None) -> None:
             warmup_epochs=args.warmup_epochs,
             steps_per_epoch=steps_per_epoch,
         ),
-        SaveCheckpoint(manager),  # syncdp: written by rank 0 only
+        SaveCheckpoint(manager, global_batch, steps_per_epoch * global_batch),  # rank 0 writes
     ]
     verbose = args.verbose if hvd.rank() == 0 else 0  # syncdp: progress output on rank 0
     model.fit(
@@ -180,10 +195,38 @@ def main(argv=None) -> None:
 
     if hvd.rank() == 0:  # syncdp: the whole held-out set, evaluated once
         accuracy = held_out_accuracy(model, args.data_dir)
+        history = ""
+        if resumed:
+            history = (
+                f"; epochs 1-{resumed['epochs']} by a run of {resumed['ranks']} rank(s), "
+                f"global batch {resumed['global_batch']}"
+            )
         print(
             f"held-out accuracy: {accuracy:.4f} ({hvd.size()} ranks, global batch "
-            f"{hvd.size() * args.batch_size}, {args.epochs} epochs)"
+            f"{global_batch}, {args.epochs} epochs{history})"
         )
+
+
+def resume(manager, args) -> dict:
+    """Restores the newest checkpoint unless ``--fresh``; returns its record ({} if none) and
+    says on rank 0 what is resumed, and from a run of how many ranks."""
+    if args.fresh or manager.restore() == 0:
+        return {}
+    record = manager.metadata
+    if "epochs" not in record:  # written by another program: start afresh rather than guess
+        if hvd.rank() == 0:
+            print(f"{args.checkpoint_dir} holds checkpoints of another program: not resumed")
+        return {}
+    if hvd.rank() == 0:
+        note = ""
+        if record["ranks"] != hvd.size():
+            note = (
+                f" (written by a run of {record['ranks']} rank(s), global batch "
+                f"{record['global_batch']}; this run has {hvd.size()}: training goes on at the "
+                f"same epoch, {record['samples']} samples seen)"
+            )
+        print(f"Resuming after epoch {record['epochs']} from {args.checkpoint_dir}{note}")
+    return record
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tests.launcher import check, launch
+from tests.launcher import ROOT, check, launch
 
 
 def _accuracy(stdout: str) -> float:
@@ -20,27 +20,45 @@ def test_hello_at_np2():
         assert f"[{rank}]<stdout>:rank {rank}: sum of ranks = 1 (expected 1)" in result.stdout
 
 
-@pytest.mark.parametrize("np", [1, 2])
-def test_train_learns_and_resumes(tmp_path, np):
-    flags = (
-        "--data-dir",
-        str(tmp_path / "data"),
-        "--checkpoint-dir",
-        str(tmp_path / "ckpt"),
-        "--warmup-epochs",
-        "1",
-    )
-    first = check(launch(np, "python", "examples/train.py", "--epochs", "3", *flags, timeout=400))
+@pytest.mark.parametrize("np, np_again", [(1, 2), (2, 1)])
+def test_train_learns_and_resumes_under_another_number_of_ranks(tmp_path, np, np_again):
+    train = str(ROOT / "examples" / "train.py")
+    flags = ("--warmup-epochs", "1")
+    first = launch(np, "python", train, "--epochs", "3", *flags, cwd=tmp_path, timeout=400)
+    check(first)
     # Ten classes: chance is 0.1; three epochs of this MLP get well past 0.8.
     assert _accuracy(first.stdout) > 0.8
     assert "Epoch 3/3" in first.stdout
     assert "<stdout>:Epoch" not in first.stdout.replace("[0]<stdout>:Epoch", "")  # rank 0 only
-    assert len(list((tmp_path / "data" / "train").glob("shard-*.tfrecord"))) == 8
+    # The folders are named, under the current directory.
+    assert f"[0]<stdout>:checkpoints: {tmp_path / 'runs' / 'digits' / 'checkpoints'}" in (
+        first.stdout
+    )
+    assert len(list((tmp_path / "runs" / "digits" / "data" / "train").glob("*.tfrecord"))) == 8
 
-    again = check(launch(np, "python", "examples/train.py", "--epochs", "4", *flags, timeout=400))
-    assert "Resuming from the checkpoint of epoch 3" in again.stdout
+    again = launch(np_again, "python", train, "--epochs", "4", *flags, cwd=tmp_path, timeout=400)
+    check(again)
+    # Epochs are counted in samples: the same epoch whatever the number of ranks, and said.
+    assert "Resuming after epoch 3" in again.stdout
+    assert f"written by a run of {np} rank(s), global batch {32 * np}" in again.stdout
     assert "Epoch 4/4" in again.stdout and "Epoch 1/4" not in again.stdout
     assert _accuracy(again.stdout) > 0.8
+    assert f"epochs 1-3 by a run of {np} rank(s)" in again.stdout
+
+    fresh = launch(
+        np_again,
+        "python",
+        train,
+        "--epochs",
+        "1",
+        "--fresh",
+        *flags,
+        cwd=tmp_path,
+        timeout=400,
+    )
+    check(fresh)
+    assert "Resuming" not in fresh.stdout and "by a run of" not in fresh.stdout
+    assert f"({np_again} ranks, global batch {32 * np_again}, 1 epochs)" in fresh.stdout
 
 
 def test_custom_loop_learns_at_np2():
