@@ -436,6 +436,8 @@ def _variable_value(s: Setting, typed: Any, unit: int) -> Any:
 #   SYNCDP_JOB_ID, SYNCDP_REPORT_SECRET  the job's id and the key its reports are signed with
 #   SYNCDP_LIFELINE_ADDR  host:port every supervisor holds a connection to (launch.lifeline)
 #   SYNCDP_SPARES       how many of the job's last processes are warm spares (syncdp.core.spares)
+#   SYNCDP_COMMIT_DIR   elastic jobs on several hosts: where each host keeps the last commit on its
+#                       local disk, so a restart after a lost host resumes (syncdp.core.commits)
 INTERNAL_VARS = frozenset(
     {
         "SYNCDP_LAUNCHER",
@@ -446,6 +448,7 @@ INTERNAL_VARS = frozenset(
         "SYNCDP_LIFELINE_ADDR",
         "SYNCDP_SPARES",
         "SYNCDP_NEW_SPARE",
+        "SYNCDP_COMMIT_DIR",
     }
 )
 
