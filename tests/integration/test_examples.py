@@ -61,6 +61,14 @@ def test_train_learns_and_resumes_under_another_number_of_ranks(tmp_path, np, np
     assert f"({np_again} ranks, global batch {32 * np_again}, 1 epochs)" in fresh.stdout
 
 
+def test_the_main_job_gives_the_readmes_accuracy(tmp_path):
+    # The README's Quick start command, as it is, in a fresh directory: "a run gives 0.96-0.98".
+    result = check(
+        launch(2, "python", str(ROOT / "examples" / "train.py"), cwd=tmp_path, timeout=600)
+    )
+    assert 0.96 <= _accuracy(result.stdout) <= 0.98, result.stdout[-2000:]
+
+
 def test_custom_loop_learns_at_np2():
     result = check(launch(2, "python", "examples/custom_loop.py", "--steps", "80", timeout=400))
     assert _accuracy(result.stdout) > 0.6
