@@ -154,6 +154,10 @@ def build_env(
     # (docs/performance-16core.md) and needed where ranks share cores. --mpi-args "--mca
     # mpi_yield_when_idle 0" or the variable set by the caller wins.
     env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    if config.elastic:
+        # No fence in MPI_Finalize: Open MPI 5.0.11's never completes once a host has lost
+        # every rank it started with (syncdp.core.runtime.init sets it too, for replacements).
+        env.setdefault("OMPI_MCA_async_mpi_finalize", "1")
     if not config.multihost and not os.path.isdir("/sys/class/infiniband"):
         # No RDMA device: Open MPI's UCX one-sided component would print an error for every
         # shared-memory window (syncdp's data plane makes one per group); sm serves instead.

@@ -68,6 +68,8 @@ __all__ = [
 ]
 
 _POLL_SECONDS = 0.01
+# Open MPI's switch that leaves the PMIx fence out of MPI_Finalize (elastic mode sets it).
+ASYNC_FINALIZE_VAR = "OMPI_MCA_async_mpi_finalize"
 
 
 class _State:
@@ -134,6 +136,12 @@ def init(comm=None, process_sets=None, **options) -> None:
     world_rank = _rank_from_launcher()
     if world_rank is not None and not replacement:
         report.send("started", world_rank)
+    if config.elastic:
+        # MPI_Finalize's fence over the first ranks never completes in Open MPI 5.0.11 once a
+        # host has lost every one of them (its daemon no longer takes part), spawn or not.
+        # Elastic ranks leave through elastic.run's final agreement instead, so the fence
+        # adds nothing they need (a program that started MPI itself gets it from syncdp-run).
+        os.environ.setdefault(ASYNC_FINALIZE_VAR, "1")
     MPI = mpi.load()
     if world_rank is None:
         report.send("started", MPI.COMM_WORLD.Get_rank())
@@ -680,8 +688,9 @@ def _bound_finalize(seconds: float) -> None:
     """Ends this process with SIGALRM if MPI_Finalize (run by mpi4py after this) hangs.
 
     In elastic mode the launcher waits for every rank's exit, and Open MPI 5.0.11's
-    MPI_Finalize can wait forever after some spawns (a replacement on a host that started with
-    no rank; two spawns at once in one process). A bound turns that hang into a named failure
+    MPI_Finalize can wait forever: its fence once a host has lost every rank it started with
+    (elastic mode turns the fence off, :data:`ASYNC_FINALIZE_VAR`, unless the user sets it),
+    two spawns at once in one process. A bound turns such a hang into a named failure
     after ``seconds`` (``--finalize-timeout``, 60 by default): the exit status is no longer
     known then, so it can never count as a success. A finalize that returns in time cancels
     nothing: the process has exited by then.
