@@ -15,7 +15,7 @@ import functools
 import types
 from types import ModuleType
 
-import keras
+import keras as _keras3
 
 from syncdp.keras import callbacks, checkpoint, elastic, optimizer, saving
 from syncdp.tensorflow import sync_batch_norm
@@ -50,7 +50,7 @@ def names(package: ModuleType, face: str) -> dict[str, object]:
 
 def _module(real: ModuleType, package: ModuleType, name: str) -> ModuleType:
     """``real``'s names, its classes built for ``package``, as the module ``name``."""
-    if package is keras:  # real's own classes are Keras 3's
+    if package is _keras3:  # real's own classes are Keras 3's
         return real
     built = real.for_package(package)
     module = types.ModuleType(name, real.__doc__)

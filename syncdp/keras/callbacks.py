@@ -32,7 +32,7 @@ import types
 import warnings
 from types import ModuleType
 
-import keras
+import keras as _keras3
 import numpy as np
 import tensorflow as tf
 
@@ -443,9 +443,9 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
     return classes
 
 
-_keras3 = for_package(keras)
-BroadcastGlobalVariablesCallback = _keras3.BroadcastGlobalVariablesCallback
-MetricAverageCallback = _keras3.MetricAverageCallback
-LearningRateScheduleCallback = _keras3.LearningRateScheduleCallback
-LearningRateWarmupCallback = _keras3.LearningRateWarmupCallback
-BestModelCheckpoint = _keras3.BestModelCheckpoint
+_classes = for_package(_keras3)
+BroadcastGlobalVariablesCallback = _classes.BroadcastGlobalVariablesCallback
+MetricAverageCallback = _classes.MetricAverageCallback
+LearningRateScheduleCallback = _classes.LearningRateScheduleCallback
+LearningRateWarmupCallback = _classes.LearningRateWarmupCallback
+BestModelCheckpoint = _classes.BestModelCheckpoint

@@ -12,7 +12,7 @@ import functools
 import os
 from types import ModuleType
 
-import keras
+import keras as _keras3
 
 from syncdp.checkpoint import CheckpointManager
 from syncdp.core.errors import CheckpointError
@@ -151,4 +151,4 @@ class _ResumeAt:
         return self.epoch, 0
 
 
-CheckpointCallback = for_package(keras)
+CheckpointCallback = for_package(_keras3)

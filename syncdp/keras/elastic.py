@@ -25,7 +25,7 @@ import functools
 import types
 from types import ModuleType
 
-import keras
+import keras as _keras3
 
 from syncdp.core.errors import HorovodInternalError, HostsUpdatedInterrupt, RankFailureError
 from syncdp.elastic import ObjectState, State, run
@@ -179,7 +179,7 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
     return classes
 
 
-_keras3 = for_package(keras)
-CommitStateCallback = _keras3.CommitStateCallback
-UpdateBatchStateCallback = _keras3.UpdateBatchStateCallback
-UpdateEpochStateCallback = _keras3.UpdateEpochStateCallback
+_classes = for_package(_keras3)
+CommitStateCallback = _classes.CommitStateCallback
+UpdateBatchStateCallback = _classes.UpdateBatchStateCallback
+UpdateEpochStateCallback = _classes.UpdateEpochStateCallback

@@ -31,7 +31,7 @@ import functools
 import warnings
 from types import ModuleType
 
-import keras
+import keras as _keras3
 
 from syncdp.keras._distributed import Distributed
 from syncdp.tensorflow import keras2_names
@@ -46,36 +46,36 @@ __all__ = [
 
 
 @functools.cache
-def for_package(keras_: ModuleType) -> type:
-    """The DistributedOptimizer class for ``keras_``, built once per Keras package.
+def for_package(keras: ModuleType) -> type:
+    """The DistributedOptimizer class for ``keras``, built once per Keras package.
 
     Args:
-        keras_: Keras 3's ``keras`` or tf-keras's ``tf_keras`` (Keras 2).
+        keras: Keras 3's ``keras`` or tf-keras's ``tf_keras`` (Keras 2).
 
     Returns:
-        A subclass of ``keras_.optimizers.Optimizer``, registered with that Keras as
+        A subclass of ``keras.optimizers.Optimizer``, registered with that Keras as
         ``syncdp>DistributedOptimizer`` (so saved models load with it). Like every such
         class, it wraps an optimizer of another Keras with that Keras' class.
     """
-    keras2_names.install(keras_)  # Keras 2's lr= from here on, if not yet
+    keras2_names.install(keras)  # Keras 2's lr= from here on, if not yet
 
-    @keras_.saving.register_keras_serializable(package="syncdp")
-    class DistributedOptimizer(Distributed, keras_.optimizers.Optimizer):
+    @keras.saving.register_keras_serializable(package="syncdp")
+    class DistributedOptimizer(Distributed, keras.optimizers.Optimizer):
         __doc__ = Distributed.__doc__
-        _keras = keras_
+        _keras = keras
         _for_package = staticmethod(for_package)
         # Keras 3's base class needs a learning rate; Keras 2's takes none.
-        _base_arguments = {"learning_rate": 0.0} if _major(keras_) >= 3 else {}
+        _base_arguments = {"learning_rate": 0.0} if _major(keras) >= 3 else {}
 
     DistributedOptimizer.__qualname__ = DistributedOptimizer.__name__
     return DistributedOptimizer
 
 
-def _major(keras_: ModuleType) -> int:
-    return int(keras_.__version__.split(".")[0])
+def _major(keras: ModuleType) -> int:
+    return int(keras.__version__.split(".")[0])
 
 
-DistributedOptimizer = for_package(keras)
+DistributedOptimizer = for_package(_keras3)
 
 
 def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
@@ -96,7 +96,7 @@ def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
     Raises:
         ValueError: ``local_layers`` holds something that is not a Keras layer.
     """
-    layer_type = (package_of(optimizer) or keras).layers.Layer
+    layer_type = (package_of(optimizer) or _keras3).layers.Layer
     if local_layers is None:
         local_layers = []
     elif isinstance(local_layers, layer_type):

@@ -11,7 +11,7 @@ import functools
 import os
 from types import ModuleType
 
-import keras
+import keras as _keras3
 import tensorflow as tf
 
 from syncdp.keras import optimizer as _optimizer
@@ -22,10 +22,10 @@ __all__ = ["load_model"]
 
 
 @functools.cache
-def for_package(keras_: ModuleType):
-    """The ``load_model`` that loads with ``keras_`` (Keras 3's ``keras`` or tf-keras's
+def for_package(keras: ModuleType):
+    """The ``load_model`` that loads with ``keras`` (Keras 3's ``keras`` or tf-keras's
     ``tf_keras``), built once per package."""
-    distributed = _optimizer.for_package(keras_)  # registered with keras_ before any load
+    distributed = _optimizer.for_package(keras)  # registered with keras before any load
 
     def load_model(
         filepath,
@@ -63,7 +63,7 @@ def for_package(keras_: ModuleType):
         objects = dict(custom_objects or {})
         for cls in custom_optimizers or ():
             objects[cls.__name__] = cls
-        model = keras_.models.load_model(filepath, custom_objects=objects, **kwargs)
+        model = keras.models.load_model(filepath, custom_objects=objects, **kwargs)
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and tf.saved_model.contains_saved_model(os.fspath(filepath)):
             _restore_optimizer(model, os.fspath(filepath))
@@ -88,4 +88,4 @@ def _restore_optimizer(model, directory: str) -> None:
     tf.train.Checkpoint(root=model).read(prefix).expect_partial()
 
 
-load_model = for_package(keras)
+load_model = for_package(_keras3)
