@@ -30,6 +30,12 @@ Open MPI's banners (a block of text between lines of dashes) that only say again
 syncdp's own last line says (a rank called ``MPI_Abort``, exited non-zero or was killed) are
 folded into one line, their first sentence; ``--log-level DEBUG`` (``full_banners``) prints
 them whole. Other banners (Open MPI's advice on what it cannot do) pass unchanged.
+
+TensorFlow's start-up chatter on every rank (absl's note on early log messages, oneDNN's notice,
+the CPU-instructions notice, "Could not find cuda drivers" and, on a rank that said that, the
+cuInit failure that follows from it) is left off the console, with one line saying so;
+``--log-level DEBUG`` (``chatter``) prints it, and ``--output-filename`` files keep it. Nothing
+else is hidden: any other warning or error of TensorFlow passes.
 """
 
 from __future__ import annotations
@@ -63,6 +69,22 @@ _REPEATS = re.compile(
 )
 # A block this long is no banner of those: it is printed as it came.
 _BANNER_LINES = 40
+
+# TensorFlow's start-up chatter, as a rank's line (after its tag) starts; absl's prefix is
+# "I1126 02:13:39.123456    7629 file.cc:31] " (level, date, time, thread, source).
+_ABSL = rb"[IW]\d{4} [\d:.]+ +\d+ "
+_CHATTER = re.compile(
+    rb"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    rb"|" + _ABSL + rb"port\.cc:\d+\] oneDNN custom operations are on"
+    rb"|" + _ABSL + rb"cpu_feature_guard\.cc:\d+\] This TensorFlow binary is optimized"
+    rb"|To enable the following instructions: .* rebuild TensorFlow with the appropriate"
+)
+_NO_DRIVER = re.compile(_ABSL + rb"cudart_stub\.cc:\d+\] Could not find cuda drivers")
+_CUINIT = re.compile(rb"E\d{4} [\d:.]+ +\d+ cuda_platform\.cc:\d+\] failed call to cuInit")
+_CHATTER_NOTE = (
+    b"syncdp-run: TensorFlow's start-up messages (oneDNN, CPU instructions, no CUDA driver) "
+    b"are not shown; --log-level DEBUG shows them\n"
+)
 
 
 class RankFiles:
@@ -148,16 +170,45 @@ def _fold(block: list[bytes]) -> bytes | None:
     return b"syncdp-run: Open MPI: " + first + b" (in full at --log-level DEBUG)\n"
 
 
+class _Chatter:
+    """Which of the ranks' lines are TensorFlow's start-up chatter (the module's docstring)."""
+
+    def __init__(self):
+        self.no_driver: set[bytes] = set()  # ranks (their number) that found no CUDA driver
+        self.noted = False
+
+    def __call__(self, raw: bytes, tag) -> bool:
+        line = raw[tag.end() :]
+        if _NO_DRIVER.match(line):
+            self.no_driver.add(tag[1])
+            return True
+        if _CUINIT.match(line):
+            return tag[1] in self.no_driver
+        return _CHATTER.match(line) is not None
+
+
 def _pump(
-    source, sink, *, timestamps: bool, files: RankFiles | None, full_banners: bool = False
+    source,
+    sink,
+    *,
+    timestamps: bool,
+    files: RankFiles | None,
+    full_banners: bool = False,
+    quiet: _Chatter | None = None,
 ) -> None:
     pending: dict[bytes, list[bytes]] = {}  # a rank's tag -> pieces of its unfinished line
     banner: list[bytes] | None = None  # mpirun's lines since a rule, while it may be a banner
     marked = CONTINUED + b"\n"
+    is_chatter = quiet
 
     def emit(raw: bytes, tag=None) -> None:
         stamp = _stamp() if timestamps else b""
-        sink.write(stamp + _text(raw))
+        quiet = tag is not None and is_chatter is not None and is_chatter(raw, tag)
+        if quiet and not is_chatter.noted:
+            is_chatter.noted = True
+            sink.write(_CHATTER_NOTE)
+        if not quiet:
+            sink.write(stamp + _text(raw))
         sink.flush()
         if files is not None and tag is not None:
             files.write(int(tag[1]), tag[2].decode(), stamp + raw[tag.end() :])
@@ -208,6 +259,7 @@ def copy_output(
     timestamps: bool = False,
     files: RankFiles | None = None,
     full_banners: bool = False,
+    chatter: bool = False,
 ) -> list[threading.Thread]:
     """Starts copying mpirun's stdout and stderr to the launcher's; returns the two threads.
 
@@ -217,12 +269,15 @@ def copy_output(
         files: Where each rank's lines also go, or None. Defaults to None.
         full_banners: Print Open MPI's banners that repeat the verdict whole instead of one
             line each (``--log-level DEBUG``). Defaults to False.
+        chatter: Print TensorFlow's start-up chatter too (``--log-level DEBUG``). Defaults to
+            False.
     """
+    quiet = None if chatter else _Chatter()  # one for both streams: one note in all
     pumps = [
         threading.Thread(
             target=_pump,
             args=(stream, sink),
-            kwargs=dict(timestamps=timestamps, files=files, full_banners=full_banners),
+            kwargs=dict(timestamps=timestamps, files=files, full_banners=full_banners, quiet=quiet),
             daemon=True,
         )
         for stream, sink in (

@@ -386,7 +386,10 @@ def run(config: LaunchConfig) -> int:
         _say(shlex.join(cmd))  # the secret is exported by name (-x), never on a command line
     process = supervision.start_mpirun(cmd, env)
     sweeper.mpirun_pid = process.pid
-    pumps = output.copy_output(process, timestamps=config.timestamps, files=files)
+    chatty = config.log_level in _CHATTY  # Open MPI's banners and TF's chatter in full
+    pumps = output.copy_output(
+        process, timestamps=config.timestamps, files=files, full_banners=chatty, chatter=chatty
+    )
     hung = False
     try:
         with supervision.StopOnSignals(process) as signals, _print_on_usr1(timings):

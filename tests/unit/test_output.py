@@ -43,3 +43,41 @@ def test_a_rank_that_ends_inside_a_long_line_still_shows_what_it_wrote(tmp_path)
     files = output.RankFiles(str(tmp_path), 3)
     output._pump(io.BytesIO(first), sink, timestamps=False, files=files)
     assert sink.getvalue() == b"[2]<stderr>:" + b"c" * output.PIECE_BYTES + b"\n"
+
+
+# What TensorFlow 2.21 prints on a rank's stderr as it starts on a host without CUDA drivers
+# (rank 0), then a rank that found a driver but no device (rank 1), a warning and the program.
+_A = b"00:00:1795659470.400969   22888 "  # absl's date, time and thread (messages shortened)
+STARTUP_LINES = [
+    b"[0]<stderr>:WARNING: All log messages before absl::InitializeLog() is called are "
+    b"written to STDERR",
+    b"[0]<stderr>:I0000 " + _A + b"port.cc:153] oneDNN custom operations are on. You may see",
+    b"[0]<stderr>:I0000 " + _A + b"cudart_stub.cc:31] Could not find cuda drivers on your",
+    b"[0]<stderr>:I0000 " + _A + b"cpu_feature_guard.cc:227] This TensorFlow binary is optimized",
+    b"[0]<stderr>:To enable the following instructions: AVX2 FMA, in other operations, rebuild "
+    b"TensorFlow with the appropriate compiler flags.",
+    b"[0]<stderr>:E0000 " + _A + b"cuda_platform.cc:52] failed call to cuInit: (303)",
+    b"[1]<stderr>:E0000 " + _A + b"cuda_platform.cc:52] failed call to cuInit: (100)",
+    b"[0]<stderr>:W0000 " + _A + b"op_kernel.cc:1830] OP_REQUIRES failed: a real warning",
+    b"[0]<stdout>:hello from rank 0",
+]
+STARTUP = b"\n".join(STARTUP_LINES) + b"\n"
+
+
+def test_tensorflows_startup_chatter_is_one_line_unless_debug(tmp_path):
+    sink = io.BytesIO()
+    files = output.RankFiles(str(tmp_path), 2)
+    output._pump(io.BytesIO(STARTUP), sink, timestamps=False, files=files, quiet=output._Chatter())
+    files.close()
+    lines = sink.getvalue().splitlines()
+    assert lines[0].startswith(b"syncdp-run: TensorFlow's start-up messages")
+    assert b"--log-level DEBUG" in lines[0]
+    # Kept: errors that are news (rank 1 has a driver, so its cuInit failure is), warnings and
+    # the program's output.
+    assert lines[1:] == STARTUP_LINES[6:]
+    # The rank's own files keep every line.
+    assert (tmp_path / "rank.0" / "stderr").read_bytes().count(b"\n") == 7
+    # At --log-level DEBUG (no filter) everything reaches the console as it came.
+    sink = io.BytesIO()
+    output._pump(io.BytesIO(STARTUP), sink, timestamps=False, files=None)
+    assert sink.getvalue() == STARTUP
