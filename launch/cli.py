@@ -288,6 +288,15 @@ def build_parser(prog: str = "syncdp-run") -> argparse.ArgumentParser:
         prog=prog,
         description="Run a program on N synchronous data-parallel ranks through mpirun.",
         usage=f"{prog} -np N [options] COMMAND [ARGS...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "examples:\n"
+            f"  {prog} -np 2 python examples/train.py\n"
+            f"  {prog} -np 4 -H host1:2,host2:2 python train.py\n"
+            f"  {prog} -np 4 --min-np 2 --spares 1 python train.py   # elastic\n"
+            "\nEvery flag of horovodrun 0.28 is accepted: docs/horovodrun-flags.md. The settings "
+            "and\ntheir SYNCDP_* variables: docs/settings.md. The guide: README.md."
+        ),
     )
     _add_launcher_flags(p)
     group = p.add_argument_group(
@@ -305,7 +314,7 @@ def build_parser(prog: str = "syncdp-run") -> argparse.ArgumentParser:
         if s.choices:
             metavar = "{" + ",".join(s.choices) + "}"
         elif s.type is str:
-            metavar = "STR"
+            metavar = "FILE"  # every free-text setting names a file or a program
         elif s.flag_unit == settings.MiB:
             metavar = "MiB"  # fractions of a MiB are fine: the variable is bytes
         else:
