@@ -17,6 +17,7 @@ import copy
 from collections.abc import Callable
 from types import ModuleType
 
+import numpy as np
 import tensorflow as tf
 
 from syncdp.core.errors import UnsupportedError
@@ -228,10 +229,10 @@ class Distributed:
                 "weights saved from the same optimizer, with the same backward_passes_per_step."
             )
         for variable, value in zip(variables, weights, strict=True):
-            if tuple(variable.shape) != tuple(getattr(value, "shape", ())):
+            if tuple(variable.shape) != np.shape(value):
                 raise ValueError(
                     f"{self.name}'s variable {variable.name} has shape {tuple(variable.shape)}; "
-                    f"got a value of shape {tuple(getattr(value, 'shape', ()))}."
+                    f"got a value of shape {np.shape(value)}."
                 )
             variable.assign(value)
 
