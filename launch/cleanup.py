@@ -43,7 +43,7 @@ from launch.hosts import Host, is_local
 if TYPE_CHECKING:
     from launch.lifeline import Link
 
-__all__ = ["SWEEP_SECONDS", "Sweeper", "sweep_command"]
+__all__ = ["SWEEP_SECONDS", "Sweeper", "sweep_command", "remove_directory"]
 
 # The most a sweep of one host takes, remote shell included.
 SWEEP_SECONDS = 5.0
@@ -259,3 +259,34 @@ class Sweeper:
         if not parts:
             return None
         return "cleaned up what was left of the job: " + "; ".join(parts)
+
+
+def remove_directory(directory: str, shell: Sequence[str], hosts: Iterable[str]) -> str | None:
+    """Removes ``directory`` (an elastic job's commits, :mod:`syncdp.core.commits`) on every
+    one of ``hosts``, in parallel, each within :data:`SWEEP_SECONDS`; its parent too when that
+    is left empty.
+
+    Returns:
+        One line naming the hosts where it could not be removed, or None when it was removed
+        everywhere.
+    """
+    parent = os.path.dirname(os.path.normpath(directory))
+    command = f"rm -rf {shlex.quote(directory)}; rmdir {shlex.quote(parent)} 2>/dev/null; true"
+    results: dict[str, tuple[str | None, str]] = {}
+
+    def remove(host: str) -> None:
+        if is_local(host):
+            results[host] = _run(["sh", "-c", command], SWEEP_SECONDS)
+        else:
+            results[host] = _run([*shell, host, command], SWEEP_SECONDS)
+
+    threads = [threading.Thread(target=remove, args=(h,), daemon=True) for h in sorted(set(hosts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(SWEEP_SECONDS + 2)
+    failed = {h: why for h, (out, why) in sorted(results.items()) if out is None}
+    if not failed:
+        return None
+    where = "; ".join(f"{h} ({why})" for h, why in failed.items())
+    return f"the job's commits could not be removed from {directory} on {where}"

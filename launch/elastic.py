@@ -143,10 +143,27 @@ class ElasticLog:
             launcher's :class:`~launch.verdict.Verdict` sets it).
         shell: The remote shell that reaches the job's other hosts, ``[*shell, HOST, COMMAND]``
             (:func:`launch.hosts.remote_shell`). Defaults to ssh in batch mode.
+        reset_budget: Membership changes this runtime may make before the job ends, when a
+            restart used the last of ``--reset-limit`` (:mod:`launch.restart`); None for no
+            limit of the launcher's. Defaults to None.
+        restarted: ``(lost host, time.monotonic() it was noticed)`` when this runtime is a
+            restart, for the log line of its resume. Defaults to None.
     """
 
-    def __init__(self, out=None, spares=(), shell=None, ranks=None, on_abort=None):
+    def __init__(
+        self,
+        out=None,
+        spares=(),
+        shell=None,
+        ranks=None,
+        on_abort=None,
+        reset_budget=None,
+        restarted=None,
+    ):
         self.out = out or sys.stderr
+        self.reset_budget = reset_budget
+        self.restarted = restarted
+        self._reported: set = set()  # labels whose supervisors reported an exit
         self.on_abort = on_abort or (lambda report: None)
         self._shell = list(shell) if shell else ["ssh", "-o", "BatchMode=yes"]
         self.changes: list[dict] = []
@@ -284,6 +301,16 @@ class ElasticLog:
         if kind == "spares":  # the reserve was refreshed: a new spare joined, or dead ones left
             self._say(f"{report.get('message')}; training went on meanwhile.")
             return True
+        if kind == "exit":
+            with self._lock:
+                self._reported.add(report.get("rank"))
+        if kind == "resumed":
+            text = f"{report.get('message')} at size {report.get('size')}"
+            if self.restarted is not None:
+                host, since = self.restarted
+                text += f", {time.monotonic() - since:.1f} s after {host} was lost"
+            self._say(text + ".")
+            return True
         if kind == "exit" and self._spare_exit(report):
             return True
         if kind == "exit" and self._unjoined_exit(report):
@@ -297,6 +324,13 @@ class ElasticLog:
                 self.changes.append(report)
                 self._lost |= {(m.get("host"), m.get("pid")) for m in report.get("lost", [])}
             self._say(self._describe_change(report))
+            if self.reset_budget is not None and len(self.changes) > self.reset_budget:
+                message = (
+                    "the reset limit (--reset-limit) was reached: a restart after a lost host "
+                    f"used the last of it, and this is change {len(self.changes)} since"
+                )
+                self._say(f"{message}; ending the job.")
+                self.on_abort({"kind": "elastic_abort", "rank": 0, "message": message})
             return True
         if kind == "stall" and report.get("elastic"):
             for host, pid in report.get("pids") or []:
@@ -332,6 +366,11 @@ class ElasticLog:
             f"{text}; size {report.get('old_size')} -> {report.get('new_size')}, recovered in "
             f"{report.get('seconds', 0):.2f} s."
         )
+
+    def reported(self) -> set:
+        """The output labels whose supervisors reported how their program ended."""
+        with self._lock:
+            return set(self._reported)
 
     def unexplained(self) -> list[dict]:
         """Exit reports of ranks that failed and that no membership change recovered from."""

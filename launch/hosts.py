@@ -29,6 +29,7 @@ __all__ = [
     "format_hosts",
     "remote_shell",
     "check_hosts",
+    "host_problems",
     "is_local",
     "local_address",
     "job_address",
@@ -217,6 +218,12 @@ def check_hosts(hosts: Sequence[Host], shell: list[str], timeout: float = 30.0) 
     A host must be resolvable, answer over the remote shell within ``timeout`` seconds, and
     run the same Python and syncdp versions as this launcher (at the same interpreter path).
     """
+    problems = host_problems(hosts, shell, timeout)
+    return [f"host {h}: {why}" for h, why in problems.items()]
+
+
+def host_problems(hosts: Sequence[Host], shell: list[str], timeout: float = 30.0) -> dict[str, str]:
+    """:func:`check_hosts`, by host: what is wrong with each bad remote host, in list order."""
     import syncdp
 
     mine = f"{sys.version.split()[0]} {syncdp.__version__}"
@@ -239,7 +246,7 @@ def check_hosts(hosts: Sequence[Host], shell: list[str], timeout: float = 30.0) 
         t.start()
     for t in threads:
         t.join(timeout + 5)
-    return [f"host {h}: {problems[h]}" for h in remote if h in problems]
+    return {h: problems[h] for h in remote if h in problems}
 
 
 def _ip_addresses() -> list[tuple[str, str]]:

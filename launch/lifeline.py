@@ -21,6 +21,9 @@ connection (:class:`Lifeline`):
   up on the launcher too), the launcher is told once per host (``on_lost``) and ends the job:
   those ranks will never report, and Open MPI may wait for their daemon for a long time.
   A launcher that was itself stopped (Ctrl-Z) judges no silence from the time it was stopped.
+- in elastic mode a silent host is not a reason to end the job but to start it again without
+  that host (:mod:`launch.restart`), after :data:`ELASTIC_LOST_SECONDS` whatever the stall
+  timeout; the supervisors there give up on the launcher as soon.
 """
 
 from __future__ import annotations
@@ -34,9 +37,16 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from syncdp.core import report
+from syncdp.core import report, settings
 
-__all__ = ["LIFELINE_VAR", "Link", "LifelineServer", "Lifeline", "lost_after"]
+__all__ = [
+    "LIFELINE_VAR",
+    "ELASTIC_LOST_SECONDS",
+    "Link",
+    "LifelineServer",
+    "Lifeline",
+    "lost_after",
+]
 
 LIFELINE_VAR = "SYNCDP_LIFELINE_ADDR"
 # Each end sends a byte this often.
@@ -51,9 +61,23 @@ _SILENT_SECONDS = 3.0
 _LOST_MIN_SECONDS = 10.0
 
 
+# In elastic mode a silent host is not waited for: the job starts again without it
+# (launch.restart) after this long, and the supervisors there give up as soon.
+ELASTIC_LOST_SECONDS = _LOST_MIN_SECONDS
+
+
 def lost_after(stall_timeout: float) -> float:
-    """Seconds of silence after which either end of a lifeline gives up on the other."""
+    """Seconds of silence after which either end of a lifeline gives up on the other (outside
+    elastic mode; in it, :data:`ELASTIC_LOST_SECONDS`)."""
     return max(_LOST_MIN_SECONDS, stall_timeout)
+
+
+def _elastic() -> bool:
+    """Whether this supervisor's job runs in elastic mode (from the job's settings)."""
+    try:
+        return settings.from_env_or_default().elastic
+    except Exception:  # noqa: BLE001 - a bad setting is the rank's to report, not ours
+        return False
 
 
 @dataclasses.dataclass
@@ -342,9 +366,13 @@ class Lifeline:
             rank: This supervisor's rank.
             pid: Its rank's process id.
             lost_after: Seconds of silence (with the launcher's address refusing connections)
-                after which the launcher counts as gone.
+                after which the launcher counts as gone; in elastic mode at most
+                :data:`ELASTIC_LOST_SECONDS` (the launcher has restarted the job without this
+                host by then).
             on_lost: Called once, from the watching thread, with the reason in words.
         """
+        if _elastic():
+            lost_after = min(lost_after, ELASTIC_LOST_SECONDS)
         hello = report.make("lifeline", rank, pid=pid)
         try:
             self._sock.sendall(report.encode(hello, self._job))

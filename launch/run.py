@@ -70,6 +70,7 @@ daemon when its lifeline to the launcher closes (:mod:`launch.lifeline`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shlex
 import shutil
@@ -78,15 +79,17 @@ import sys
 import time
 from collections.abc import Mapping
 
-from launch import cleanup, output, supervision
+from launch import cleanup, output, restart, supervision
 from launch import hosts as _hosts
 from launch.cli import LOG_LEVELS, TCP_ONLY, LaunchConfig, build_parser, parse_args
 from launch.elastic import ElasticLog, check_ulfm
 from launch.lifeline import LIFELINE_VAR, LifelineServer, lost_after
 from launch.report_server import ReportServer, describe_rejected
+from launch.restart import Restarts
 from launch.summary import TimingBoard
 from launch.verdict import Verdict
 from syncdp.core import report, settings, spares
+from syncdp.core.commits import COMMIT_DIR_VAR
 from syncdp.core.errors import ConfigError
 
 __all__ = [
@@ -285,6 +288,9 @@ def _print_on_usr1(timings: TimingBoard):
 def run(config: LaunchConfig) -> int:
     """Starts the job, copies its output, and returns the launcher's exit status.
 
+    An elastic job that loses a host is started again on the hosts left, from its last commit
+    (:mod:`launch.restart`), as often as hosts remain and ``--reset-limit`` allows.
+
     Args:
         config: The parsed command line.
 
@@ -313,7 +319,7 @@ def run(config: LaunchConfig) -> int:
             _say(problem)
             return 1
     try:
-        host, advertise = _hosts.job_address(
+        address = _hosts.job_address(
             _listed_hosts(config), network_interfaces=config.network_interfaces
         )
     except _hosts.HostError as e:
@@ -326,7 +332,66 @@ def run(config: LaunchConfig) -> int:
         except OSError as e:
             _say(f"error: --output-filename {config.output_filename!r}: {e.strerror}: {e.filename}")
             return 2
-    job = report.Job.new()
+    restarts = None
+    if Restarts.possible(config):
+        restarts = Restarts(config, _shell(config), _say)
+    first = report.Job.new()
+    commits = restart.commit_directory(first.id) if restarts is not None else None
+    attempt, job = config, first
+    try:
+        while True:
+            ended = _run_once(attempt, mpirun, address, job, files, restarts, commits)
+            if ended.loss is None:
+                return ended.code
+            assert restarts is not None  # only a job that can restart reports a loss
+            attempt, line = restarts.next_config(attempt, ended.loss)
+            if attempt is None:
+                _say(
+                    f"the job failed (elastic): host {ended.loss.host} was lost "
+                    f"({ended.loss.why}) and the job cannot go on: {line}."
+                )
+                return 1
+            _say(f"elastic: {line}")
+            job = report.Job.new()  # the old runtime's stragglers can no longer report
+    finally:
+        if files is not None:
+            files.close()
+        if commits is not None:  # nothing restarts any more: the commits are garbage
+            hosts = restarts.used_hosts - set(restarts.lost)
+            left = cleanup.remove_directory(commits, _shell(config), hosts)
+            if left:
+                _say(left)
+
+
+def _shell(config: LaunchConfig, **options) -> list[str]:
+    return _hosts.remote_shell(
+        config.mpi_args,
+        ssh_port=config.ssh_port,
+        identity_file=config.ssh_identity_file,
+        **options,
+    )
+
+
+@dataclasses.dataclass
+class _Ended:
+    """How one runtime of the job ended: the launcher's exit status, or the host it lost."""
+
+    code: int = 0
+    loss: restart.Loss | None = None
+
+
+def _run_once(
+    config: LaunchConfig,
+    mpirun: str,
+    address: tuple[str, tuple[str, ...]],
+    job: report.Job,
+    files: output.RankFiles | None,
+    restarts: Restarts | None,
+    commits: str | None,
+) -> _Ended:
+    """Runs the job once under one mpirun (one Open MPI runtime) and judges how it ended."""
+    quiet = config.log_level in _QUIET
+    host, advertise = address
     server = ReportServer(
         job,
         host=host,
@@ -335,30 +400,30 @@ def run(config: LaunchConfig) -> int:
     )
     lifeline = LifelineServer(job, host=host, advertise=advertise)
     env = build_env(config, report_addr=server.address, lifeline_addr=lifeline.address, job=job)
+    if commits is not None:
+        env[COMMIT_DIR_VAR] = commits
     try:
         ranks_config = settings.from_env(env)
     except ConfigError as e:  # a LaunchConfig made without parse_args
         server.close()
         lifeline.close()
-        if files is not None:
-            files.close()
         _say(f"error: {e}")
-        return 2
+        return _Ended(2)
+    elastic = None
+    if config.elastic:
+        last = restarts.last if restarts is not None else None
+        elastic = ElasticLog(
+            spares=range(config.num_proc, config.num_proc + config.spares),
+            ranks=config.num_proc,
+            shell=_shell(config),
+            reset_budget=restarts.reset_budget if restarts is not None else None,
+            restarted=(last.host, last.at) if last is not None else None,
+        )
     verdict = Verdict(
         config.num_proc,
         start_timeout=ranks_config.start_timeout,
         stall_timeout=ranks_config.stall_timeout,
-        elastic=ElasticLog(
-            spares=range(config.num_proc, config.num_proc + config.spares),
-            ranks=config.num_proc,
-            shell=_hosts.remote_shell(
-                config.mpi_args,
-                ssh_port=config.ssh_port,
-                identity_file=config.ssh_identity_file,
-            ),
-        )
-        if config.elastic
-        else None,
+        elastic=elastic,
     )
     timings = TimingBoard()
 
@@ -368,13 +433,18 @@ def run(config: LaunchConfig) -> int:
 
     server.start(on_report)
     sweeper = _sweeper(config, job)
+    loss = restart.Watch(restarts, lifeline, sweeper, verdict, _say)
 
     def on_lost(host, links) -> None:
         verdict.lost(host, links)
         sweeper.on_lost(host, links)  # a stopped host cannot end its own processes
 
-    if config.elastic:
-        lifeline.start()  # a lost rank is replaced, not the end of the job
+    if config.elastic and not (config.multihost or restarts):
+        lifeline.start()  # one host, the launcher's: a lost rank is replaced, never the end
+    elif config.elastic:
+        # A lost rank is replaced, not the end of the job; a lost host ends this runtime, and
+        # the job starts again without it (or ends, named, when it cannot).
+        lifeline.start(lost_after=restart.HOST_LOST_SECONDS, on_lost=loss.on_lost)
     else:
         lifeline.start(lost_after=lost_after(ranks_config.stall_timeout), on_lost=on_lost)
     cmd = build_command(config, env, mpirun)
@@ -386,30 +456,40 @@ def run(config: LaunchConfig) -> int:
         _say(shlex.join(cmd))  # the secret is exported by name (-x), never on a command line
     process = supervision.start_mpirun(cmd, env)
     sweeper.mpirun_pid = process.pid
-    chatty = config.log_level in _CHATTY  # Open MPI's banners and TF's chatter in full
-    pumps = output.copy_output(
-        process, timestamps=config.timestamps, files=files, full_banners=chatty, chatter=chatty
-    )
+    loss.process = process
+    pumps = output.copy_output(process, timestamps=config.timestamps, files=files)
     hung = False
+    signals = None
     try:
         with supervision.StopOnSignals(process) as signals, _print_on_usr1(timings):
             hung = supervision.supervise(process, verdict, links=lifeline.links)
             if hung:  # a daemon that cannot finish (on a stopped host?) may be left anywhere
                 sweeper.start_all()
-            _await_last_reports(verdict, lifeline)
+            if not loss.happened() and not signals.received:
+                loss.check_vanished(lifeline.links())
+            if not loss.happened():
+                _await_last_reports(verdict, lifeline)
             # The last lines, once mpirun has ended. Not long after a failure: processes on a
             # host that vanished may hold the pipes open until they notice, seconds later.
-            deadline = time.monotonic() + (1.0 if verdict.failed.is_set() else 5.0)
+            quick = verdict.failed.is_set() or loss.happened()
+            deadline = time.monotonic() + (1.0 if quick else 5.0)
             for p in pumps:
                 p.join(timeout=max(0.0, deadline - time.monotonic()))
     finally:
         server.close()
         links = lifeline.links()
-        outcome = verdict.decide(links, mpirun_code=process.returncode)
-        lifeline.close()  # supervisors still running (a lost daemon's) now end their ranks
-        if files is not None:
-            files.close()
-        swept = sweeper.finish(verdict.never_reported(), links)
+        outcome, swept = None, None
+        if loss.happened():
+            loss.finish()  # the runtime is being ended: no verdict on it
+        else:
+            outcome = verdict.decide(links, mpirun_code=process.returncode)
+            lifeline.close()  # supervisors still running (a lost daemon's) now end their ranks
+            swept = sweeper.finish(verdict.never_reported(), links)
+    if restarts is not None and elastic is not None:
+        restarts.changes += len(elastic.changes)
+        restarts.used_hosts |= {sweeper.host_of(r, link.host) for r, link in links.items()}
+    if loss.happened() and not (signals and signals.received):
+        return _Ended(loss=loss.loss)
     if timings.trained() and not quiet:
         print(timings.table(), file=sys.stderr, flush=True)
     rejected = describe_rejected(server.rejected + lifeline.rejected)
@@ -422,7 +502,7 @@ def run(config: LaunchConfig) -> int:
         )
     if swept:
         _say(swept)
-    if signals.received:
+    if signals is not None and signals.received:
         name = signal.Signals(signals.received[0]).name
         # The reports say how the ranks ended, not mpirun.
         missing = verdict.never_reported()
@@ -431,10 +511,18 @@ def run(config: LaunchConfig) -> int:
         else:
             ranks = ("rank " if len(missing) == 1 else "ranks ") + ", ".join(map(str, missing))
             _say(f"stopped by {name}; {ranks} never reported how they ended.")
-        return 128 + signals.received[0]
-    for line in outcome.lines:
+        return _Ended(128 + signals.received[0])
+    assert outcome is not None  # a lost host either restarts or was stopped by a signal
+    lines = list(outcome.lines)
+    if restarts is not None and restarts.count:
+        said = f"{restarts.count} restart(s) after a lost host ({', '.join(restarts.lost)})"
+        if outcome.code == 0 and lines and lines[-1].startswith("elastic: "):
+            lines[-1] = f"elastic: {said}; since then, {lines[-1].removeprefix('elastic: ')}"
+        else:
+            lines.insert(0, f"elastic: {said}.")
+    for line in lines:
         _say(line)
-    return outcome.code
+    return _Ended(outcome.code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,16 @@ When the function returns on every rank, a fault-tolerant agreement makes sure n
 at the very end; if one was, the survivors recover and run the function again from the last
 commit (usually returning at once).
 
+A lost *host* is survived one level up: Open MPI's runtime ends with it, and ``syncdp-run``
+starts the job again on the hosts left (:mod:`launch.restart`). For that, in an elastic job on
+several hosts, every ``commit()`` also puts the state on each host's local disk (its lowest
+local rank writes it, :mod:`syncdp.core.commits`), and every sync first finds the newest commit
+anywhere (in a rank's memory or on a host's disk) and gives it to every rank. A restarted job
+therefore resumes from the last commit with the same code that heals a lost rank. A state's
+copy is what :meth:`State.snapshot` returns: the attributes ``save()`` fills whose names start
+with ``_saved`` (a subclass that keeps it elsewhere overrides :meth:`State.snapshot` and
+:meth:`State.load_snapshot`).
+
 Example:
     >>> state = syncdp.tensorflow.elastic.TensorFlowKerasState(model, optimizer, epoch=0, batch=0)
     >>> @syncdp.tensorflow.elastic.run
@@ -37,10 +47,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import socket
 import sys
 from collections.abc import Callable
+from typing import Any
 
-from syncdp.core import membership, runtime
+from syncdp.core import commits, membership, report, runtime
 from syncdp.core.errors import (
     HorovodInternalError,
     HostsUpdatedInterrupt,
@@ -78,6 +90,9 @@ class State:
         self._rank = get_rank or runtime.rank
         self._reset_callbacks: list = []
         self._last_check = [0.0]  # when rank 0 last ran the host discovery script
+        # Commits so far, the same on every rank (they commit in lockstep; a sync sets it): the
+        # counter of the copy on disk (syncdp.core.commits).
+        self._commits = 0
 
     def register_reset_callbacks(self, callbacks) -> None:
         """Calls each of ``callbacks`` (no arguments) after every membership change, on every
@@ -93,15 +108,50 @@ class State:
         """Horovod's notification hook; syncdp checks for new hosts in :meth:`commit`."""
 
     def commit(self) -> None:
-        """Saves the state in memory (every rank keeps its own copy; nothing goes to disk),
-        then checks for new hosts. A synchronization point when a discovery script is set.
+        """Saves the state in memory (every rank keeps its own copy), then checks for new
+        hosts. A synchronization point when a discovery script is set.
+
+        In an elastic job on several hosts under ``syncdp-run`` the lowest local rank of each
+        host also writes the copy to that host's local disk, so that a restart after a lost
+        host resumes from it (:mod:`syncdp.core.commits`).
 
         Raises:
             HostsUpdatedInterrupt: The discovery script offers room to grow; :func:`run`
                 grows the job and resumes from this commit.
         """
         self.save()
+        self._commits += 1
+        self._write_to_disk()
         self.check_host_updates()
+
+    def _write_to_disk(self) -> None:
+        store = commits.store()
+        if store is None or runtime.elastic_plan() is None or runtime.local_rank() != 0:
+            return
+        try:
+            store.write(self._commits, self.snapshot())
+        except OSError as e:  # the job goes on; only a restart would miss this commit
+            print(
+                f"syncdp: rank {runtime.rank()}: commit {self._commits} could not be written to "
+                f"{store.directory} ({e}); a restart after a lost host would resume from an "
+                "older one.",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the last ``save()`` kept, as one picklable value (for the copy on disk).
+
+        Returns:
+            The attributes whose names start with ``_saved``, by name.
+        """
+        return {name: value for name, value in vars(self).items() if name.startswith("_saved")}
+
+    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
+        """Makes ``snapshot`` (from :meth:`snapshot`, maybe another process's) the saved
+        copy; :meth:`restore` then puts it in place."""
+        for name, value in snapshot.items():
+            setattr(self, name, value)
 
     def check_host_updates(self) -> None:
         """Raises HostsUpdatedInterrupt on every rank when slots were added (elastic mode with
@@ -165,6 +215,53 @@ class ObjectState(State):
             for name, value in values.items():
                 setattr(self, name, value)
         self.save()
+
+
+def _take_newest_commit(state: State) -> None:
+    """Gives every rank the newest commit there is, when it is not rank 0's own (a collective
+    of every rank, in an elastic job that keeps commits on disk; nothing otherwise).
+
+    Each rank says which commit it holds in memory and which is the newest on its host's disk;
+    the rank that holds the newest (in memory first, so no disk is read when one can be
+    avoided) sends it to the others. Then ``state.sync()`` makes every rank rank 0's, as
+    always. After a restart (a fresh process holds no commit) this is how the job resumes.
+    """
+    store = commits.store()
+    if store is None or runtime.elastic_plan() is None:
+        return
+    comm = runtime.communicator()
+    mine = (state._commits, store.newest(), socket.gethostname())
+    found = commits.newest(comm.allgather_object(mine, name="elastic.commits"))
+    loaded = False
+    if found.rank != 0 or found.on_disk:  # rank 0 does not hold it in memory: it moves
+        snapshot = None
+        if comm.rank == found.rank:
+            try:
+                snapshot = store.read(found.counter) if found.on_disk else state.snapshot()
+            except (OSError, ValueError, EOFError) as e:
+                print(
+                    f"syncdp: rank {comm.rank}: commit {found.counter} on {found.host} could "
+                    f"not be read ({e}); going on from rank 0's state.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        if found.rank != 0:
+            snapshot = comm.broadcast_object(snapshot, found.rank, name="elastic.commit")
+        if snapshot is not None and (found.rank != 0 or comm.rank == 0):
+            state.load_snapshot(snapshot)
+            state.restore()
+            state._commits, loaded = found.counter, True
+    # Rank 0's counter is the one its state (which the sync hands out) goes with.
+    state._commits = comm.broadcast_object(state._commits, 0, name="elastic.commit_counter")
+    if comm.rank == 0 and loaded and found.on_disk:
+        report.send(
+            "resumed",
+            0,
+            f"resumed from commit {found.counter}, kept on {found.host}'s disk",
+            counter=found.counter,
+            source=found.host,
+            size=comm.size,
+        )
 
 
 def _failure(error: BaseException) -> Exception | None:
@@ -245,6 +342,7 @@ def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
                     reformed = False
                     reset()
                     state.on_reset()
+                _take_newest_commit(state)
                 state.sync()
                 runtime.states_synced()  # every rank's optimizer, and so its step, is rank 0's
                 result = func(state, *args, **kwargs)

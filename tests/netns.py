@@ -5,9 +5,11 @@ subnet (a veth pair into a bridge in the root namespace, which gets ``.1``), and
 script Open MPI uses as its remote shell (``--mca plm_rsh_agent AGENT``): ``AGENT HOST CMD``
 runs CMD in HOST's namespace under its own UTS hostname, so every host reports its own name.
 Everything it made is removed on exit, also when the test fails; traffic stays on the test
-subnet and loopback. The agent cannot reach a host whose link was cut (:meth:`NamespaceHosts.cut`):
-it waits, as ssh would. Where namespaces cannot be made (not root, no ``ip``) it raises
-:class:`Unavailable` with the reason (tests skip with it; ``benchmarks/multihost.py`` says it).
+subnet and loopback. With ``private_disks`` each host also gets a /var/tmp of its own, so a
+test can show that nothing relies on a file system the hosts share. The agent cannot reach a
+host whose link was cut (:meth:`NamespaceHosts.cut`): it waits, as ssh would. Where namespaces
+cannot be made (not root, no ``ip``) it raises :class:`Unavailable` with the reason (tests skip
+with it; ``benchmarks/multihost.py`` says it).
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ _AGENT = """#!/bin/sh
 host="$1"; shift
 # A host whose link is cut cannot be reached: wait, as ssh does until its connect timeout.
 [ -e "{marks}/cut-$host" ] && exec sleep {unreachable}
-exec ip netns exec "{prefix}$host" unshare --uts \\
-    sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
+exec ip netns exec "{prefix}$host" unshare --uts {unshare} \\
+    sh -c 'hostname "$0" && {bind}exec sh -c "$1"' "$host" "$*"
 """
+# With private disks: the host's own directory over /var/tmp, in a mount namespace of its own.
+_BIND = 'mount --bind "{disks}/$0" /var/tmp && '
 
 
 # How long the agent waits before failing for a host whose link is cut (ssh's connect timeout).
@@ -51,9 +55,21 @@ class NamespaceHosts:
         subnet: The first three octets of the test subnet. Defaults to ``"10.213.7"``.
         tag: Prefix of every name it makes (namespaces, bridge, links), so that two sets of
             hosts can exist at once. Defaults to ``"sdp"``.
+        private_disks: Whether each host gets a /var/tmp of its own (a directory under
+            ``workdir`` mounted over it for everything the agent starts there), so that what a
+            host writes to its local disk is seen by no other host. Defaults to False (the
+            machine's file system is shared by all).
     """
 
-    def __init__(self, workdir: Path, names: list[str], subnet: str = "10.213.7", tag: str = "sdp"):
+    def __init__(
+        self,
+        workdir: Path,
+        names: list[str],
+        subnet: str = "10.213.7",
+        tag: str = "sdp",
+        *,
+        private_disks: bool = False,
+    ):
         self.names = list(names)
         self.tag = tag
         self.prefix = f"{tag}-"
@@ -63,6 +79,7 @@ class NamespaceHosts:
         self.address = {n: f"{subnet}.{11 + i}" for i, n in enumerate(self.names)}
         self.workdir = Path(workdir)
         self.agent = str(self.workdir / "netns-agent.sh")
+        self.private_disks = private_disks
 
     def __enter__(self) -> NamespaceHosts:
         if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
@@ -77,8 +94,19 @@ class NamespaceHosts:
             raise Unavailable(
                 f"cannot make namespace hosts here: {' '.join(e.cmd)}: {e.stderr.strip()}"
             ) from None
+        bind = ""
+        if self.private_disks:
+            for name in self.names:
+                self.disk(name).mkdir(parents=True, exist_ok=True)
+            bind = _BIND.format(disks=self.workdir / "disks")
         Path(self.agent).write_text(
-            _AGENT.format(prefix=self.prefix, marks=self.workdir, unreachable=_UNREACHABLE)
+            _AGENT.format(
+                prefix=self.prefix,
+                marks=self.workdir,
+                unreachable=_UNREACHABLE,
+                unshare="--mount" if self.private_disks else "",
+                bind=bind,
+            )
         )
         os.chmod(self.agent, 0o755)
         return self
@@ -120,6 +148,10 @@ class NamespaceHosts:
                 raise Unavailable(f"links not up after {seconds:g} s: {', '.join(waiting)}")
             time.sleep(0.05)
 
+    def disk(self, name: str) -> Path:
+        """The directory that is ``name``'s /var/tmp (with ``private_disks``)."""
+        return self.workdir / "disks" / name
+
     def outside_link(self, name: str) -> str:
         return f"{self.tag}v{self.names.index(name)}"
 
@@ -157,6 +189,8 @@ class NamespaceHosts:
         for i in range(len(self.names)):
             _ip("link", "del", f"{self.tag}v{i}", check=False)
         _ip("link", "del", self.bridge, check=False)
+        if self.private_disks:
+            shutil.rmtree(self.workdir / "disks", ignore_errors=True)
 
     def __exit__(self, *exc) -> None:
         self._cleanup()

@@ -1,0 +1,323 @@
+"""An elastic job that loses a host: end what is left of Open MPI's runtime, start the job again.
+
+ULFM heals a job that loses processes, but PRRTE 3.0, the runtime in Open MPI 5.0.11, cannot run
+on without one of its daemons: when a host is lost (its link cut, powered off, its daemon
+killed) the survivors wait for it, mpirun reports "lost communication with a remote daemon"
+and nothing recovers. So the launcher survives a lost host above the runtime:
+
+1. **Noticed.** A host is lost when every supervisor on it has been silent on its lifeline
+   for :data:`HOST_LOST_SECONDS` (:mod:`launch.lifeline`; a stopped launcher judges nothing),
+   or when mpirun ended with training unfinished while a host's supervisors vanished without a
+   report (its daemon was killed, and the runtime ended the job).
+2. **Ended.** The launcher closes the lifeline (the supervisors on the other hosts then end
+   their ranks and Open MPI's daemon), stops mpirun, and sweeps the hosts still reachable
+   (:mod:`launch.cleanup`); each step is bounded, so this takes seconds. On the lost host the
+   supervisors end everything themselves once the launcher stops answering (the same
+   :data:`HOST_LOST_SECONDS` in elastic mode).
+3. **Placed.** The hosts to go on with are the discovery script's current list, or the
+   ``-H``/``--hostfile`` hosts, less every host lost so far (never used again by this launcher),
+   each checked over the remote shell like at the start; hosts that held ranks come first
+   (their disks hold the commits). The job gets ``-np`` ranks, or as many as the slots allow,
+   and no fewer than ``--min-np``.
+4. **Resumed.** The job starts again on them with the same commit directory: every rank's
+   first sync finds the newest commit on the hosts' local disks and resumes from it
+   (:mod:`syncdp.core.commits`), so what is lost is at most the work after the last commit.
+
+``--reset-limit`` counts each restart as a membership change, together with those the ranks
+made; a restart it does not allow ends the job with a last line that says so. Every restart
+removes at least one host for good, so there are never more restarts than hosts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping
+
+from launch import cleanup, supervision
+from launch import hosts as _hosts
+from launch.cli import LaunchConfig
+from launch.lifeline import ELASTIC_LOST_SECONDS, Link
+from syncdp.core import membership
+
+__all__ = ["HOST_LOST_SECONDS", "Loss", "Watch", "Restarts", "commit_directory", "vanished_hosts"]
+
+# Silence on every lifeline of a host after which an elastic job restarts without it; the
+# supervisors there give up on the launcher after as long.
+HOST_LOST_SECONDS = ELASTIC_LOST_SECONDS
+# Every candidate host must answer the remote-shell check within this long.
+_CHECK_SECONDS = 30.0
+# mpirun, which may wait for the lost host's daemon, gets this long after SIGTERM.
+_STOP_SECONDS = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """A host lost by a job, as the launcher saw it.
+
+    Attributes:
+        host: The host's name, as its supervisors gave it.
+        why: In words (``no word from hb for 10 s``).
+        ranks: The ranks (output labels) that ran there.
+        at: ``time.monotonic()`` when the launcher noticed.
+    """
+
+    host: str
+    why: str
+    ranks: tuple[int, ...]
+    at: float
+
+
+def commit_directory(job_id: str) -> str:
+    """Where each host keeps this job's commits: on its local disk, per user, per job.
+
+    ``/var/tmp``, not ``/tmp``: the FHS's place for temporary files kept on disk, where ``/tmp``
+    is often memory (a large model's commit would take RAM from training)."""
+    return os.path.join("/var/tmp", f"syncdp-{os.getuid()}", job_id)
+
+
+def vanished_hosts(links: Mapping[int, Link], reported: Collection[int]) -> list[str]:
+    """Hosts whose every supervisor went away without a report: their daemon was lost.
+
+    Args:
+        links: Each rank's lifeline (by output label), with the host its supervisor named.
+        reported: The labels whose supervisors reported how their ranks ended.
+
+    Returns:
+        The hosts, sorted, where no rank reported and every lifeline closed or fell silent.
+    """
+    by_host: dict[str, list[Link]] = {}
+    for link in links.values():
+        by_host.setdefault(link.host or "?", []).append(link)
+    now = time.monotonic()
+    return [
+        host
+        for host, found in sorted(by_host.items())
+        if not any(link.rank in reported for link in found)
+        and all(link.closed is not None or link.silent(now) for link in found)
+    ]
+
+
+class Watch:
+    """Watches one runtime of an elastic job for a lost host, and ends that runtime when one is.
+
+    Args:
+        restarts: The job's restarts, or None when it cannot restart (then a lost host ends
+            the job, named, instead of leaving it waiting).
+        lifeline: The runtime's lifeline server.
+        sweeper: The runtime's sweeper (:mod:`launch.cleanup`).
+        verdict: The runtime's verdict.
+        say: Prints one line of the launcher's log.
+
+    Attributes:
+        loss: The first host lost, once one was.
+        process: The runtime's mpirun, once started.
+    """
+
+    def __init__(self, restarts, lifeline, sweeper, verdict, say: Callable[[str], None]):
+        self.restarts = restarts
+        self.lifeline = lifeline
+        self.sweeper = sweeper
+        self.verdict = verdict
+        self.say = say
+        self.loss: Loss | None = None
+        self.process: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._ended = threading.Event()
+        self._swept: str | None = None
+
+    def happened(self) -> bool:
+        """Whether a host was lost (the runtime is being, or was, ended)."""
+        return self.loss is not None
+
+    def on_lost(self, host: str | None, links: list[Link]) -> None:
+        """For :class:`launch.lifeline.LifelineServer`: ``host``'s supervisors fell silent."""
+        now = time.monotonic()
+        everyone = [link for link in self.lifeline.links().values() if link.host == host]
+        if any(link.closed is None and not link.silent(now) for link in everyone):
+            return  # one stopped supervisor, not a lost host: the stall timeout handles its rank
+        seconds = max(link.silent_for(now) for link in links)
+        ranks = tuple(sorted(link.rank for link in everyone if isinstance(link.rank, int)))
+        self.lost(Loss(host or "?", f"no word from it for {seconds:.0f} s", ranks, now))
+
+    def check_vanished(self, links: Mapping[int, Link]) -> None:
+        """After mpirun ended by itself: a host whose supervisors all vanished without a report,
+        while training was unfinished, was lost (its daemon died and the runtime ended the job)."""
+        elastic = self.verdict.elastic
+        if self.restarts is None or elastic is None or self.verdict.num_proc == 0:
+            return
+        first = self.verdict.first_failure()
+        if (
+            not elastic.unfinished(self.verdict.num_proc)
+            or (first or {}).get("kind") == "exception"
+        ):
+            return  # finished, or a program error that a restart would only repeat
+        for host in vanished_hosts(links, elastic.reported()):
+            ranks = tuple(sorted(r for r, link in links.items() if link.host == host))
+            why = "its processes vanished without a word, and Open MPI's runtime ended the job"
+            self.lost(Loss(host, why, ranks, time.monotonic()))
+            return
+
+    def lost(self, loss: Loss) -> None:
+        """Records ``loss`` and ends the runtime (the first loss only; others are logged)."""
+        on = f"ranks {', '.join(map(str, loss.ranks))}" if loss.ranks else "no rank"
+        if self.restarts is None:
+            message = (
+                f"host {loss.host} was lost ({loss.why}; {on} ran there); Open MPI's runtime "
+                "cannot go on without it, and this job has no other hosts to start again on "
+                "(list several with -H or --hostfile, or give --host-discovery-script)"
+            )
+            self.say(f"elastic: {message}; ending the job.")
+            self.verdict.add({"kind": "elastic_abort", "rank": None, "message": message})
+            return
+        with self._lock:
+            first = self.loss is None
+            if first:
+                self.loss = loss
+        if not first:
+            self.say(f"elastic: host {loss.host} was lost too ({loss.why}).")
+            self.restarts.lost.append(loss.host)
+            return
+        self.say(
+            f"elastic: host {loss.host} was lost ({loss.why}; {on} ran there). Open MPI's "
+            "runtime cannot go on without it: ending it to start the job again without "
+            f"{loss.host}."
+        )
+        threading.Thread(target=self._end_runtime, name="syncdp-restart", daemon=True).start()
+
+    def _end_runtime(self) -> None:
+        started = time.monotonic()
+        try:
+            # mpirun first, so that the ranks are told the job ends; it may wait for the lost
+            # daemon, so not for long.
+            if self.process is not None:
+                supervision.stop(self.process, grace=_STOP_SECONDS)
+            # Every supervisor still connected now ends its rank and Open MPI's daemon.
+            self.lifeline.close()
+            for link in self.lifeline.links().values():
+                if isinstance(link.rank, int):
+                    self.sweeper.start(self.sweeper.host_of(link.rank, link.host))
+            self._swept = self.sweeper.finish([], {})
+        finally:
+            self.seconds = time.monotonic() - started
+            self._ended.set()
+
+    def finish(self) -> None:
+        """Waits until the runtime is ended (bounded), and says what was cleaned up."""
+        self._ended.wait(timeout=_STOP_SECONDS * 2 + cleanup.SWEEP_SECONDS + 5)
+        done = f"in {self.seconds:.1f} s" if self._ended.is_set() else "(not confirmed)"
+        swept = f"; {self._swept}" if self._swept else ""
+        self.say(f"elastic: the runtime that lost {self.loss.host} was ended {done}{swept}.")
+
+
+class Restarts:
+    """What the launcher knows across the runtimes of one elastic job, and where it goes next.
+
+    Args:
+        config: The job as the command line gave it.
+        shell: The remote shell (:func:`launch.hosts.remote_shell`).
+        say: Prints one line of the launcher's log.
+    """
+
+    def __init__(self, config: LaunchConfig, shell: list[str], say: Callable[[str], None]):
+        self.config = config
+        self.shell = shell
+        self.say = say
+        self.count = 0
+        self.lost: list[str] = []  # hosts never used again, in the order they were lost
+        self.used_hosts: set[str] = set()  # hosts that ran a rank (their disks hold commits)
+        self.changes = 0  # membership changes the ranks made, over every runtime
+        self.last: Loss | None = None
+        # The membership changes the current runtime may make before the launcher ends it (None:
+        # no limit; a limit of 1 or more the ranks enforce themselves, from --reset-limit).
+        self.reset_budget: int | None = None
+
+    @staticmethod
+    def possible(config: LaunchConfig) -> bool:
+        """Whether a job can be started again elsewhere: elastic, with hosts to choose from."""
+        listed = _hosts.listed(config.hosts, config.hostfile) or []
+        script = config.settings.get("host_discovery_script")
+        return config.elastic and (len(listed) > 1 or bool(script))
+
+    @property
+    def limit(self) -> int:
+        return int(self.config.settings.get("reset_limit") or 0)
+
+    def _candidates(self) -> list[_hosts.Host]:
+        script = self.config.settings.get("host_discovery_script")
+        found = None
+        if script:
+            slots = membership.discover_slots(script)
+            if slots is None:
+                self.say("elastic: the host discovery script failed; using the hosts of -H.")
+            else:
+                found = [_hosts.Host(name, count) for name, count in slots.items() if count > 0]
+        if found is None:
+            found = _hosts.listed(self.config.hosts, self.config.hostfile) or []
+        found = [h for h in found if h.name not in self.lost]
+        # Hosts that ran ranks first: mpirun fills hosts in order, and their disks hold commits.
+        return sorted(found, key=lambda h: h.name not in self.used_hosts)
+
+    def next_config(self, attempt: LaunchConfig, loss: Loss) -> tuple[LaunchConfig | None, str]:
+        """The job's next runtime after ``loss``, or None and why it cannot go on.
+
+        Args:
+            attempt: The runtime that was lost.
+            loss: What was lost.
+
+        Returns:
+            ``(config of the next runtime, a line for the log)``, or ``(None, the reason)``.
+        """
+        self.last = loss
+        if loss.host not in self.lost:
+            self.lost.append(loss.host)
+        used = self.changes + self.count
+        if self.limit and used + 1 > self.limit:
+            return None, (
+                f"the reset limit (--reset-limit {self.limit}) is used up ({self.changes} "
+                f"membership change(s) and {self.count} restart(s) so far), so the job cannot "
+                f"restart without {loss.host}"
+            )
+        candidates = self._candidates()
+        problems = _hosts.host_problems(candidates, self.shell, _CHECK_SECONDS)
+        for name, why in problems.items():
+            self.say(f"elastic: host {name} is left out of the restart: {why}.")
+        chosen = [h for h in candidates if h.name not in problems]
+        slots = sum(h.slots for h in chosen)
+        min_np = int(self.config.settings.get("min_np") or 0) or self.config.num_proc
+        ranks = min(self.config.num_proc, slots)
+        if ranks < min_np:
+            left = ", ".join(f"{h.name} ({h.slots} slot(s))" for h in chosen) or "none"
+            return None, (
+                f"after losing {', '.join(self.lost)} the hosts left ({left}) hold {ranks} "
+                f"rank(s), fewer than --min-np {min_np}"
+            )
+        remaining = self.limit - used - 1 if self.limit else 0
+        settings = {**attempt.settings, "reset_limit": max(remaining, 0)}
+        # Grow back to -np later if the discovery script offers slots again.
+        settings["max_np"] = max(int(settings.get("max_np") or 0), self.config.num_proc)
+        spares = min(self.config.spares, slots - ranks)
+        self.count += 1
+        self.reset_budget = remaining if self.limit else None
+        config = dataclasses.replace(
+            attempt,
+            num_proc=ranks,
+            spares=spares,
+            hosts=_hosts.format_hosts(chosen),
+            hostfile=None,
+            settings=settings,
+        )
+        fresh = not any(h.name in self.used_hosts for h in chosen)
+        resume = (
+            "no host left has run a rank of this job, so no commit is on their disks: "
+            "training starts over"
+            if fresh
+            else "the ranks resume from the newest commit on these hosts' disks"
+        )
+        return config, (
+            f"restart {self.count}: starting {ranks} rank(s) on {config.hosts} without "
+            f"{', '.join(self.lost)}; {resume}."
+        )
