@@ -66,7 +66,7 @@ from syncdp.checkpoint._files import MANIFEST, list_checkpoints  # noqa: F401 - 
 from syncdp.core import runtime
 from syncdp.core.errors import CheckpointError
 from syncdp.tensorflow import collectives as ops
-from syncdp.tensorflow import verify
+from syncdp.tensorflow import keras2_names, verify
 
 __all__ = ["CheckpointManager", "list_checkpoints"]
 
@@ -88,8 +88,10 @@ def _check(path: str) -> dict:
 
 def _is_optimizer(obj) -> bool:
     # A Keras optimizer (DistributedOptimizer included) applies gradients and creates its slot
-    # variables in build(var_list); duck-typed so this layer does not import Keras.
-    return callable(getattr(obj, "apply_gradients", None)) and callable(getattr(obj, "build", None))
+    # variables in build(var_list), or in _create_all_weights (tf-keras's legacy optimizers);
+    # duck-typed so this layer does not import Keras.
+    creates = getattr(obj, "build", None) or getattr(obj, "_create_all_weights", None)
+    return callable(getattr(obj, "apply_gradients", None)) and callable(creates)
 
 
 def _is_model(obj) -> bool:
@@ -110,6 +112,8 @@ def _is_variable(obj) -> bool:
 def _variables_of(name: str, obj) -> list:
     if _is_variable(obj):
         return [obj]
+    if _is_optimizer(obj):
+        return keras2_names.optimizer_variables(obj)
     variables = getattr(obj, "variables", None)
     if variables is None:
         raise CheckpointError(
@@ -183,14 +187,16 @@ class CheckpointManager:
                     f"CheckpointManager needs built models; {name} has no variables yet. Build "
                     "it first (call it on a batch, or model.build(input_shape))."
                 )
-            if _is_optimizer(obj) and not getattr(obj, "built", True):
-                if not models:
-                    raise CheckpointError(
-                        f"The optimizer {name} has no slot variables yet, and there is no Keras "
-                        "model among the trackables to create them from. Call "
-                        f"{name}.build(model.trainable_variables) before the CheckpointManager."
-                    )
-                obj.build([v for m in models for v in m.trainable_variables])
+            if _is_optimizer(obj) and models:  # its slots, once (kept if they exist)
+                keras2_names.create_optimizer_variables(
+                    obj, [v for m in models for v in m.trainable_variables]
+                )
+            elif _is_optimizer(obj) and not getattr(obj, "built", True):
+                raise CheckpointError(
+                    f"The optimizer {name} has no slot variables yet, and there is no Keras "
+                    "model among the trackables to create them from. Call "
+                    f"{name}.build(model.trainable_variables) before the CheckpointManager."
+                )
         seen, variables = set(), []
         for name, obj in self.trackables.items():
             for v in _variables_of(name, obj):

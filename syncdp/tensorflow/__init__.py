@@ -10,8 +10,9 @@ modules here adapt tensors to the engine (:mod:`syncdp.engine`) and the communic
     introspection mpi_built(), nccl_built(), rank_op() ...: what this build is, answered truly
     tape          DistributedGradientTape and reduce_gradients (every gradient's path)
     verify        verify_synchronized: bit-identical replicas, checked
-    keras2_names  compile(experimental_run_tf_function=...) and optimizer.lr, Horovod's
-                  Keras 2 spellings, accepted on Keras 3
+    keras2_names  which Keras an object belongs to (Keras 3 or Keras 2's tf-keras), and
+                  Horovod's Keras 2 spellings (compile(experimental_run_tf_function=...),
+                  optimizer.lr, lr=) on both
 
 ``syncdp.tensorflow.keras`` is Horovod's path for the Keras face, :mod:`syncdp.keras`.
 """
@@ -225,7 +226,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
     process_set=global_process_set,
     scale_local_gradients=True,
 ):
-    """Horovod's ``hvd.DistributedOptimizer``: wraps a TF1 or a Keras 3 optimizer.
+    """Horovod's ``hvd.DistributedOptimizer``: wraps a TF1, Keras 3 or Keras 2 optimizer.
 
     A ``tf.compat.v1.train.Optimizer`` becomes a :class:`LegacyDistributedOptimizer` (TF1 graph
     programs, ``MonitoredTrainingSession``); a Keras optimizer becomes a
@@ -267,7 +268,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
         )
     raise ValueError(
         "Provided optimizer doesn't inherit from either a TF1 optimizer "
-        "(tf.compat.v1.train.Optimizer) or a Keras 3 optimizer: "
+        "(tf.compat.v1.train.Optimizer) or a Keras optimizer (Keras 3, or tf-keras's): "
         f"{type(optimizer).__module__}.{type(optimizer).__name__}."
     )
 
@@ -275,7 +276,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
 # Horovod's hvd.DistributedOptimizer also takes a Keras optimizer, which the Keras face (the
 # layer above this one) wraps. It is named here, by the package of the optimizer's class, and
 # loaded when the first such optimizer arrives, so that no import runs up the layers.
-_OPTIMIZER_FACES = {"keras": ("syncdp.keras", "DistributedOptimizer")}
+_OPTIMIZER_FACES = {
+    "keras": ("syncdp.keras", "DistributedOptimizer"),
+    "tf_keras": ("syncdp.keras", "DistributedOptimizer"),  # Keras 2: wraps by the optimizer
+}
 
 
 def _face_for(optimizer):

@@ -550,3 +550,24 @@ def test_the_core_manager_imports_no_keras(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "SAVED AND RESTORED WITHOUT KERAS" in result.stdout
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["current", "legacy"])
+def test_a_plain_keras2_optimizer_is_saved_and_restored_with_its_slots(tmp_path, legacy):
+    tf_keras = pytest.importorskip("tf_keras")
+    model = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(2)])
+    kind = tf_keras.optimizers.legacy if legacy else tf_keras.optimizers
+    opt = kind.Adam(0.1)
+    manager = CheckpointManager(str(tmp_path), model=model, optimizer=opt)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(np.ones((1, 3), "float32")))
+    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.weights))
+    manager.save(1)
+    variables = opt.variables() if legacy else opt.variables
+    saved = [v.numpy().copy() for v in variables]
+    assert len(saved) == 1 + 2 * 2  # the step count, then m and v of the kernel and the bias
+    for v in variables:
+        v.assign(tf.zeros_like(v))
+    assert manager.restore() == 1
+    for v, before in zip(variables, saved):
+        np.testing.assert_array_equal(v.numpy(), before)

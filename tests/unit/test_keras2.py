@@ -324,3 +324,14 @@ def test_keras_3_alone_never_imports_tf_keras():
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out == {"same_face": True, "tf_keras": "None", "steps": 1}
+
+
+def test_horovods_tensorflow_distributed_optimizer_takes_keras2_optimizers_too():
+    import syncdp.tensorflow as hvd_tf
+
+    for opt in (tf_keras.optimizers.SGD(0.1), tf_keras.optimizers.legacy.SGD(0.1)):
+        wrapped = hvd_tf.DistributedOptimizer(opt)
+        assert isinstance(wrapped, DistributedK2), type(wrapped)
+    assert isinstance(
+        hvd_tf.DistributedOptimizer(keras.optimizers.SGD(0.1)), hvd.DistributedOptimizer
+    )
