@@ -163,7 +163,9 @@ class Watch:
 
     def lost(self, loss: Loss) -> None:
         """Records ``loss`` and ends the runtime (the first loss only; others are logged)."""
-        on = f"ranks {', '.join(map(str, loss.ranks))}" if loss.ranks else "no rank"
+        on = "no rank"
+        if loss.ranks:
+            on = ("rank " if len(loss.ranks) == 1 else "ranks ") + ", ".join(map(str, loss.ranks))
         if self.restarts is None:
             message = (
                 f"host {loss.host} was lost ({loss.why}; {on} ran there); Open MPI's runtime "
@@ -237,10 +239,13 @@ class Restarts:
 
     @staticmethod
     def possible(config: LaunchConfig) -> bool:
-        """Whether a job can be started again elsewhere: elastic, with hosts to choose from."""
+        """Whether a job can be started again elsewhere: elastic, on hosts the launcher was
+        given (``-H``/``--hostfile``), with another to go on with (several listed, or a
+        discovery script). A Slurm allocation without ``-H`` is not (the launcher does not know
+        its slots); a lost host ends such a job, named."""
         listed = _hosts.listed(config.hosts, config.hostfile) or []
         script = config.settings.get("host_discovery_script")
-        return config.elastic and (len(listed) > 1 or bool(script))
+        return config.elastic and bool(listed) and (len(listed) > 1 or bool(script))
 
     @property
     def limit(self) -> int:

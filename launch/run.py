@@ -439,7 +439,7 @@ def _run_once(
         verdict.lost(host, links)
         sweeper.on_lost(host, links)  # a stopped host cannot end its own processes
 
-    if config.elastic and not (config.multihost or restarts):
+    if config.elastic and address[0] == "127.0.0.1":
         lifeline.start()  # one host, the launcher's: a lost rank is replaced, never the end
     elif config.elastic:
         # A lost rank is replaced, not the end of the job; a lost host ends this runtime, and

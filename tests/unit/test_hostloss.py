@@ -1,0 +1,299 @@
+"""Surviving a lost host, in one process: the commits on disk and the launcher's restart plan.
+
+The commits each host keeps on its local disk (syncdp.core.commits), how the ranks agree on the
+newest one and take it (syncdp.elastic), and what the launcher decides after a lost host
+(launch.restart): which hosts, how many ranks, what --min-np and --reset-limit allow. The real
+thing (a link cut between namespace hosts, the job restarted and resumed) is in
+tests/integration/test_elastic_hostloss.py.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import time
+import types
+
+import numpy as np
+import pytest
+
+from launch import cleanup, elastic, restart, run
+from launch.lifeline import Link
+from syncdp.core import commits
+
+# --- The commits on each host's disk. ---
+
+
+def test_a_host_keeps_its_newest_two_commits_each_written_whole(tmp_path):
+    store = commits.Store(str(tmp_path / "job1"))
+    assert store.newest() == 0 and store.counters() == []
+    for counter in (1, 2, 3):
+        store.write(counter, {"_saved": {"epoch": counter}})
+    assert store.counters() == [2, 3] and store.newest() == 3
+    assert store.read(3) == {"_saved": {"epoch": 3}}
+    # A writer killed mid-write leaves only its temporary file, which is never taken.
+    (tmp_path / "job1" / ".commit-4-hb-x1y2").write_bytes(b"\x80\x05 half a pickle")
+    assert store.newest() == 3
+
+
+def test_a_commit_of_another_job_or_counter_is_refused(tmp_path):
+    commits.Store(str(tmp_path / "other")).write(5, {"x": 1})
+    os.makedirs(tmp_path / "mine")
+    os.replace(
+        tmp_path / "other" / "commit-000000000005.pkl",
+        tmp_path / "mine" / "commit-000000000005.pkl",
+    )
+    with pytest.raises(ValueError, match="not a commit of job mine"):
+        commits.Store(str(tmp_path / "mine")).read(5)
+
+
+def test_the_newest_commit_is_taken_from_memory_before_disk():
+    rows = [(4, 4, "ha"), (4, 5, "ha"), (3, 5, "hb"), (5, 0, "hc")]
+    assert commits.newest(rows) == commits.Found(5, 3, False, "hc")
+    rows = [(0, 6, "ha"), (0, 6, "ha"), (0, 7, "hb"), (0, 7, "hb")]  # a restart: all on disk
+    assert commits.newest(rows) == commits.Found(7, 2, True, "hb")
+    assert commits.newest([(0, 0, "ha"), (0, 0, "hb")]) == commits.Found(0, 0, False, "ha")
+
+
+# --- The ranks' side: commit to disk, take the newest at the sync. ---
+
+
+class _Comm:
+    """A communicator as one rank sees it: the others' rows and what a root sends."""
+
+    def __init__(self, rank, size, rows, sent=None):
+        self.rank, self.size, self.rows, self.sent = rank, size, rows, sent
+        self.calls = []
+
+    def allgather_object(self, obj, *, name):
+        self.calls.append(name)
+        rows = list(self.rows)
+        rows[self.rank] = obj
+        return rows
+
+    def broadcast_object(self, obj, root=0, *, name):
+        self.calls.append(f"{name} from {root}")
+        return obj if self.rank == root else self.sent
+
+
+@pytest.fixture
+def elastic_rank(monkeypatch, tmp_path):
+    """This process as rank RANK of an elastic job that keeps commits in tmp_path/job."""
+    from syncdp.core import report, runtime
+
+    monkeypatch.setenv(commits.COMMIT_DIR_VAR, str(tmp_path / "job"))
+    monkeypatch.setattr(runtime, "elastic_plan", lambda: types.SimpleNamespace(script=""))
+    monkeypatch.setattr(runtime, "tend_spares", lambda: None)
+    sent = []
+    monkeypatch.setattr(report, "send", lambda kind, rank, message="", **f: sent.append(f))
+
+    def be(rank, local_rank, comm=None):
+        monkeypatch.setattr(runtime, "rank", lambda: rank)
+        monkeypatch.setattr(runtime, "local_rank", lambda: local_rank)
+        if comm is not None:
+            monkeypatch.setattr(runtime, "communicator", lambda: comm)
+        return commits.store()
+
+    be.reports = sent
+    return be
+
+
+def test_the_lowest_local_rank_of_a_host_writes_each_commit(elastic_rank):
+    from syncdp.elastic import ObjectState
+
+    store = elastic_rank(rank=3, local_rank=1)
+    state = ObjectState(epoch=0, batch=0)
+    state.batch = 4
+    state.commit()
+    assert store.counters() == []  # not this host's writer
+    elastic_rank(rank=2, local_rank=0)
+    state.batch = 6
+    state.commit()
+    assert store.counters() == [2]
+    assert store.read(2) == {"_saved": {"epoch": 0, "batch": 6}}
+
+
+def test_a_restarted_rank_0_resumes_from_its_hosts_disk(elastic_rank):
+    from syncdp import elastic as se
+    from syncdp.elastic import ObjectState
+
+    comm = _Comm(0, 2, [None, (0, 9, "ha")])
+    store = elastic_rank(rank=0, local_rank=0, comm=comm)
+    store.write(9, {"_saved": {"epoch": 2, "batch": 4}})
+    state = ObjectState(epoch=0, batch=0)  # a fresh process: nothing in memory
+    se._take_newest_commit(state)
+    assert (state.epoch, state.batch, state._commits) == (2, 4, 9)
+    assert comm.calls == ["elastic.commits", "elastic.commit_counter from 0"]
+    here = socket.gethostname()  # rank 0's own row names its host
+    assert elastic_rank.reports == [{"counter": 9, "source": here, "size": 2}]
+
+
+def test_a_commit_on_another_hosts_disk_is_sent_to_every_rank(elastic_rank):
+    from syncdp import elastic as se
+    from syncdp.elastic import ObjectState
+
+    # Rank 0 (this process) has no commit on its host; rank 1's host has commit 5.
+    comm = _Comm(0, 2, [None, (0, 5, "hb")], sent=None)
+    elastic_rank(rank=0, local_rank=0, comm=comm)
+    state = ObjectState(epoch=0)
+    comm.sent = {"_saved": {"epoch": 3}}  # what rank 1 reads and sends
+    se._take_newest_commit(state)
+    assert (state.epoch, state._commits) == (3, 5)
+    assert comm.calls == [
+        "elastic.commits",
+        "elastic.commit from 1",
+        "elastic.commit_counter from 0",
+    ]
+
+
+def test_rank_0s_memory_is_used_as_is(elastic_rank):
+    from syncdp import elastic as se
+    from syncdp.elastic import ObjectState
+
+    comm = _Comm(1, 2, [(6, 6, "ha"), None], sent=6)
+    elastic_rank(rank=1, local_rank=0, comm=comm)
+    state = ObjectState(epoch=0)
+    state._commits = 5  # behind: the sync hands out rank 0's state, and here its counter
+    se._take_newest_commit(state)
+    assert state._commits == 6 and comm.calls == [
+        "elastic.commits",
+        "elastic.commit_counter from 0",
+    ]
+
+
+def test_tensorflow_state_travels_to_disk_and_back(tmp_path):
+    import tensorflow as tf
+
+    from syncdp.tensorflow.elastic import TensorFlowState
+
+    w = tf.Variable([1.0, 2.0], dtype=tf.float64)
+    state = TensorFlowState([w], epoch=3)
+    state.save()
+    store = commits.Store(str(tmp_path / "job"))
+    store.write(1, state.snapshot())
+    w2 = tf.Variable([0.0, 0.0], dtype=tf.float64)
+    fresh = TensorFlowState([w2], epoch=0)
+    fresh.load_snapshot(store.read(1))
+    fresh.restore()
+    np.testing.assert_array_equal(w2.numpy(), [1.0, 2.0])
+    assert fresh.epoch == 3
+
+
+# --- The launcher's side. ---
+
+
+def _config(*flags):
+    return run.parse_args(["--min-np", "2", *flags, "python", "train.py"])
+
+
+@pytest.fixture
+def checked(monkeypatch):
+    """Every host answers the remote-shell check, except those the test names."""
+    bad: dict[str, str] = {}
+    monkeypatch.setattr(restart._hosts, "host_problems", lambda hosts, shell, timeout: bad)
+    return bad
+
+
+def _loss(host="hb"):
+    return restart.Loss(host, "no word from it for 10 s", (2, 3), time.monotonic())
+
+
+def test_a_restart_goes_on_with_the_hosts_left(checked):
+    config = _config("-np", "4", "-H", "ha:2,hb:2")
+    assert restart.Restarts.possible(config)
+    restarts = restart.Restarts(config, ["ssh"], print)
+    restarts.used_hosts = {"ha", "hb"}
+    new, line = restarts.next_config(config, _loss())
+    assert (new.num_proc, new.hosts, new.hostfile) == (2, "ha:2", None)
+    assert new.settings["max_np"] == 4  # grows back when slots return
+    assert line.startswith("restart 1: starting 2 rank(s) on ha:2 without hb; the ranks resume")
+    assert restarts.lost == ["hb"] and restarts.count == 1
+
+
+def test_a_restart_never_goes_below_min_np_or_past_the_reset_limit(checked):
+    config = run.parse_args(["--min-np", "3", "-np", "4", "-H", "ha:2,hb:2", "python", "t.py"])
+    new, why = restart.Restarts(config, ["ssh"], print).next_config(config, _loss())
+    assert new is None
+    assert (
+        why
+        == "after losing hb the hosts left (ha (2 slot(s))) hold 2 rank(s), fewer than --min-np 3"
+    )
+    config = _config("-np", "2", "-H", "ha:1,hb:1,hc:1", "--reset-limit", "2")
+    restarts = restart.Restarts(config, ["ssh"], print)
+    restarts.changes = 1  # a rank was replaced before
+    new, _ = restarts.next_config(config, _loss("hc"))
+    assert new.settings["reset_limit"] == 0 and restarts.reset_budget == 0
+    new, why = restarts.next_config(new, _loss("hb"))
+    assert new is None and why.startswith("the reset limit (--reset-limit 2) is used up")
+
+
+def test_the_discovery_script_places_a_restart_and_hosts_that_fail_the_check_are_left_out(
+    tmp_path, checked
+):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\nprintf 'hc:2\\nha:2\\nhb:2\\nhd:1\\n'\n")
+    script.chmod(0o755)
+    config = _config(
+        "-np", "4", "-H", "ha:2,hb:2,hc:2,hd:1", "--host-discovery-script", str(script)
+    )
+    said = []
+    restarts = restart.Restarts(config, ["ssh"], said.append)
+    restarts.used_hosts = {"ha", "hb"}
+    checked["hd"] = "did not answer over the remote shell within 30 s"
+    new, _ = restarts.next_config(config, _loss("hb"))
+    assert new.hosts == "ha:2,hc:2" and new.num_proc == 4  # ha held ranks: its disk first
+    assert said == [
+        "elastic: host hd is left out of the restart: did not answer over the "
+        "remote shell within 30 s."
+    ]
+
+
+def test_one_host_or_a_job_without_hosts_cannot_restart():
+    assert not restart.Restarts.possible(_config("-np", "2", "-H", "ha:2"))
+    assert not restart.Restarts.possible(_config("-np", "2"))
+    assert not restart.Restarts.possible(run.parse_args(["-np", "2", "-H", "a:1,b:1", "x"]))
+
+
+def test_a_host_whose_supervisors_vanished_without_a_report_was_lost():
+    now = time.monotonic()
+    links = {
+        0: Link(0, "ha", 1, now, now, closed=now),  # reported its exit
+        1: Link(1, "hb", 2, now, now, closed=now),
+        2: Link(2, "hb", 3, now, now - 20),  # silent
+        3: Link(3, "hc", 4, now, now),  # alive
+    }
+    assert restart.vanished_hosts(links, reported={0}) == ["hb"]
+    assert restart.vanished_hosts(links, reported={0, 2}) == []
+
+
+def test_the_log_names_the_resume_and_a_used_up_reset_budget():
+    out, aborted = io.StringIO(), []
+    log = elastic.ElasticLog(
+        out=out,
+        ranks=2,
+        on_abort=aborted.append,
+        reset_budget=0,
+        restarted=("hb", time.monotonic() - 12.0),
+    )
+    log.handle(
+        {"kind": "resumed", "message": "resumed from commit 6, kept on ha's disk", "size": 2}
+    )
+    assert "elastic: resumed from commit 6, kept on ha's disk at size 2, 12." in out.getvalue()
+    assert "s after hb was lost." in out.getvalue()
+    log.handle({"kind": "membership", "lost": [], "added": [], "old_size": 2, "new_size": 2})
+    assert aborted and "reset limit" in aborted[0]["message"]
+
+
+def test_the_commits_are_removed_at_the_end(tmp_path, monkeypatch):
+    directory = tmp_path / "syncdp-0" / "job"
+    directory.mkdir(parents=True)
+    (directory / "commit-000000000001.pkl").write_bytes(b"x")
+    assert cleanup.remove_directory(str(directory), ["false"], ["localhost"]) is None
+    assert not (tmp_path / "syncdp-0").exists()
+    line = cleanup.remove_directory(str(directory), ["false"], ["hb"])
+    assert line and line.startswith("the job's commits could not be removed from") and "hb" in line
+
+
+def test_commits_go_to_var_tmp_per_user_and_job():
+    assert restart.commit_directory("abc") == f"/var/tmp/syncdp-{os.getuid()}/abc"
