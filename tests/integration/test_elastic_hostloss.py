@@ -1,7 +1,8 @@
 """A whole host lost in an elastic job: the launcher starts the job again on the host left.
 
-Two namespace hosts (tests/netns.py) with two ranks each, every host with a /var/tmp of its own
-(so the commits on disk are each host's, no file system shared). The job is written in
+Two namespace hosts (tests/netns.py) with two ranks each; in one case every host has a /var/tmp
+of its own (so the commits on disk are each host's, no file system shared), in the other they
+share one and the launcher is given no --network-interface. The job is written in
 Horovod's elastic API (``import horovod.tensorflow as hvd``, ``TensorFlowState``,
 ``@hvd.elastic.run``, ``state.commit()``): linear regression on a fixed global batch split among
 the ranks, an update that does not depend on the number of ranks. Once rank 0 has finished an
@@ -107,10 +108,10 @@ def _expected() -> np.ndarray:
 
 
 @pytest.fixture
-def cluster(tmp_path):
+def cluster(tmp_path, request):
     try:
         with NamespaceHosts(
-            tmp_path, HOSTS, subnet="10.213.24", tag="shl", private_disks=True
+            tmp_path, HOSTS, subnet="10.213.24", tag="shl", private_disks=request.param
         ) as hosts:
             yield hosts
     except Unavailable as e:
@@ -124,18 +125,28 @@ def _nothing_left(cluster, seconds: float) -> dict:
     return {h: cluster.pids(h) for h in HOSTS if cluster.pids(h)}
 
 
-@pytest.mark.parametrize("lost", ["hb", "ha"])
+@pytest.mark.parametrize(
+    ("lost", "cluster"),
+    [
+        # The second host, with the hosts' disks private and the job's interface given.
+        ("hb", True),
+        # The host of rank 0, with one shared file system and no --network-interface (the
+        # launcher then advertises all its addresses, tests/integration/test_slurm_addr.py).
+        ("ha", False),
+    ],
+    indirect=["cluster"],
+)
 def test_a_lost_host_restarts_the_job_on_the_host_left_from_the_last_commit(
     cluster, tmp_path, lost
 ):
     program = python_script(tmp_path, JOB, "horovod_elastic.py")
+    interface = ("--network-interface", cluster.subnet) if cluster.private_disks else ()
     flags = (
         "--min-np",
         "2",
         "-H",
         "ha:2,hb:2",
-        "--network-interface",
-        cluster.subnet,
+        *interface,
         "--mpi-args",
         f"--mca plm_rsh_agent {cluster.agent} --mca mpi_yield_when_idle 1",
     )
@@ -192,9 +203,12 @@ def test_a_lost_host_restarts_the_job_on_the_host_left_from_the_last_commit(
     )
     assert resumed and resumed.group(4) == lost and resumed.group(2) != lost, log
     assert "1 restart(s) after a lost host" in err.strip().splitlines()[-1], log
-    kept = next(h for h in HOSTS if h != lost)
-    # The commits were this host's own, on its own disk; the launcher removed them at the end.
-    assert not list(cluster.disk(kept).glob("syncdp-*/*/commit-*")), log
+    if cluster.private_disks:
+        # The commits were each host's own; the launcher removed the kept host's at the end,
+        # and the lost host's stay on its disk (nothing can reach it).
+        kept = next(h for h in HOSTS if h != lost)
+        assert not list(cluster.disk(kept).glob("syncdp-*")), log
+        assert list(cluster.disk(lost).glob("syncdp-*/*/commit-*.pkl")), log
     # With -s: the launcher's own log, for the record.
     print("\n".join(line for line in err.splitlines() if line.startswith("syncdp-run: ")))
     left = _nothing_left(cluster, max(5.0, cut_at + 25 - time.monotonic()))
