@@ -1,0 +1,118 @@
+"""What every collective family shares: the reduce operations, the signature of a call, the
+communicator of a process set and the checks of dtypes and roots.
+
+Part of :mod:`syncdp.tensorflow.collectives` (its docstring says what every collective
+promises).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+import tensorflow as tf
+
+from syncdp import engine
+from syncdp.core import process_sets
+from syncdp.core.process_sets import global_process_set
+from syncdp.tensorflow import graph
+
+__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "NotInProcessSetError"]
+
+
+class ReduceOp(enum.Enum):
+    """How allreduce combines the ranks' tensors."""
+
+    AVERAGE = "average"
+    SUM = "sum"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+    ADASUM = "adasum"
+
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+Adasum = ReduceOp.ADASUM
+
+_REDUCIBLE = {
+    tf.float16,
+    tf.bfloat16,
+    tf.float32,
+    tf.float64,
+    tf.int32,
+    tf.int64,
+    tf.uint8,
+    tf.int8,
+    tf.int16,
+    tf.uint16,
+    tf.uint32,
+    tf.uint64,
+}
+
+
+def _resolve_op(op, average) -> ReduceOp:
+    if op is not None and average is not None:
+        raise ValueError("allreduce takes op or the deprecated average, not both.")
+    if average is not None:
+        return Average if average else Sum
+    op = Average if op is None else op
+    if not isinstance(op, ReduceOp):
+        raise ValueError(
+            f"op must be one of syncdp.Average, Sum, Min, Max, Product, Adasum; got {op!r}."
+        )
+    return op
+
+
+def _comm(process_set):
+    """The communicator of ``process_set`` (checked when a collective is built and run)."""
+    try:
+        return process_sets.communicator_of(process_set)
+    except process_sets.NotInProcessSetError as e:
+        raise NotInProcessSetError(str(e)) from None
+
+
+def _root(process_set, root_rank: int) -> int:
+    """The set's own rank number of job rank ``root_rank`` (Horovod's roots are job ranks)."""
+    return (process_set or global_process_set).root(root_rank)
+
+
+class NotInProcessSetError(process_sets.NotInProcessSetError, tf.errors.InvalidArgumentError):
+    """A rank used a process set it is not in; also TensorFlow's ``InvalidArgumentError``,
+    which is what Horovod raises then."""
+
+    def __init__(self, message: str):
+        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _signature(name: str, tensor_like, **fields) -> tuple:
+    """What every rank must pass alike to one collective (see Communicator.agree)."""
+    dtype = np.dtype(tensor_like.dtype).name if hasattr(tensor_like, "dtype") else ""
+    return (("name", name), ("dtype", dtype), *fields.items())
+
+
+def _spec(tensor) -> engine.TensorSpec:
+    shape = tensor.shape
+    nbytes = shape.num_elements() * tensor.dtype.size if shape.is_fully_defined() else -1
+    return engine.TensorSpec(nbytes, tensor.dtype)
+
+
+def _tunable(process_set) -> bool:
+    """Whether autotuning may change how this set's gradients are bucketed: the whole job's,
+    in eager code or a ``tf.function`` (not a TF1 graph)."""
+    whole = process_set is None or process_set is global_process_set
+    return whole and not graph.in_v1_graph()
+
+
+def _check_reducible(tensors) -> None:
+    for t in tensors:  # the same error at any size, so a 1-rank test catches it
+        if t.dtype not in _REDUCIBLE:
+            raise TypeError(
+                f"allreduce cannot reduce {t.dtype.name} tensors; use a float or integer dtype."
+            )

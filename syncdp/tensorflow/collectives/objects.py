@@ -1,0 +1,171 @@
+"""Variables and Python objects: broadcast_variables, broadcast_object(_fn), allgather_object,
+and the barrier and join of the whole job.
+
+Part of :mod:`syncdp.tensorflow.collectives` (its docstring says what every collective
+promises).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from syncdp import engine
+from syncdp.core import runtime
+from syncdp.core.process_sets import global_process_set
+from syncdp.tensorflow.collectives._common import (
+    _comm,
+    _root,
+    _signature,
+    _spec,
+)
+from syncdp.tensorflow.graph import ordered_call, standalone
+
+__all__ = [
+    "broadcast_",
+    "broadcast_variables",
+    "broadcast_global_variables",
+    "broadcast_object",
+    "broadcast_object_fn",
+    "allgather_object",
+    "barrier",
+    "join",
+]
+
+
+@tf.autograph.experimental.do_not_convert
+def broadcast_(variables, root_rank: int, name: str | None = None, process_set=global_process_set):
+    """In-place broadcast: assigns rank ``root_rank``'s values to ``variables`` on every rank.
+
+    Returns:
+        The variables' new values, as tensors, in the order given.
+    """
+    variables = list(variables)
+    done = broadcast_variables(variables, root_rank, process_set=process_set)
+    if done is None:
+        return [tf.convert_to_tensor(v) for v in variables]
+    with tf.control_dependencies([done]):  # read the values after the assignments
+        return [tf.identity(v) for v in variables]
+
+
+@tf.autograph.experimental.do_not_convert
+def broadcast_variables(
+    variables: Sequence[tf.Variable],
+    root_rank: int = 0,
+    process_set=global_process_set,
+    inplace: bool = False,
+):
+    """Assigns rank ``root_rank``'s values to ``variables`` on every rank.
+
+    A synchronization point. Variables are fused by dtype, so a whole model takes a few
+    broadcasts. Call it after the variables exist and before the first gradient is applied.
+
+    Args:
+        variables: The variables (e.g. ``model.variables`` plus ``optimizer.variables``).
+        root_rank: The rank whose values everyone receives (a job rank). Defaults to 0.
+        process_set: The ranks that take part. Defaults to the whole job.
+        inplace: Accepted for Horovod compatibility (values are always assigned in place).
+
+    Returns:
+        None eagerly; inside ``tf.function`` or a TF1 graph, the assign op group.
+    """
+    comm = _comm(process_set)
+    root = _root(process_set, root_rank)
+    variables = list(variables)
+    if comm.size == 1 or not variables:
+        return None if tf.executing_eagerly() else tf.no_op()
+    assigns = []
+    cap = runtime.get_config().fusion_threshold
+    # Keras 3 variables report their dtype as a string: plan on the tensors' values.
+    current = [tf.convert_to_tensor(v) for v in variables]
+    buckets = engine.plan([_spec(c) for c in current], first_bytes=0, cap_bytes=cap)
+    for b, bucket in enumerate(buckets):
+        values = [current[i] for i in bucket.indices]
+        name = f"broadcast_variables.bucket{b}"
+
+        def run(*arrays, name=name):
+            comm = _comm(process_set)
+            shapes = tuple(np.shape(a) for a in arrays)
+            comm.agree(_signature(name, arrays[0], shapes=shapes, root=root_rank), name=name)
+            return engine.broadcast_bucket(comm, arrays, root, name=name)
+
+        received = ordered_call(
+            run, values, [v.dtype for v in values], [v.shape for v in values], name
+        )
+        for i, value in zip(bucket.indices, received):
+            assigns.append(variables[i].assign(value))
+    return None if tf.executing_eagerly() else tf.group(*assigns)
+
+
+def broadcast_global_variables(root_rank: int = 0):
+    """The TF1 op that assigns ``root_rank``'s values to every global variable of the graph.
+
+    Raises:
+        RuntimeError: Called eagerly, where there are no global variables; use
+            :func:`broadcast_variables` with the model's and optimizer's variables instead.
+    """
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "broadcast_global_variables() does not support eager execution; use "
+            "syncdp.broadcast_variables(model.variables + optimizer.variables) instead."
+        )
+    # Run on its own (by a hook, as the session opens): kept out of the chain of collectives,
+    # so running it does not also run the training step's collectives and read a batch.
+    with standalone():
+        return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+def broadcast_object(
+    obj, root_rank: int = 0, session=None, name: str | None = None, process_set=global_process_set
+):
+    """Returns rank ``root_rank``'s picklable Python object on every rank (a collective).
+
+    ``session`` is accepted for Horovod compatibility (objects never pass through a graph).
+    """
+    comm = _comm(process_set)
+    root = _root(process_set, root_rank)
+    return comm.broadcast_object(obj, root, name=name or "broadcast_object")
+
+
+def broadcast_object_fn(
+    root_rank: int = 0, session=None, name: str | None = None, process_set=global_process_set
+):
+    """Returns ``fn(obj)`` that broadcasts ``obj`` from ``root_rank`` (Horovod's TF1 helper)."""
+
+    def fn(obj):
+        return broadcast_object(obj, root_rank, name=name, process_set=process_set)
+
+    return fn
+
+
+def allgather_object(
+    obj, session=None, name: str | None = None, process_set=global_process_set
+) -> list:
+    """Returns a list of every rank's picklable object, in rank order (a collective)."""
+    return _comm(process_set).allgather_object(obj, name=name or "allgather_object")
+
+
+def barrier(process_set=global_process_set) -> None:
+    """Waits until every rank of ``process_set`` has called it (a collective)."""
+    _comm(process_set).barrier()
+
+
+def join() -> int:
+    """Waits for every rank and returns the rank that arrived last (a collective).
+
+    Horovod's join lets a rank that ran out of data stand in with zeros for the others'
+    remaining allreduces. syncdp instead gives every rank the same number of steps
+    (``syncdp.data.tfrecord_dataset``), so here join is a barrier that reports the straggler:
+    arrivals are ordered on rank 0's clock alone, never by comparing hosts' clocks.
+
+    Returns:
+        The rank that arrived last, the same on every rank: an int eagerly; inside
+        ``tf.function`` or a TF1 graph an int32 tensor, computed when the graph runs.
+    """
+    if tf.executing_eagerly():
+        return runtime.communicator().join()
+    return ordered_call(
+        lambda: (np.int32(runtime.communicator().join()),), [], [tf.int32], [[]], "join"
+    )[0]
