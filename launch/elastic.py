@@ -19,9 +19,10 @@ Warm spares (``--spares``) are known by their output labels until a membership c
 as added (it became a rank); a spare rank 0 starts in the background to replace a used or dead
 one announces itself (``spare_started``) before its program runs. A spare's exit is never the
 job's failure or success: one that dies while waiting is logged; the released ones exit 0 at the
-end and are not counted as ranks. Once every rank of the final membership has exited, a spare
-still running after :data:`SPARE_GRACE_SECONDS` (rank 0 could not release it) is killed, so
-the job can end.
+end and are not counted as ranks, and one that does not answer its release (rank 0 names it in
+an ``unanswered_spares`` report) is killed at once. Once every rank of the final membership has
+exited, a spare still running after :data:`SPARE_GRACE_SECONDS` (rank 0 could not release it)
+is killed, so the job can end.
 
 When the job ends, a rank that failed and was never recovered from (no membership change
 lists it as lost) makes the job a failure; otherwise it succeeded when every rank of the final
@@ -279,6 +280,22 @@ class ElasticLog:
 
         threading.Thread(target=end, daemon=True).start()
 
+    def _kill_unanswered(self, report: Mapping[str, Any]) -> None:
+        """Kills the spares that did not answer rank 0's release (only spares of this job that
+        still wait, where their started reports put them): under ULFM every rank's
+        MPI_Finalize waits for a spare that is alive but does not run."""
+        for spare in report.get("spares") or []:
+            label = spare.get("label")
+            with self._lock:
+                where = self._spare_pids.get(label) if label in self._spares else None
+            if where is None:
+                continue
+            self._say(
+                f"spare [{label}] (pid {where[1]} on {where[0]}) did not answer its release at "
+                "the end of training; killing it."
+            )
+            threading.Thread(target=_kill, args=(*where, self._shell), daemon=True).start()
+
     def _say(self, text: str) -> None:
         print(f"syncdp-run: elastic: {text}", file=self.out, flush=True)
 
@@ -297,6 +314,9 @@ class ElasticLog:
                 f"starting a new spare [{report.get('rank')}] (pid {report.get('pid')} on "
                 f"{report.get('host')}) in the background."
             )
+            return True
+        if kind == "unanswered_spares":  # released at the end, they would hold up MPI_Finalize
+            self._kill_unanswered(report)
             return True
         if kind == "spares":  # the reserve was refreshed: a new spare joined, or dead ones left
             self._say(f"{report.get('message')}; training went on meanwhile.")
