@@ -183,6 +183,7 @@ class ElasticLog:
         self._first_replacement = self._ranks_at_start + len(self._spares) if known else None
         self._joined: set = set()  # labels of replacements a membership change added
         self._spares_lost = 0
+        self._released: set = set()  # labels of spares killed for not answering their release
         self._spares_ending = False  # the last rank has exited: spares left get killed
 
     def _unjoined_exit(self, report: dict) -> bool:
@@ -247,6 +248,7 @@ class ElasticLog:
             self._spares.discard(label)
             left = len(self._spares)
             failed = bool(report.get("code") or report.get("signal"))
+            failed = failed and label not in self._released  # killed at the end, on purpose
             self._spares_lost += failed
         if failed:
             code = -report["signal"] if report.get("signal") else report["code"]
@@ -288,6 +290,8 @@ class ElasticLog:
             label = spare.get("label")
             with self._lock:
                 where = self._spare_pids.get(label) if label in self._spares else None
+                if where is not None:
+                    self._released.add(label)
             if where is None:
                 continue
             self._say(
