@@ -200,9 +200,10 @@ class Keeper:
             self._abandoned = True
 
     def _release(self) -> None:
-        pair = self._started[0]
+        pair, _, label = self._started
         self._started = None
-        spares.wake(pair, 1, spares.RELEASE)
+        # The launcher knows where the new spare runs (its spare_started report).
+        spares.release(pair, 1, [membership.Member("", 0, label)])
         try:
             pair.Free()
         except mpi.load().Exception:

@@ -14,11 +14,14 @@ A spare waits for a message from rank 0 on the reserve (:func:`wait`):
 - :data:`GROW`: the ranks grow into new slots; the spare joins, and stays a spare;
 - :data:`REFRESH`: the ranks drop spares that died and take in one started in the background
   (:mod:`syncdp.core.refill`); the spare joins, and stays a spare;
-- :data:`RELEASE`: the job is over; the spare exits 0 without running the rest of the program
-  (:func:`leave`).
+- :data:`RELEASE`: the job is over; the spare answers rank 0 and exits 0 without running the
+  rest of the program (:func:`leave`).
 
 A spare that dies while it waits disturbs no rank: rank 0 notices (:mod:`syncdp.core.refill`
-keeps the count), and the next recovery or refresh leaves it out.
+keeps the count), and the next recovery or refresh leaves it out. A spare is never needed for
+the job to end: under ULFM every process's MPI_Finalize waits for a spare that is alive but does
+not run (stopped), so rank 0 waits a few seconds for each spare to answer its release
+(:func:`release`) and names those that did not to the launcher, which kills them.
 
 Which process trains after a change is :func:`seat`'s pure arithmetic on four counts rank 0
 decides (ranks and spares alive, spares taken, processes spawned), the same on every process:
@@ -34,9 +37,10 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
-from syncdp.core import mpi
+from syncdp.core import mpi, report
 
 __all__ = [
     "SPARES_VAR",
@@ -51,6 +55,7 @@ __all__ = [
     "seat",
     "wait",
     "wake",
+    "release",
     "leave",
 ]
 
@@ -63,6 +68,10 @@ NEW_SPARE_VAR = "SYNCDP_NEW_SPARE"
 # revoked, or rank 0 lost).
 RELEASE, GROW, FAILURE, REFRESH, JOIN = 0, 1, 2, 3, 4
 _TAG = 7301
+# A released spare's answer to rank 0.
+_ANSWER_TAG = 7304
+# How long rank 0 waits for the released spares' answers before it names the silent ones.
+RELEASE_ANSWER_SECONDS = 5.0
 
 
 class Order(NamedTuple):
@@ -146,6 +155,8 @@ def wait(reserve) -> Order:
         try:
             if request.Test():
                 what = message[0] if message[0] in (GROW, REFRESH, JOIN) else RELEASE
+                if what == RELEASE:
+                    _answer(reserve)
                 return Order(what, prune=bool(message[1]), adopt=bool(message[2]))
         except MPI.Exception:
             return Order(FAILURE)
@@ -179,6 +190,82 @@ def wake(reserve, first_spare: int, what: int, *, prune: bool = False, adopt: bo
                 time.sleep(_POLL_SECONDS)
         except MPI.Exception:
             pass
+
+
+def _answer(reserve) -> None:
+    """A released spare tells rank 0 it is leaving (:func:`release`); never raises."""
+    MPI = mpi.load()
+    try:
+        request = reserve.Isend([bytes(1), MPI.BYTE], dest=0, tag=_ANSWER_TAG)
+        deadline = time.monotonic() + RELEASE_ANSWER_SECONDS
+        while not request.Test() and time.monotonic() < deadline:
+            time.sleep(_POLL_SECONDS)
+    except MPI.Exception:
+        pass
+
+
+def release(
+    reserve, first_spare: int, waiting: Sequence = (), *, seconds: float = RELEASE_ANSWER_SECONDS
+) -> list:
+    """Rank 0 ends the spares of ``reserve`` (RELEASE) and names those that do not answer.
+
+    Each released spare answers before it leaves. One that is alive but does not run (stopped)
+    cannot, and under ULFM every process's MPI_Finalize would wait for it: such spares are
+    reported to the launcher (an ``unanswered_spares`` report), which kills them. A spare that
+    died is gone already and is not named. Never raises.
+
+    Args:
+        reserve: The reserve communicator (rank 0's side), or a new spare's pair communicator
+            with rank 0 (:mod:`syncdp.core.refill`).
+        first_spare: The reserve rank of the first spare.
+        waiting: The spares, in reserve order (objects with ``label``, ``host`` and ``pid``,
+            :class:`syncdp.core.membership.Member`), for the report. Defaults to none known.
+        seconds: How long to wait for the answers. Defaults to
+            :data:`RELEASE_ANSWER_SECONDS`.
+
+    Returns:
+        The entries of ``waiting`` (or the reserve ranks, where ``waiting`` is shorter) that
+        did not answer.
+    """
+    MPI = mpi.load()
+    wake(reserve, first_spare, RELEASE)
+    pending, buffers = {}, []
+    for spare in range(first_spare, reserve.Get_size()):
+        buffers.append(bytearray(1))
+        try:
+            pending[spare] = reserve.Irecv([buffers[-1], MPI.BYTE], source=spare, tag=_ANSWER_TAG)
+        except MPI.Exception:
+            pass
+    deadline = time.monotonic() + seconds
+    while pending and time.monotonic() < deadline:
+        for spare, request in list(pending.items()):
+            try:
+                done = request.Test()
+            except MPI.Exception:  # it died: gone already
+                done = True
+            if done:
+                del pending[spare]
+        time.sleep(_POLL_SECONDS)
+    silent = []
+    for spare, request in pending.items():
+        try:
+            request.Cancel()
+            request.Wait()
+        except MPI.Exception:
+            pass
+        index = spare - first_spare
+        silent.append(waiting[index] if index < len(waiting) else spare)
+    if silent:
+        named = [
+            {"label": m.label, "host": m.host, "pid": m.pid} for m in silent if hasattr(m, "label")
+        ]
+        report.send(
+            "unanswered_spares",
+            0,
+            f"{len(silent)} spare(s) did not answer rank 0's release within {seconds:g} s",
+            spares=named,
+        )
+    return silent
 
 
 def leave(finalize_timeout: float) -> None:
