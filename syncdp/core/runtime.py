@@ -719,7 +719,7 @@ def shutdown() -> None:
         timeline.gather_and_write(comm.mpi)
     if _state.reserve is not None and not comm.broken:
         if comm.rank == 0:  # training is over: the spares leave
-            spares.wake(_state.reserve, comm.size, spares.RELEASE)
+            spares.release(_state.reserve, comm.size, _state.plan.spares if _state.plan else ())
             if _state.keeper is not None:
                 _state.keeper.close()
         _state.reserve = None
