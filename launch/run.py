@@ -108,6 +108,8 @@ _HOST_CHECK_SECONDS = 30.0
 # After mpirun ends, a rank whose supervisor is still connected and heard from gets this long
 # to deliver its exit report.
 _LAST_REPORTS_SECONDS = 2.0
+# Open MPI's switch that leaves the fence out of MPI_Finalize (syncdp.core.runtime's too).
+_ASYNC_FINALIZE = "OMPI_MCA_async_mpi_finalize"
 # The --log-level words at which the launcher says more, and less.
 _CHATTY, _QUIET = ("TRACE", "DEBUG"), ("ERROR", "FATAL")
 
@@ -157,10 +159,6 @@ def build_env(
     # (docs/performance-16core.md) and needed where ranks share cores. --mpi-args "--mca
     # mpi_yield_when_idle 0" or the variable set by the caller wins.
     env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    if config.elastic:
-        # No fence in MPI_Finalize: Open MPI 5.0.11's never completes once a host has lost
-        # every rank it started with (syncdp.core.runtime.init sets it too, for replacements).
-        env.setdefault("OMPI_MCA_async_mpi_finalize", "1")
     if not config.multihost and not os.path.isdir("/sys/class/infiniband"):
         # No RDMA device: Open MPI's UCX one-sided component would print an error for every
         # shared-memory window (syncdp's data plane makes one per group); sm serves instead.
@@ -195,6 +193,11 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
         cmd += TCP_ONLY
     if config.elastic:
         cmd += ["--with-ft", "ulfm"]
+        if _ASYNC_FINALIZE not in env:
+            # No fence in MPI_Finalize: Open MPI 5.0.11's never completes once a host has lost
+            # every rank it started with (syncdp.core.runtime.init sets it too, for a program
+            # that does not start MPI itself first, and for replacements).
+            cmd += ["--mca", _ASYNC_FINALIZE.removeprefix("OMPI_MCA_"), "1"]
     if config.hosts:
         cmd += ["--host", config.hosts]
     if config.hostfile:

@@ -297,3 +297,19 @@ def test_the_commits_are_removed_at_the_end(tmp_path, monkeypatch):
 
 def test_commits_go_to_var_tmp_per_user_and_job():
     assert restart.commit_directory("abc") == f"/var/tmp/syncdp-{os.getuid()}/abc"
+
+
+def test_elastic_mpirun_leaves_the_finalize_fence_out_unless_told_otherwise():
+    # Open MPI 5.0.11's MPI_Finalize fence never completes once a host has lost every rank it
+    # started with (a replacement on a host that had none trained, then never ended).
+    config = _config("-np", "2")
+    cmd = run.build_command(config, run.build_env(config, environ={}))
+    assert cmd[cmd.index("async_mpi_finalize") - 1 : cmd.index("async_mpi_finalize") + 2] == [
+        "--mca",
+        "async_mpi_finalize",
+        "1",
+    ]
+    env = run.build_env(config, environ={"OMPI_MCA_async_mpi_finalize": "0"})
+    assert "async_mpi_finalize" not in run.build_command(config, env)
+    plain = run.parse_args(["-np", "2", "python", "train.py"])
+    assert "async_mpi_finalize" not in run.build_command(plain, run.build_env(plain, environ={}))
