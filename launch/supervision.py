@@ -7,7 +7,9 @@
 - :func:`supervise` waits for mpirun, and ends the job when a rank reported a failure or the
   ranks did not all reach ``init()`` within the start timeout; and when every rank has reported
   how it ended, the job is over whatever mpirun does: mpirun gets a short grace to exit, then it
-  is stopped (an Open MPI daemon that cannot run, on a stopped host, would keep it waiting).
+  is stopped (an Open MPI daemon that cannot run, on a stopped host, would keep it waiting). In
+  elastic mode that holds for the final membership's ranks, whatever their verdict: warm spares
+  are never needed for a job to end, and one that does not leave is stopped with mpirun.
 - :class:`StopOnSignals` turns SIGINT, SIGTERM and SIGHUP to the launcher into stopping the job
   (mpirun is asked first, then killed after a grace), and remembers the signal.
 """
@@ -22,6 +24,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
+
+from launch.elastic import SPARE_GRACE_SECONDS
 
 if TYPE_CHECKING:
     from launch.lifeline import Link
@@ -108,11 +112,20 @@ def supervise(
         not finish: the hosts may hold leftovers).
     """
     finished: float | None = None  # time.monotonic() when every rank had reported
+    grace = FINISHED_GRACE_SECONDS
+    if verdict.elastic is not None:
+        # Spares are no rank: the launcher kills any still there SPARE_GRACE_SECONDS after
+        # the last rank, but a job whose ranks did not all finish never asks it to.
+        grace += SPARE_GRACE_SECONDS
     while process.poll() is None:
-        if finished is None and verdict.elastic is None and not verdict.unreported():
-            if links is None or all(link.closed is not None for link in links().values()):
+        if finished is None and _every_rank_reported(verdict):
+            if (
+                verdict.elastic is not None
+                or links is None
+                or all(link.closed is not None for link in links().values())
+            ):
                 finished = time.monotonic()
-        if finished is not None and time.monotonic() > finished + FINISHED_GRACE_SECONDS:
+        if finished is not None and time.monotonic() > finished + grace:
             stop(process, grace=FINISHED_GRACE_SECONDS)
             return True
         if verdict.check_start():
@@ -126,6 +139,15 @@ def supervise(
                 time.sleep(0.2)
             stop(process, grace=FAILURE_GRACE_SECONDS)
     return False
+
+
+def _every_rank_reported(verdict: Verdict) -> bool:
+    """Whether every rank has reported how it ended: in elastic mode, every member of the
+    final membership (a failed one's recovery may change it yet, while any other runs)."""
+    if verdict.elastic is None:
+        return not verdict.unreported()
+    unfinished = verdict.elastic.unfinished(verdict.num_proc)
+    return all(report is not None for report in unfinished.values())
 
 
 class StopOnSignals:

@@ -28,6 +28,13 @@ together (the original ranks are labelled 0..N-1), and the child finds that labe
 runs as ``--replacement LABEL --spare COMMAND...``: the supervisor tells the launcher it is a
 spare (a ``spare_started`` report) before the program runs.
 
+In elastic mode a process that stays stopped (SIGSTOP, a debugger) holds up every recovery,
+which must shrink the job to the processes alive, and the end of the job, whose MPI_Finalize
+waits for it under ULFM; it cannot end itself. So the supervisor watches its state: a warm spare
+stopped for the stall timeout, or a rank stopped for :data:`_STOPPED_RANK_MARGIN_SECONDS` longer
+(the ranks' own stall watchdog names a rank stalled in a collective first), is killed, which
+ULFM sees as a lost process the job goes on without.
+
 Before it starts its rank, the supervisor connects to the launcher's lifeline
 (``SYNCDP_LIFELINE_ADDR``, :mod:`launch.lifeline`); when the launcher cannot be reached it
 starts nothing. The rank runs in its own process group. When the launcher is gone (its
@@ -49,6 +56,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 
 from launch.lifeline import LIFELINE_VAR, Lifeline, lost_after
 from launch.output import CONTINUED, PIECE_BYTES
@@ -103,6 +111,10 @@ _ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _ASKED_GRACE_SECONDS = 0.1
 # How long a supervisor leaving on its own waits for its rank, killed, to be reaped.
 _REAP_SECONDS = 1.0
+# Elastic mode: a rank stopped this much longer than the stall timeout is killed by its
+# supervisor (a spare at the stall timeout itself); see the module docstring.
+_STOPPED_RANK_MARGIN_SECONDS = 10.0
+_STOPPED_POLL_SECONDS = 1.0
 
 
 def _comm(pid: int) -> str:
@@ -131,6 +143,50 @@ def _daemon_chain(supervisor: int) -> list[int]:
     if chain and _comm(chain[-1]) == "prted" and _comm(pid) == "sh":
         chain.append(pid)
     return chain
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (by a signal, or by a tracer)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _kill_when_stopped(child: subprocess.Popen, bound: float, who: str) -> None:
+    """Kills ``child``'s process group once it has stayed stopped for ``bound`` seconds
+    (elastic mode, see the module docstring); returns when the child has ended."""
+    since = None
+    while child.returncode is None:
+        now = time.monotonic()
+        if not _stopped(child.pid):
+            since = None
+        elif since is None:
+            since = now
+        elif now - since >= bound:
+            try:
+                print(
+                    f"syncdp-run: {who} (pid {child.pid} on {socket.gethostname()}) has been "
+                    f"stopped for {now - since:.0f} s; a stopped process holds up the job's "
+                    "recoveries and its end, so it is killed and the job goes on without it.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            except OSError:
+                pass
+            _signal_group(child.pid, signal.SIGKILL)
+            return
+        time.sleep(_STOPPED_POLL_SECONDS)
+
+
+def _started_as_spare(rank: str, env: Mapping[str, str]) -> bool:
+    """Whether the process mpirun starts as world rank ``rank`` is a warm spare: one of the
+    last ``--spares`` it starts."""
+    try:
+        return int(rank) >= int(env.get("OMPI_COMM_WORLD_SIZE", "0")) - spares.count(env)
+    except ValueError:
+        return False
 
 
 def _signal_group(pgid: int, signum: int) -> bool:
@@ -276,14 +332,16 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     env = _share_cores(dict(os.environ))
     new_spare = False
+    spare = _started_as_spare(rank, env)
     if argv[0] == "--replacement" and len(argv) > 2:
+        spare = False
         rank = str(int(argv[1]) + (int(rank) if rank.isdigit() else 0))
         argv = argv[2:]
         env["SYNCDP_REPLACEMENT"] = rank
         if argv[0] == "--spare" and len(argv) > 1:  # a spare rank 0 starts in the background
             argv = argv[1:]
             env[spares.NEW_SPARE_VAR] = "1"
-            new_spare = True
+            new_spare = spare = True
     elastic = config.elastic
     try:
         child = subprocess.Popen(
@@ -300,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         return 127
     if new_spare:  # before anything can end it: its exit is a spare's, never the job's
         report.send("spare_started", int(rank), pid=child.pid)
+    if elastic and config.stall_timeout > 0:
+        bound = config.stall_timeout
+        who = f"spare [{rank}]" if spare else f"rank [{rank}]"
+        if not spare:
+            bound += _STOPPED_RANK_MARGIN_SECONDS
+        threading.Thread(target=_kill_when_stopped, args=(child, bound, who), daemon=True).start()
     if lifeline is not None:
         lifeline.start(
             int(rank) if rank.isdigit() else None,

@@ -1,0 +1,137 @@
+"""Warm spares that misbehave never hang a job nor fail one whose ranks finished.
+
+The job is examples/elastic_custom_loop.py under the real launcher with ``--spares`` (as in
+test_spares.py): whatever happens to the spares, the job must end within a bound, exit 0, with
+every rank holding one process's weights, and leave nothing running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from tests.integration.test_elastic import EPOCHS, EXAMPLE, _expected, _results
+from tests.integration.test_spares import _assert_nothing_left, _spare_pid
+from tests.launcher import start
+
+
+def _start(data, marker, *example_args, launcher=()):
+    """The example at np=2, ``--min-np 1 --spares 1``; rank 0 creates ``marker`` before batch
+    2 of epoch 0 (training runs) and sleeps 0.3 s a step."""
+    return start(
+        2,
+        "python",
+        EXAMPLE,
+        "--data",
+        str(data),
+        "--epochs",
+        str(EPOCHS),
+        "--step-seconds",
+        "0.3",
+        "--touch",
+        f"0:2:{marker}",
+        *example_args,
+        launcher_args=("--min-np", "1", "--spares", "1", *launcher),
+    )
+
+
+def _await(marker, proc, seconds: float = 150) -> None:
+    deadline = time.monotonic() + seconds
+    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert marker.exists(), "training never started"
+
+
+def _finish(proc, data, seconds: float) -> tuple[int, str, str, float]:
+    """Waits at most ``seconds`` for the launcher; returns its status, output and wait."""
+    began = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        for pid in _processes_of(data):
+            _kill(pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the job did not end within {seconds} s\n{err[-5000:]}")
+    return proc.returncode, out, err, time.monotonic() - began
+
+
+def _processes_of(data) -> list[int]:
+    found = subprocess.run(["pgrep", "-f", str(data)], capture_output=True, text=True).stdout
+    return [int(pid) for pid in found.split()]
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _assert_right_weights(code: int, out: str, err: str, labels: list[int]) -> None:
+    log = f"--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-6000:]}"
+    assert code == 0, log
+    results = _results(out)
+    assert sorted(r["label"] for r in results) == labels, log
+    assert all(r["size"] == 2 and r["epoch"] == EPOCHS for r in results), log
+    assert all(r["w"] == results[0]["w"] and r["b"] == results[0]["b"] for r in results), log
+    w, b = _expected()
+    np.testing.assert_allclose(results[0]["w"], w, rtol=1e-9, atol=1e-12)
+    assert abs(results[0]["b"] - b) < 1e-9, log
+    assert "SIGALRM" not in err, log  # no MPI_Finalize ran into its bound
+
+
+def test_a_stopped_spare_does_not_keep_a_finished_job_alive(tmp_path):
+    # Under ULFM every rank's MPI_Finalize waits for a spare that is alive but stopped: rank 0
+    # names it when it does not answer its release, and the launcher kills it.
+    data, marker = tmp_path / "data", tmp_path / "training"
+    proc = _start(data, marker)
+    try:
+        _await(marker, proc)
+        spare = _spare_pid(data, 2)
+        assert spare is not None, "no spare process found"
+        os.kill(spare, signal.SIGSTOP)
+        # Training has ~30 steps of 0.3 s left; the release waits 5 s for the spare's answer.
+        code, out, err, waited = _finish(proc, data, 90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    _assert_right_weights(code, out, err, [0, 1])
+    assert f"spare [2] (pid {spare} on" in err and "did not answer its release" in err, err
+    assert "elastic: no rank was lost." in err and "died while waiting" not in err, err
+    assert waited < 45, f"the job took {waited:.0f} s to end after the spare stopped"
+    _assert_nothing_left(data)
+
+
+def test_a_rank_lost_after_the_spare_stopped_recovers_at_the_stall_timeout(tmp_path):
+    # The recovery must shrink the job to the processes alive, which waits for every one of
+    # them: the stopped spare's supervisor kills it at the stall timeout, and a replacement is
+    # spawned for the lost rank.
+    data, marker = tmp_path / "data", tmp_path / "training"
+    proc = _start(data, marker, launcher=("--stall-timeout", "5"))
+    try:
+        _await(marker, proc)
+        spare, rank1 = _spare_pid(data, 2), _spare_pid(data, 1)
+        assert spare is not None and rank1 is not None, "ranks not found"
+        os.kill(spare, signal.SIGSTOP)
+        time.sleep(1)
+        os.kill(rank1, signal.SIGKILL)
+        code, out, err, _ = _finish(proc, data, 150)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    _assert_right_weights(code, out, err, [0, 3])
+    assert f"spare [2] (pid {spare} on" in err and "has been stopped for" in err, err
+    assert "1 replacement(s) started" in err, err
+    recovered = [
+        float(line.rsplit("recovered in ", 1)[1].split()[0])
+        for line in err.splitlines()
+        if "recovered in" in line
+    ]
+    assert len(recovered) == 1 and recovered[0] < 5 + 15, recovered
+    _assert_nothing_left(data)
