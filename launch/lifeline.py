@@ -8,19 +8,24 @@ connection (:class:`Lifeline`):
 
 - its first line is a signed ``lifeline`` report (:mod:`syncdp.core.report`: rank, host, the
   rank's pid), so only the job's supervisors count; then both ends send a byte a second;
-- the supervisor takes the launcher as gone when the connection closes or is reset (the
-  kernel closes it the moment the launcher's process ends, whatever killed it), or when it has
+- the supervisor takes the launcher as gone when its address refuses connections (the kernel
+  closes the launcher's sockets the moment its process ends, whatever killed it), or when it has
   heard nothing for ``lost_after`` seconds *and* the launcher's address no longer accepts
-  connections (a link cut between hosts). A launcher that is merely stopped (Ctrl-Z) still
-  accepts, so its job waits for it. The supervisor then ends its rank's process group and Open
-  MPI's daemon above it (:func:`launch.worker.main`);
+  connections (a link cut between hosts). One closed or reset connection proves neither: the
+  supervisor connects again at once and sends its signed line again. A launcher that is merely
+  stopped (Ctrl-Z) still accepts, so its job waits for it. The supervisor then ends its rank's
+  process group and Open MPI's daemon above it (:func:`launch.worker.main`);
 - the launcher records, per rank, when the supervisor connected, when it was last heard from
   and whether its connection closed; the verdict (:mod:`launch.verdict`) names from this why a
   rank never reported how it ended (supervisor killed, host unreachable, never started). When
   a host's supervisors stay silent for ``lost_after`` seconds (the time after which they give
   up on the launcher too), the launcher is told once per host (``on_lost``) and ends the job:
   those ranks will never report, and Open MPI may wait for their daemon for a long time.
-  A launcher that was itself stopped (Ctrl-Z) judges no silence from the time it was stopped.
+  A launcher that was itself stopped (Ctrl-Z) judges no silence from the time it was stopped;
+- anyone on the host can connect to the launcher's port: a connection has
+  :data:`_HELLO_SECONDS` to show it is the job's, and when :data:`_MAX_PENDING` have not yet,
+  the oldest of them makes room for a new one, so connections that prove nothing never keep a
+  supervisor out.
 - in elastic mode a silent host is not a reason to end the job but to start it again without
   that host (:mod:`launch.restart`), after :data:`ELASTIC_LOST_SECONDS` whatever the stall
   timeout; the supervisors there give up on the launcher as soon.
@@ -55,6 +60,8 @@ _BEAT_SECONDS = 1.0
 _HELLO_SECONDS = 10.0
 # Most connections at once that have not yet shown they are the job's.
 _MAX_PENDING = 64
+# A supervisor whose connection closed connects again after this pause, doubling up to a beat.
+_RECONNECT_FIRST_PAUSE = 0.05
 # The launcher calls a link silent past this long without a byte.
 _SILENT_SECONDS = 3.0
 # Either end gives up on the other after the stall timeout of silence, but never sooner.
@@ -205,10 +212,13 @@ class LifelineServer:
                     for link in open_links.values():
                         link.last_heard = max(link.last_heard, now)
             previous = now
-            for key, _ in selector.select(min(_BEAT_SECONDS, 0.2)):
+            # New connections last: one already here shows its first line before any of them
+            # can crowd it out.
+            events = selector.select(min(_BEAT_SECONDS, 0.2))
+            for key, _ in sorted(events, key=lambda event: event[0].fileobj is self._sock):
                 conn = key.fileobj
                 if conn is self._sock:
-                    self._accept(selector, pending)
+                    self._accept(selector, pending, now)
                 elif conn in pending:
                     self._hello(selector, pending, open_links, conn, now)
                 else:
@@ -253,16 +263,24 @@ class LifelineServer:
             lost.update(id(link) for link in links)
             self.on_lost(host, links)
 
-    def _accept(self, selector, pending) -> None:
+    def _accept(self, selector, pending, now: float) -> None:
         while True:
             try:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
             if len(pending) >= _MAX_PENDING:
-                self.rejected["too many connections"] += 1
-                conn.close()
-                continue
+                # The oldest connection accepted before this round that has not shown it is
+                # the job's makes room (a supervisor sends its first line at once).
+                older = [c for c, (_, since) in pending.items() if since < now]
+                if not older:
+                    self.rejected["too many connections"] += 1
+                    conn.close()
+                    continue
+                oldest = min(older, key=lambda c: pending[c][1])
+                self.rejected["crowded out before a signed first line"] += 1
+                self._drop(selector, oldest)
+                del pending[oldest]
             conn.setblocking(False)
             pending[conn] = [bytearray(), time.monotonic()]
             selector.register(conn, selectors.EVENT_READ)
@@ -340,6 +358,7 @@ class Lifeline:
         self._sock = sock
         self._address = address
         self._job = job
+        self._hello: dict | None = None
 
     @classmethod
     def connect(cls, address: str, job: report.Job, timeout: float = 10.0) -> Lifeline:
@@ -373,21 +392,31 @@ class Lifeline:
         """
         if _elastic():
             lost_after = min(lost_after, ELASTIC_LOST_SECONDS)
-        hello = report.make("lifeline", rank, pid=pid)
+        self._hello = report.make("lifeline", rank, pid=pid)
         try:
-            self._sock.sendall(report.encode(hello, self._job))
+            self._sock.sendall(report.encode(self._hello, self._job))
+            sent = True
         except OSError:
-            on_lost("the launcher's lifeline closed before this rank started")
-            return
+            sent = False  # the watch connects again: one closed connection proves nothing
         threading.Thread(
-            target=self._watch, args=(lost_after, on_lost), name="syncdp-lifeline", daemon=True
+            target=self._watch,
+            args=(lost_after, on_lost, sent),
+            name="syncdp-lifeline",
+            daemon=True,
         ).start()
 
-    def _watch(self, lost_after: float, on_lost: Callable[[str], None]) -> None:
+    def _watch(self, lost_after: float, on_lost: Callable[[str], None], sent: bool) -> None:
         sock = self._sock
         sock.settimeout(_BEAT_SECONDS)
         last_heard = last_sent = time.monotonic()
+        broken = not sent
         while True:
+            if broken:
+                sock.close()
+                sock, why = self._reconnect(last_heard, lost_after)
+                if sock is None:
+                    return on_lost(why)
+                self._sock, broken = sock, False
             now = time.monotonic()
             if now - last_sent >= _BEAT_SECONDS:
                 last_sent = now
@@ -396,15 +425,21 @@ class Lifeline:
                 except TimeoutError:
                     pass
                 except OSError:
-                    return on_lost("the launcher's lifeline connection was reset")
+                    if sock.fileno() < 0:
+                        return  # closed here: this supervisor is ending
+                    broken = True
+                    continue
             try:
                 data = sock.recv(4096)
             except TimeoutError:
                 data = None
             except OSError:
-                return on_lost("the launcher's lifeline connection was reset")
-            if data == b"":
-                return on_lost("the launcher ended (its lifeline connection closed)")
+                data = b""
+            if data == b"" and sock.fileno() < 0:
+                return  # closed here: this supervisor is ending
+            if data == b"":  # closed or reset: the launcher may be gone, or may not
+                broken = True
+                continue
             now = time.monotonic()
             if data:
                 last_heard = now
@@ -413,6 +448,30 @@ class Lifeline:
                     f"no word from the launcher at {self._address} for "
                     f"{now - last_heard:.0f} s, and it no longer answers"
                 )
+
+    def _reconnect(self, last_heard: float, lost_after: float) -> tuple[socket.socket | None, str]:
+        """A new lifeline connection with the signed first line sent, or None and why the
+        launcher is gone: its address refuses connections, or nothing came from it for
+        ``lost_after`` seconds and no connection can be made."""
+        pause = _RECONNECT_FIRST_PAUSE
+        while True:
+            try:
+                sock = report.connect(self._address, _BEAT_SECONDS)
+                sock.sendall(report.encode(self._hello, self._job))
+                sock.settimeout(_BEAT_SECONDS)
+                return sock, ""
+            except ConnectionRefusedError:
+                return None, "the launcher ended (its lifeline connection closed)"
+            except (OSError, ValueError):
+                pass
+            silent = time.monotonic() - last_heard
+            if silent >= lost_after:
+                return None, (
+                    f"no word from the launcher at {self._address} for {silent:.0f} s, and it "
+                    "no longer answers"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, _BEAT_SECONDS)
 
     def _answers(self) -> bool:
         try:
