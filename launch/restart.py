@@ -306,7 +306,8 @@ class Restarts:
         settings["max_np"] = max(int(settings.get("max_np") or 0), self.config.num_proc)
         spares = min(self.config.spares, slots - ranks)
         self.count += 1
-        self.reset_budget = remaining if self.limit else None
+        # The ranks read a limit of 0 as none: the launcher enforces that one itself.
+        self.reset_budget = 0 if self.limit and remaining == 0 else None
         config = dataclasses.replace(
             attempt,
             num_proc=ranks,

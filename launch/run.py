@@ -49,7 +49,10 @@ Elastic mode: ``--min-np M``, ``--max-np K``, ``--elastic`` or ``--host-discover
 (horovodrun's flags) run mpirun with ``--with-ft ulfm`` (checked first: an MPI without ULFM is an
 error before anything starts); a lost or stalled rank is replaced while training goes on, and
 the launcher logs each membership change (:mod:`launch.elastic`). ``--min-np`` defaults to
-``-np`` and may not exceed it; ``--max-np`` may not be below it.
+``-np`` and may not exceed it; ``--max-np`` may not be below it. A lost *host* ends Open MPI's
+runtime, so the launcher ends what is left of it and starts the job again on the hosts left,
+where the ranks resume from the last commit, which each host keeps on its local disk
+(SYNCDP_COMMIT_DIR on every rank of a job on several listed hosts; :mod:`launch.restart`).
 
 Failures arrive as data, not as text to parse: ranks and their supervisors send one signed JSON
 report per event to SYNCDP_REPORT_ADDR (:mod:`syncdp.core.report`); the launcher listens only on
