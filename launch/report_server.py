@@ -5,12 +5,18 @@ server, one thread around a selector:
 
 - listens on one address only: loopback for a job on this host, the job's interface otherwise
   (the caller chooses; :func:`launch.hosts.job_address`);
-- keeps at most ``max_connections`` connections open (more wait in the listen queue), closes a
-  connection idle for 5 s, and never buffers more than one line of
+- keeps at most ``max_connections`` connections open and never buffers more than one line of
   :data:`~syncdp.core.report.MAX_LINE_BYTES`;
+- gives a connection :data:`_FIRST_LINE_SECONDS` to deliver a signed line, however it trickles
+  bytes meanwhile, and when every slot is taken, makes room for a new connection by closing the
+  oldest one that has not delivered one yet: anyone on the host can connect, but connections
+  that prove nothing never keep the job's own reports out (senders retry, with backoff,
+  :func:`syncdp.core.report.send`);
 - hands each report whose HMAC checks, that names this job and whose nonce is new to the
-  callback, and answers ``ok``; every other line is dropped and counted by reason in
-  :attr:`ReportServer.rejected` (the launcher says how many at the end).
+  callback, and answers ``ok``; a sender's retry of a report already taken (the same line, whose
+  answer it missed) is answered ``ok`` again and not passed on; every other line is dropped and
+  counted by reason in :attr:`ReportServer.rejected` (the launcher says how many at the end)
+  and answered ``no``, so that its sender stops trying.
 
 A forged ``exception`` report, a replayed report of another job, or a flood of junk therefore
 changes nothing in the job's verdict.
@@ -19,6 +25,8 @@ changes nothing in the job's verdict.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import hashlib
 import selectors
 import socket
 import sys
@@ -31,12 +39,26 @@ from syncdp.core import report
 
 __all__ = ["ReportServer", "describe_rejected"]
 
-# A sender writes its line at once; a connection silent this long is closed.
+# A sender writes its line at once: a connection that has not delivered a signed line this long
+# after it was accepted is closed, whatever it sent meanwhile.
+_FIRST_LINE_SECONDS = 5.0
+# A sender whose report was taken closes its end; one silent this long is closed here.
 _IDLE_SECONDS = 5.0
 # While closing, reports already sent are read until the connections fall quiet, but no longer
 # than this (a sender that never stops must not hold up the launcher's exit).
 _DRAIN_SECONDS = 2.0
 _POLL_SECONDS = 0.1
+
+
+@dataclasses.dataclass
+class _Conn:
+    """One connection: when it was accepted and last heard from, and what it sent."""
+
+    opened: float
+    last: float
+    buffer: bytearray = dataclasses.field(default_factory=bytearray)
+    received: int = 0
+    proved: bool = False  # it delivered a report of this job
 
 
 class ReportServer:
@@ -74,7 +96,7 @@ class ReportServer:
         self._sock.setblocking(False)
         self.address = report.join_address(advertise or host, self._sock.getsockname()[1])
         self._on_report: Callable[[dict], None] = lambda r: None
-        self._seen: set[str] = set()
+        self._seen: dict[str, bytes] = {}  # nonce -> digest of the line that carried it
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="syncdp-reports", daemon=True)
 
@@ -96,23 +118,30 @@ class ReportServer:
     def _serve(self) -> None:
         selector = selectors.DefaultSelector()
         selector.register(self._sock, selectors.EVENT_READ)
-        conns: dict[socket.socket, list] = {}  # conn -> [unread bytes, time of last data]
+        conns: dict[socket.socket, _Conn] = {}
         listening = True
         quiet_since = None
         while True:
             events = selector.select(_POLL_SECONDS)
             now = time.monotonic()
             for key, _ in events:
+                if key.fileobj is not self._sock:
+                    self._read(selector, conns, key.fileobj, now)
+            for key, _ in events:  # after the reads: a line already here is never crowded out
                 if key.fileobj is self._sock:
                     self._accept(selector, conns, now)
-                else:
-                    self._read(selector, conns, key.fileobj, now)
-            for conn, (_, last) in list(conns.items()):
-                if now - last > _IDLE_SECONDS:
+            for conn, state in list(conns.items()):
+                if not state.proved and now - state.opened > _FIRST_LINE_SECONDS:
+                    if state.buffer or state.received:
+                        self.rejected[f"no signed line within {_FIRST_LINE_SECONDS:g} s"] += 1
                     self._drop(selector, conns, conn)
-            full = len(conns) >= self.max_connections
+                elif state.proved and now - state.last > _IDLE_SECONDS:
+                    self._drop(selector, conns, conn)
+            # Full of connections that all proved to be the job's: the rest wait in the listen
+            # queue. Otherwise accept, crowding out the oldest that proved nothing.
+            full = len(conns) >= self.max_connections and all(c.proved for c in conns.values())
             if full and listening:
-                selector.unregister(self._sock)  # the rest wait in the listen queue
+                selector.unregister(self._sock)
             elif not full and not listening:
                 selector.register(self._sock, selectors.EVENT_READ)
             listening = not full
@@ -125,7 +154,18 @@ class ReportServer:
         selector.close()
 
     def _accept(self, selector, conns, now: float) -> None:
-        while len(conns) < self.max_connections:
+        # A few at a time, and never crowding out a connection accepted in this round: each
+        # one gets a read (its line is usually there already) before it can be crowded out.
+        for _ in range(max(1, self.max_connections // 4)):
+            if len(conns) >= self.max_connections:
+                unproved = [
+                    (c.opened, conn) for conn, c in conns.items() if not c.proved and c.opened < now
+                ]
+                if not unproved:
+                    return
+                _, oldest = min(unproved, key=lambda item: item[0])
+                self.rejected["crowded out before a signed line"] += 1
+                self._drop(selector, conns, oldest)
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -133,7 +173,7 @@ class ReportServer:
             except OSError:
                 return
             conn.setblocking(False)
-            conns[conn] = [bytearray(), now]
+            conns[conn] = _Conn(opened=now, last=now)
             selector.register(conn, selectors.EVENT_READ)
 
     def _read(self, selector, conns, conn: socket.socket, now: float) -> None:
@@ -147,24 +187,26 @@ class ReportServer:
         except OSError:
             data = b""
         if not data:
-            if state[0].strip():
+            if state.buffer.strip():
                 self.rejected["cut off mid-line"] += 1
             self._drop(selector, conns, conn)
             return
-        buffer = state[0]
+        buffer = state.buffer
         buffer += data
-        state[1] = now
+        state.last = now
+        state.received += len(data)
         while True:
             end = buffer.find(b"\n")
             if end < 0:
                 break
             line = bytes(buffer[: end + 1])
             del buffer[: end + 1]
-            if self._take(line):
-                try:
-                    conn.send(report.ACK)
-                except OSError:
-                    pass
+            taken = self._take(line)
+            state.proved = state.proved or taken
+            try:
+                conn.send(report.ACK if taken else report.NACK)
+            except OSError:
+                pass
         if len(buffer) > report.MAX_LINE_BYTES:
             self.rejected["too long"] += 1
             self._drop(selector, conns, conn)
@@ -178,9 +220,13 @@ class ReportServer:
             return False
         nonce = str(got.get("nonce"))
         if nonce in self._seen:
+            # The same signed line again: a sender that missed the answer retries (a report is
+            # taken once); anything else reusing a nonce is a replay.
+            if self._seen[nonce] == _digest(line):
+                return True
             self.rejected["replayed"] += 1
             return False
-        self._seen.add(nonce)
+        self._seen[nonce] = _digest(line)
         self.accepted += 1
         try:
             self._on_report(got)
@@ -196,6 +242,10 @@ class ReportServer:
         except (KeyError, ValueError):
             pass
         conn.close()
+
+
+def _digest(line: bytes) -> bytes:
+    return hashlib.sha256(line.rstrip(b"\r\n")).digest()
 
 
 def describe_rejected(rejected: Mapping[str, int]) -> str | None:

@@ -29,8 +29,10 @@ each job and gives them only to the job's processes, in their environment
 carries the job id and a random nonce, and travels as ``MAC JSON`` where MAC is the hex
 HMAC-SHA256 of the job id and the JSON text under the secret. The launcher drops (and counts) a
 line whose MAC does not check, that names another job, that repeats a nonce, or that is longer
-than :data:`MAX_LINE_BYTES`; it answers ``ok`` to each report it took, so :func:`send` knows it
-was delivered.
+than :data:`MAX_LINE_BYTES`, and answers ``no``; it answers ``ok`` to each report it took, so
+:func:`send` knows it was delivered. Until one of the two answers comes, :func:`send` tries
+again with growing pauses (anyone on the host can open connections to the launcher's port; the
+launcher makes room for the job's own), the same line, which the launcher takes only once.
 
 Without the launcher (plain ``mpirun``) there is no address and :func:`send` only returns; the
 same words are printed to stderr by the caller either way.
@@ -56,6 +58,7 @@ __all__ = [
     "JOB_VAR",
     "MAX_LINE_BYTES",
     "ACK",
+    "NACK",
     "Job",
     "Rejected",
     "make",
@@ -72,11 +75,17 @@ JOB_VAR = "SYNCDP_JOB_ID"
 # The longest line the launcher reads; a report's message is cut to fit well within it.
 MAX_LINE_BYTES = 64 * 1024
 _MAX_MESSAGE_CHARS = 16 * 1024
-# A report must never hold up a rank that is about to end the job.
+# Each try to deliver a report waits this long to connect, then for the launcher's answer.
 _CONNECT_SECONDS = 2.0
 _REPLY_SECONDS = 3.0
-# What the launcher answers to each report it took.
+# A report the launcher has not answered is sent again, after pauses that grow from the first to
+# the last, for this long in all: connections that prove nothing (anyone on the host can open
+# them) may crowd the launcher's port for a moment, and the launcher's server makes room.
+_PATIENCE_SECONDS = 15.0
+_FIRST_PAUSE_SECONDS, _LAST_PAUSE_SECONDS = 0.05, 2.0
+# What the launcher answers to each report it took, and to each line it read and refused.
 ACK = b"ok\n"
+NACK = b"no\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +236,7 @@ def connect(address: str, timeout: float) -> socket.socket:
         The connected socket (blocking, with ``timeout``).
 
     Raises:
+        ConnectionRefusedError: Every address refused the connection (nothing listens there).
         OSError: None answered; the message names each address and why.
         ValueError: ``address`` is not a list of ``host:port``.
     """
@@ -280,19 +290,28 @@ def connect(address: str, timeout: float) -> socket.socket:
     finally:
         for sock in pending:
             sock.close()
-    raise OSError(
+    refused = os.strerror(errno.ECONNREFUSED)
+    every_refused = all(why.get(target) == refused for target in targets)
+    raise (ConnectionRefusedError if every_refused else OSError)(
         "none of the launcher's addresses answered: "
         + ", ".join(f"{host}:{port} ({why.get((host, port), '?')})" for host, port in targets)
     )
 
 
-def send(kind: str, rank: int | None, message: str = "", **fields) -> bool:
+def send(
+    kind: str, rank: int | None, message: str = "", *, patience: float | None = None, **fields
+) -> bool:
     """Sends one report to the launcher, if there is one; never raises.
+
+    The report is sent again, the same signed line, until the launcher answers that it took it
+    (it takes a line once, and answers a repeat again), with growing pauses, for at most
+    ``patience`` seconds. A launcher that refuses connections is gone: no retry.
 
     Args:
         kind: What happened (see the module docstring).
         rank: The rank it is about.
         message: The human-readable text, as printed on stderr.
+        patience: Seconds to keep trying. Defaults to 15.
         **fields: Extra data for that kind (``ranks``, ``code``, ``signal``...).
 
     Returns:
@@ -304,16 +323,35 @@ def send(kind: str, rank: int | None, message: str = "", **fields) -> bool:
         return False
     try:
         line = encode(make(kind, rank, message, **fields), job)
-        with connect(address, _CONNECT_SECONDS) as s:
-            s.sendall(line)
-            s.shutdown(socket.SHUT_WR)
-            s.settimeout(_REPLY_SECONDS)
-            reply = b""
-            while len(reply) < len(ACK):
-                chunk = s.recv(len(ACK) - len(reply))
-                if not chunk:
-                    break
-                reply += chunk
-        return reply == ACK
-    except (OSError, ValueError):
+    except ValueError:
         return False
+    deadline = time.monotonic() + (_PATIENCE_SECONDS if patience is None else patience)
+    pause = _FIRST_PAUSE_SECONDS
+    while True:
+        try:
+            reply = _deliver(address, line)
+            if reply in (ACK, NACK):  # taken, or refused for good (not this job's secret)
+                return reply == ACK
+        except ConnectionRefusedError:
+            return False  # nothing listens there: the launcher is gone
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() + pause > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, _LAST_PAUSE_SECONDS)
+
+
+def _deliver(address: str, line: bytes) -> bytes:
+    """One try: sends ``line``; returns the launcher's answer (empty when none came)."""
+    with connect(address, _CONNECT_SECONDS) as s:
+        s.sendall(line)
+        s.shutdown(socket.SHUT_WR)
+        s.settimeout(_REPLY_SECONDS)
+        reply = b""
+        while len(reply) < len(ACK):
+            chunk = s.recv(len(ACK) - len(reply))
+            if not chunk:
+                break
+            reply += chunk
+    return reply

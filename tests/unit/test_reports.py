@@ -278,7 +278,7 @@ def test_a_forged_failure_changes_nothing_and_is_counted(listen):
         "0" * 64 + " " + json.dumps({**forged, "job": server.job.id, "nonce": "x"}) + "\n",
         report.encode(forged, other_job),  # signed for another job
     )
-    assert replies == b""  # nothing taken
+    assert replies == report.NACK * 3  # nothing taken
     _send(server.address, *_signed(server, _exit(0), _exit(1)))
     server.close()
     assert not verdict.failed.is_set()
@@ -318,9 +318,17 @@ def test_a_report_replayed_within_the_job_counts_once(listen):
     verdict, server = listen()
     (line,) = _signed(server, _exit(1, code=3))
     assert _send(server.address, line) == report.ACK
-    assert _send(server.address, line) == b""
+    # The same line again is a sender's retry after a missed answer: answered, taken once.
+    assert _send(server.address, line) == report.ACK
+    # Another report under a nonce already used is a replay (only the job's processes could
+    # sign it, but a report is taken once).
+    body = {**json.loads(line.split(b" ", 1)[1]), "code": 0}
+    text = json.dumps(body).encode()
+    replayed = server.job.mac(text).encode() + b" " + text + b"\n"
+    assert _send(server.address, replayed) == report.NACK
     server.close()
     assert server.accepted == 1 and server.rejected == {"replayed": 1}
+    assert verdict.exits[1]["code"] == 3
 
 
 def test_oversized_and_malformed_lines_are_dropped_and_counted(listen):
