@@ -128,6 +128,7 @@ class Watch:
         self._lock = threading.Lock()
         self._ended = threading.Event()
         self._swept: str | None = None
+        self.seconds = 0.0  # how long ending the runtime took
 
     def happened(self) -> bool:
         """Whether a host was lost (the runtime is being, or was, ended)."""
