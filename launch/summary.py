@@ -15,6 +15,11 @@ Example output::
          1  vm       104.9        90%       3%      7%   2.03
     syncdp-run: slowest: rank 1 (waits 3% of its step; the others wait 12% on average)
 
+In an elastic job the heading counts the steps of the ranks that trained longest; a rank that
+joined later (a replacement, a spare made a rank) trained fewer, and a ``steps`` column then
+says how many each did. Each rank leaves a recovery, and the first step after it, out of its
+figures (``syncdp.core.stats``), so a newcomer's start-up is charged to no rank.
+
 The bandwidth column takes one unit for every row, the largest of GB/s, MB/s and kB/s in
 which the fastest rank moves at least 1 (a small model moves kilobytes per step, which in GB/s
 would print 0.00); a rank that moved nothing shows ``-``, one too slow to show in that unit
@@ -74,14 +79,17 @@ def format_table(reports: Iterable[Mapping], *, prefix: str = "syncdp-run: ") ->
     latest = latest_by_rank(reports)
     if not latest:
         return ""
-    steps = min(int(r.get("steps") or 0) for r in latest.values())
+    counts = {rank: int(r.get("steps") or 0) for rank, r in latest.items()}
+    steps = max(counts.values())
     what = f"over {steps} steps" if steps >= 2 else "no training steps: whole run"
+    uneven = min(counts.values()) != steps  # some rank joined later (elastic)
+    steps_head = f"{'steps':>7}" if uneven else ""
     unit, per_unit = _rate_unit(
         r["gbps"] for r in latest.values() if isinstance(r.get("gbps"), int | float)
     )
     lines = [
         f"{prefix}where the time went (per rank, {what}):",
-        f"  {'rank':>4}  {'host':<12}{'step ms':>8}{'computing':>11}{'waiting':>9}"
+        f"  {'rank':>4}  {'host':<12}{steps_head}{'step ms':>8}{'computing':>11}{'waiting':>9}"
         f"{'moving':>8}{unit:>7}",
     ]
     for rank in sorted(latest):
@@ -89,7 +97,8 @@ def format_table(reports: Iterable[Mapping], *, prefix: str = "syncdp-run: ") ->
         step = r.get("step_s")
         lines.append(
             f"  {rank:>4}  {str(r.get('host', '?'))[:11]:<12}"
-            f"{step * 1e3 if step else float('nan'):>8.1f}"
+            + (f"{counts[rank]:>7}" if uneven else "")
+            + f"{step * 1e3 if step else float('nan'):>8.1f}"
             f"{_share(r.get('computing')):>11}{_share(r.get('waiting')):>9}"
             f"{_share(r.get('moving')):>8}"
             f"{_rate(r.get('gbps'), per_unit):>7}"

@@ -120,7 +120,8 @@ class BucketReducer:
             StepMismatchError: The bucket carries the step and the ranks' steps differ.
         """
         if self.carry_step:  # one gradient reduction per training step
-            _stats.RECORDER.step(comm.rank)
+            # Unchecked steps are taken while an elastic job re-forms: not a measure of it.
+            _stats.RECORDER.step(comm.rank, measured=check_step)
         flats = [np.asarray(a).reshape(-1) for a in arrays]
         sizes = tuple(f.size for f in flats)
         step_elems = comm.size * _steps.limbs_for(self.dtype) if self.carry_step else 0
