@@ -483,6 +483,8 @@ def steps_agree() -> bool:
 
 def states_synced() -> None:
     """Called by ``State.sync()`` on every rank: the steps agree again from here on."""
+    if _state.steps_unsynced:  # a membership change: its recovery is no rank's step time
+        stats.RECORDER.restart_window()
     _state.steps_unsynced = False
 
 
