@@ -16,6 +16,7 @@ __all__ = [
     "nccl_built",
     "ddl_built",
     "ccl_built",
+    "sycl_built",
     "cuda_built",
     "rocm_built",
 ]
@@ -78,5 +79,6 @@ gloo_built = _face("gloo_built")
 nccl_built = _face("nccl_built")
 ddl_built = _face("ddl_built")
 ccl_built = _face("ccl_built")
+sycl_built = _face("sycl_built")
 cuda_built = _face("cuda_built")
 rocm_built = _face("rocm_built")

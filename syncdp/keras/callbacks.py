@@ -169,7 +169,7 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
         def on_train_begin(self, logs=None):
             if self.broadcast_done:
                 return
-            if not self.model.weights:
+            if not _has_weights(self.model):
                 warnings.warn(
                     "syncdp: the model has no weights before its first step, so "
                     "BroadcastGlobalVariablesCallback broadcasts after it and the first step mixes "
@@ -449,3 +449,11 @@ MetricAverageCallback = _classes.MetricAverageCallback
 LearningRateScheduleCallback = _classes.LearningRateScheduleCallback
 LearningRateWarmupCallback = _classes.LearningRateWarmupCallback
 BestModelCheckpoint = _classes.BestModelCheckpoint
+
+
+def _has_weights(model) -> bool:
+    """Whether ``model`` has its weights yet (Keras 2 raises ValueError where Keras 3 has [])."""
+    try:
+        return bool(model.weights)
+    except ValueError:
+        return False

@@ -106,6 +106,7 @@ from syncdp.tensorflow.introspection import (
     rank_op,
     rocm_built,
     size_op,
+    sycl_built,
 )
 from syncdp.tensorflow.legacy import BroadcastGlobalVariablesHook, LegacyDistributedOptimizer
 from syncdp.tensorflow.tape import (
@@ -176,6 +177,7 @@ __all__ = [
     "nccl_built",
     "ddl_built",
     "ccl_built",
+    "sycl_built",
     "cuda_built",
     "rocm_built",
     "gpu_available",

@@ -22,6 +22,7 @@ __all__ = [
     "nccl_built",
     "ddl_built",
     "ccl_built",
+    "sycl_built",
     "cuda_built",
     "rocm_built",
     "gpu_available",
@@ -72,6 +73,11 @@ def ddl_built(verbose: bool = False) -> bool:
 
 def ccl_built(verbose: bool = False) -> bool:
     """False: syncdp has no oneCCL."""
+    return False
+
+
+def sycl_built(verbose: bool = False) -> bool:
+    """False: syncdp has no SYCL kernels (Horovod's newer releases ask)."""
     return False
 
 

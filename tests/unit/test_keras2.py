@@ -335,3 +335,17 @@ def test_horovods_tensorflow_distributed_optimizer_takes_keras2_optimizers_too()
     assert isinstance(
         hvd_tf.DistributedOptimizer(keras.optimizers.SGD(0.1)), hvd.DistributedOptimizer
     )
+
+
+def test_a_keras_2_model_built_by_its_first_batch_is_broadcast_after_it():
+    # Horovod's tensorflow2_keras_mnist.py: a Sequential without an Input, so fit() builds it.
+    # Keras 2 raises where Keras 3 lists no weights; the callback warns and broadcasts after the
+    # first batch (as Horovod does) instead of failing.
+    tf_keras.utils.set_random_seed(0)
+    model = tf_keras.Sequential([tf_keras.layers.Dense(2)])
+    model.compile(optimizer=DistributedK2(tf_keras.optimizers.SGD(0.1)), loss="mse")
+    callback = callbacks.for_package(tf_keras).BroadcastGlobalVariablesCallback(0)
+    x = np.ones((4, 3), "float32")
+    with pytest.warns(UserWarning, match="no weights before its first step"):
+        model.fit(x, x[:, :2], epochs=1, verbose=0, callbacks=[callback])
+    assert callback.broadcast_done and len(model.weights) == 2
