@@ -46,6 +46,9 @@ MODULES: dict[str, str | None] = {
     "horovod.common.exceptions": "syncdp.core.errors",
     "horovod.common.process_sets": "syncdp.core.process_sets",
     "horovod.common.elastic": "syncdp.elastic",
+    "horovod.runner": None,
+    "horovod.runner.util": None,
+    "horovod.runner.util.threads": "syncdp.horovod_names.threads",
     "horovod.tensorflow.mpi_ops": "syncdp.tensorflow",
     "horovod.tensorflow.functions": "syncdp.tensorflow",
     "horovod.tensorflow.gradient_aggregation": "syncdp.tensorflow",
@@ -121,6 +124,8 @@ def _answer(fullname: str) -> types.ModuleType:
         from syncdp import __version__
 
         module.__version__ = f"{horovod_api_version}+syncdp.{__version__}"
+        if "tensorflow" in sys.modules:  # Keras 2's spellings before the program reads them
+            importlib.import_module("syncdp.tensorflow.keras2_names").install()
     return module
 
 

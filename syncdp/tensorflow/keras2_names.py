@@ -124,10 +124,20 @@ def install(keras: ModuleType | None = None) -> None:
         behind = package_behind_tf_keras()
         if behind is not None and behind is not keras:
             install(behind)
+            _give_tf_keras_a_version(behind)
     _accept_compile_argument(keras)
     if not hasattr(keras.optimizers.Optimizer, "lr"):
         keras.optimizers.Optimizer.lr = property(_get_lr, _set_lr, doc=_get_lr.__doc__)
     _accept_lr_argument(keras)
+
+
+def _give_tf_keras_a_version(package) -> None:
+    """``tf.keras.__version__`` under ``TF_USE_LEGACY_KERAS=1``: Keras 2 programs (Horovod's
+    tests among them) read it, and tf-keras's API module lacks it; the package's own version."""
+    import tensorflow as tf
+
+    if not hasattr(tf.keras, "__version__") and hasattr(package, "__version__"):
+        tf.keras.__version__ = package.__version__
 
 
 def _owner(cls: type, name: str) -> type:

@@ -141,3 +141,31 @@ def test_horovodrun_is_syncdp_run_and_says_so():
         cwd=ROOT,
     )
     assert bad.returncode == 2 and "horovodrun" in bad.stderr and "--gloo" in bad.stderr
+
+
+def test_horovods_test_helpers_and_keras_2s_version_are_there():
+    # Horovod's test utilities start threads with horovod.runner.util.threads.in_thread, and
+    # its Keras 2 tests read tf.keras.__version__ (tf-keras's API module has none of its own).
+    pytest.importorskip("tf_keras")
+    result = _python(
+        """
+        import threading
+        import tensorflow as tf
+        from tensorflow import keras
+        import horovod
+        import tf_keras
+        from horovod.runner.util.threads import in_thread, on_event
+
+        assert keras.__version__ == tf_keras.__version__, keras.__version__
+        seen = []
+        in_thread(seen.append, args=(1,)).join(10)
+        event = threading.Event()
+        waiter = on_event(event, seen.append, args=(2,), check_interval_seconds=0.05)
+        event.set()
+        waiter.join(10)
+        assert seen == [1, 2], seen
+        print("ok")
+        """,
+        env={"TF_USE_LEGACY_KERAS": "1"},
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
