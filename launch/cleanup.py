@@ -22,6 +22,13 @@ where, just before its verdict::
 
     syncdp-run: cleaned up what was left of the job: on hb, 5 processes killed (prted x2, python
     x2, sh); hc could not be reached (no answer within 8 s)
+
+Files too: each Open MPI process on a host keeps a shared-memory segment in ``/dev/shm``
+(``sm_segment.HOST.UID.JOBID.LOCALRANK``) and removes it in ``MPI_Finalize``; one that was
+killed (a lost rank, a spare that died) leaves its segment there for good. While the job runs,
+:class:`ShmLeftovers` learns from the job's processes on the launcher's host which segments are
+theirs (the upper half of the job id is mpirun's, shared by the processes a recovery spawns),
+and when the job ends it removes the job's segments that no process maps or holds open.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from launch.hosts import Host, is_local
 if TYPE_CHECKING:
     from launch.lifeline import Link
 
-__all__ = ["SWEEP_SECONDS", "Sweeper", "sweep_command", "remove_directory"]
+__all__ = ["SWEEP_SECONDS", "Sweeper", "ShmLeftovers", "sweep_command", "remove_directory"]
 
 # The most a sweep of one host takes, remote shell included.
 SWEEP_SECONDS = 5.0
@@ -262,7 +269,7 @@ class Sweeper:
 
 
 def remove_directory(directory: str, shell: Sequence[str], hosts: Iterable[str]) -> str | None:
-    """Removes ``directory`` (an elastic job's commits, :mod:`syncdp.core.commits`) on every
+    """Removes ``directory`` (an elastic job's commits, :mod:`syncdp.membership.commits`) on every
     one of ``hosts``, in parallel, each within :data:`SWEEP_SECONDS`; its parent too when that
     is left empty.
 
@@ -290,3 +297,117 @@ def remove_directory(directory: str, shell: Sequence[str], hosts: Iterable[str])
         return None
     where = "; ".join(f"{h} ({why})" for h, why in failed.items())
     return f"the job's commits could not be removed from {directory} on {where}"
+
+
+class ShmLeftovers:
+    """The job's Open MPI shared-memory segments on this host (see the module docstring).
+
+    Args:
+        root: mpirun's process id: its descendants on this host are the job's processes.
+        directory: Open MPI's backing directory. Defaults to ``/dev/shm``.
+    """
+
+    _PREFIX = "sm_segment."
+
+    def __init__(self, root: int, directory: str = "/dev/shm"):
+        self.root = root
+        self.directory = directory
+        self._mark: tuple[str, str, str] | None = None  # (host, uid, upper job id): the job's
+
+    def look(self) -> None:
+        """Learns which segments are the job's from a process of it, until one is found."""
+        if self._mark is not None:
+            return
+        for pid in _descendants(self.root):
+            for path in _mapped(pid, self.directory):
+                mark = self._parse(os.path.basename(path))
+                if mark is not None:
+                    self._mark = mark
+                    return
+
+    def remove(self) -> list[str]:
+        """Removes the job's segments that no process maps or holds open; returns their names."""
+        if self._mark is None:
+            return []
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return []
+        ours = {os.path.join(self.directory, n) for n in names if self._parse(n) == self._mark}
+        if not ours:
+            return []
+        held = _held(ours)
+        removed = []
+        for path in sorted(ours - held):
+            try:
+                os.unlink(path)
+                removed.append(os.path.basename(path))
+            except OSError:
+                pass
+        return removed
+
+    @classmethod
+    def _parse(cls, name: str) -> tuple[str, str, str] | None:
+        """``sm_segment.HOST.UID.JOBID.N`` -> (HOST, UID, the upper half of JOBID)."""
+        if not name.startswith(cls._PREFIX):
+            return None
+        parts = name[len(cls._PREFIX) :].rsplit(".", 3)
+        if len(parts) != 4 or not all(parts) or not (parts[1] + parts[3]).isdigit():
+            return None
+        host, uid, job, _ = parts
+        if len(job) < 5 or job.strip("0123456789abcdef"):
+            return None
+        return host, uid, job[:-4]  # Open MPI's job ids: mpirun's 16 bits, then its job's 16
+
+
+def _descendants(root: int) -> list[int]:
+    """``root`` and every process below it, on this host."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children[parent].append(int(name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+def _mapped(pid: int | str, directory: str) -> set[str]:
+    """The files under ``directory`` that process ``pid`` maps."""
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return set()
+    prefix = directory.rstrip("/") + "/"
+    return {line.split(None, 5)[-1] for line in text.splitlines() if prefix in line}
+
+
+def _held(paths: set[str]) -> set[str]:
+    """Those of ``paths`` that some process on this host maps or holds open."""
+    directory = os.path.dirname(next(iter(paths)))
+    held: set[str] = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        held |= _mapped(name, directory) & paths
+        try:
+            fds = os.listdir(f"/proc/{name}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{name}/fd/{fd}")
+            except OSError:
+                continue
+            if target in paths:
+                held.add(target)
+    return held

@@ -9,7 +9,9 @@
   how it ended, the job is over whatever mpirun does: mpirun gets a short grace to exit, then it
   is stopped (an Open MPI daemon that cannot run, on a stopped host, would keep it waiting). In
   elastic mode that holds for the final membership's ranks, whatever their verdict: warm spares
-  are never needed for a job to end, and one that does not leave is stopped with mpirun.
+  are never needed for a job to end, and one that does not leave is stopped with mpirun. When
+  mpirun has ended, the shared-memory segments that the job's killed processes left in
+  ``/dev/shm`` on this host are removed (:class:`launch.cleanup.ShmLeftovers`).
 - :class:`StopOnSignals` turns SIGINT, SIGTERM and SIGHUP to the launcher into stopping the job
   (mpirun is asked first, then killed after a grace), and remembers the signal.
 """
@@ -25,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from launch.cleanup import ShmLeftovers
 from launch.elastic import SPARE_GRACE_SECONDS
 
 if TYPE_CHECKING:
@@ -45,6 +48,9 @@ START_STOP_GRACE_SECONDS = 2.0
 # Once every rank has reported how it ended, mpirun gets this long to exit, then as long again
 # after SIGTERM.
 FINISHED_GRACE_SECONDS = 5.0
+# How often the job's processes on this host are looked at for their shared-memory segments
+# (until one is found: launch.cleanup.ShmLeftovers).
+_LOOK_SECONDS = 2.0
 
 
 def _end_with_launcher() -> None:
@@ -111,13 +117,25 @@ def supervise(
         Whether mpirun had to be stopped after every rank had reported (a daemon somewhere did
         not finish: the hosts may hold leftovers).
     """
+    leftovers = ShmLeftovers(process.pid)
+    try:
+        return _supervise(process, verdict, links, leftovers)
+    finally:
+        leftovers.remove()  # what killed processes left in /dev/shm, once nothing holds it
+
+
+def _supervise(process, verdict, links, leftovers: ShmLeftovers) -> bool:
     finished: float | None = None  # time.monotonic() when every rank had reported
     grace = FINISHED_GRACE_SECONDS
     if verdict.elastic is not None:
         # Spares are no rank: the launcher kills any still there SPARE_GRACE_SECONDS after
         # the last rank, but a job whose ranks did not all finish never asks it to.
         grace += SPARE_GRACE_SECONDS
+    next_look = time.monotonic() + _LOOK_SECONDS
     while process.poll() is None:
+        if time.monotonic() >= next_look:
+            leftovers.look()
+            next_look = time.monotonic() + _LOOK_SECONDS
         if finished is None and _every_rank_reported(verdict):
             if (
                 verdict.elastic is not None

@@ -44,7 +44,10 @@ def _await(marker, proc, seconds: float = 150) -> None:
     deadline = time.monotonic() + seconds
     while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)
-    assert marker.exists(), "training never started"
+    if not marker.exists():
+        ended = proc.poll() is not None
+        err = proc.communicate()[1][-4000:] if ended else ""
+        pytest.fail(f"training never started (the launcher {'ended' if ended else 'runs'})\n{err}")
 
 
 def _finish(proc, data, seconds: float) -> tuple[int, str, str, float]:
@@ -73,6 +76,12 @@ def _kill(pid: int) -> None:
         pass
 
 
+def _segments(pid: int) -> set[str]:
+    """Open MPI's shared-memory segments process ``pid`` maps (its own and its peers')."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split()[-1] for line in f if "/dev/shm/sm_segment." in line}
+
+
 def _assert_right_weights(code: int, out: str, err: str, labels: list[int]) -> None:
     log = f"--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-6000:]}"
     assert code == 0, log
@@ -95,6 +104,8 @@ def test_a_stopped_spare_does_not_keep_a_finished_job_alive(tmp_path):
         _await(marker, proc)
         spare = _spare_pid(data, 2)
         assert spare is not None, "no spare process found"
+        segments = _segments(spare)
+        assert segments, "the spare maps no shared-memory segment"
         os.kill(spare, signal.SIGSTOP)
         # Training has ~30 steps of 0.3 s left; the release waits 5 s for the spare's answer.
         code, out, err, waited = _finish(proc, data, 90)
@@ -106,6 +117,8 @@ def test_a_stopped_spare_does_not_keep_a_finished_job_alive(tmp_path):
     assert "elastic: no rank was lost." in err and "died while waiting" not in err, err
     assert waited < 45, f"the job took {waited:.0f} s to end after the spare stopped"
     _assert_nothing_left(data)
+    # The killed spare could not remove its segment; the launcher did.
+    assert not [path for path in segments if os.path.exists(path)], segments
 
 
 def test_a_rank_lost_after_the_spare_stopped_recovers_at_the_stall_timeout(tmp_path):

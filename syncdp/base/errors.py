@@ -16,8 +16,8 @@
     └── ElasticAbortError      elastic mode: the job cannot go on (below --min-np, reset limit)
 
 Catch ``SyncdpError`` to handle any of them. A rank that stops answering or a job whose ranks
-never all start is not an exception: the job ends (see ``syncdp.core.watchdog`` and
-``syncdp.core.runtime``) and the launcher names the ranks.
+never all start is not an exception: the job ends (see ``syncdp.watch.watchdog`` and
+``syncdp.job.runtime``) and the launcher names the ranks.
 """
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Elastic mode (``syncdp-run --min-np M``, ``--max-np K`` or ``--elastic``) starts mpirun with
 ``--with-ft ulfm``: a rank that dies no longer ends the job. The survivors notice in a collective
-(:class:`~syncdp.core.errors.RankFailureError`), and :func:`recover` heals the job in place:
+(:class:`~syncdp.rank.errors.RankFailureError`), and :func:`recover` heals the job in place:
 
 1. revoke the job's communicator, so every survivor leaves whatever collective it was in;
 2. ``Shrink`` it to the survivors (they keep their order: ranks are renumbered consistently,
@@ -17,7 +17,7 @@ runs in ``init()`` (:func:`join_parent` gives it its side of the merge), and ran
 launcher a ``membership`` report. A failure during recovery (a survivor or a replacement lost
 meanwhile) starts it over from the shrink.
 
-With warm spares (:mod:`syncdp.core.spares`) :func:`reseat` does the same on the *reserve*
+With warm spares (:mod:`syncdp.membership.spares`) :func:`reseat` does the same on the *reserve*
 (ranks and spares together): the spares alive take the lost places, and only what they cannot
 fill is spawned.
 
@@ -35,8 +35,9 @@ import sys
 import threading
 import time
 
-from syncdp.core import mpi, spares
-from syncdp.core.errors import ElasticAbortError
+from syncdp.membership import spares
+from syncdp.rank import mpi
+from syncdp.rank.errors import ElasticAbortError
 
 __all__ = [
     "Member",
@@ -83,9 +84,9 @@ class Plan:
         seen_hosts: Every host the script has listed; one it stops listing has vanished.
         vanished: Hosts never to be used again.
         command: What a replacement runs: the program as this job started it.
-        spares: The warm spares waiting (:mod:`syncdp.core.spares`); they hold slots too.
+        spares: The warm spares waiting (:mod:`syncdp.membership.spares`); they hold slots too.
         spare_target: The spares to keep (``--spares``): rank 0 starts new ones in the
-            background when fewer wait (:mod:`syncdp.core.refill`).
+            background when fewer wait (:mod:`syncdp.membership.refill`).
     """
 
     target: int
@@ -129,7 +130,7 @@ def join_parent():
 
     Returns:
         The merged intracommunicator, or None when this process was not spawned by a recovery
-        (a spare started in the background joins through :func:`syncdp.core.refill.join`).
+        (a spare started in the background joins through :func:`syncdp.membership.refill.join`).
     """
     if not os.environ.get(REPLACEMENT_VAR) or os.environ.get(spares.NEW_SPARE_VAR):
         return None
@@ -225,7 +226,7 @@ def spawn_where(hosts: list[str]):
 
 
 # One spawn at a time in a process: a recovery's spawn waits for a spare being started in the
-# background (syncdp.core.refill) to finish; the two at once hung Open MPI 5.0.11.
+# background (syncdp.membership.refill) to finish; the two at once hung Open MPI 5.0.11.
 SPAWN_LOCK = threading.Lock()
 # How long a recovery waits for that spare before it spawns anyway.
 SPAWN_WAIT_SECONDS = 60.0
@@ -362,7 +363,8 @@ def reseat(
     After a failure (``failure``): revoke the reserve (and ``training``), shrink it to the
     processes alive, let spares take the lost places, spawn only what they cannot fill (at
     most the free slots), then split the new reserve and training communicators
-    (:func:`syncdp.core.spares.seat`). Growing (``growing``, no failure): spawn into free slots,
+    (:func:`syncdp.membership.spares.seat`). Growing (``growing``, no failure): spawn into free
+    slots,
     the spares stay. A failure meanwhile starts over from the shrink.
 
     Args:
@@ -373,7 +375,8 @@ def reseat(
         growing: Whether to grow into free slots. Defaults to False.
         training: The training communicator, revoked with the reserve. Defaults to None.
         hand_over: Rank 0's source of a spare being started in the background
-            (:meth:`syncdp.core.refill.Keeper.hand_over`): when processes must be spawned, that
+            (:meth:`syncdp.membership.refill.Keeper.hand_over`): when processes must be spawned,
+            that
             spare is merged in first and takes a lost place instead (a spawn of its own next to
             the background one left MPI_Finalize hanging). Defaults to None.
 
@@ -469,7 +472,7 @@ def slots_added(comm, plan: Plan, alive: list[Member], last_check: list[float]) 
     """Whether the discovery script now offers room to grow (a collective: rank 0 asks).
 
     Args:
-        comm: The job's :class:`~syncdp.core.communicator.Communicator`.
+        comm: The job's :class:`~syncdp.transport.communicator.Communicator`.
         plan: This rank's plan (rank 0's is the one used).
         alive: The job's members.
         last_check: Holds the ``time.monotonic()`` of rank 0's last look; the script runs at

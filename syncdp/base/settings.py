@@ -11,7 +11,7 @@ A frozen :class:`Config` is read once by ``syncdp.init()``: environment first, k
 win. A ``SYNCDP_*`` name that is not in the table raises, so a typo is never silently ignored.
 
 Example:
-    >>> from syncdp.core import settings
+    >>> from syncdp.rank import settings
     >>> settings.from_env({"SYNCDP_STALL_TIMEOUT": "30"}, verbose=True).stall_timeout
     30.0
 """
@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from syncdp.core.errors import ConfigError
+from syncdp.rank.errors import ConfigError
 
 __all__ = [
     "Config",
@@ -431,13 +431,15 @@ def _variable_value(s: Setting, typed: Any, unit: int) -> Any:
 
 # Variables the launcher sets for its own machinery; not settings of the library.
 #   SYNCDP_LAUNCHER     set under syncdp-run
-#   SYNCDP_REPORT_ADDR  host:port where ranks send structured reports (syncdp.core.report)
+#   SYNCDP_REPORT_ADDR  host:port where ranks send structured reports (syncdp.watch.report)
 #   SYNCDP_REPLACEMENT  set by launch.worker on a rank spawned by elastic recovery: its label
 #   SYNCDP_JOB_ID, SYNCDP_REPORT_SECRET  the job's id and the key its reports are signed with
 #   SYNCDP_LIFELINE_ADDR  host:port every supervisor holds a connection to (launch.lifeline)
-#   SYNCDP_SPARES       how many of the job's last processes are warm spares (syncdp.core.spares)
+#   SYNCDP_SPARES       how many of the job's last processes are warm spares
+#                       (syncdp.membership.spares)
 #   SYNCDP_COMMIT_DIR   elastic jobs on several hosts: where each host keeps the last commit on its
-#                       local disk, so a restart after a lost host resumes (syncdp.core.commits)
+#                       local disk, so a restart after a lost host resumes
+#                       (syncdp.membership.commits)
 INTERNAL_VARS = frozenset(
     {
         "SYNCDP_LAUNCHER",

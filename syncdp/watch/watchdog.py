@@ -35,7 +35,7 @@ timeout plus about 3 s (the time given to the other ranks to answer).
 
 In elastic mode (``SYNCDP_ELASTIC``) a stall does not end the job: the report names the
 stalled ranks' processes and the launcher kills them, which turns the stall into a rank
-failure the job recovers from (:mod:`syncdp.core.membership`); a dead rank is left to ULFM.
+failure the job recovers from (:mod:`syncdp.membership.membership`); a dead rank is left to ULFM.
 
 The main thread only sets two attributes per collective; all the waiting happens here.
 """
@@ -50,8 +50,9 @@ import threading
 import time
 from typing import NamedTuple
 
-from syncdp.core import mpi, report
-from syncdp.core.settings import Config
+from syncdp.rank import mpi
+from syncdp.rank.settings import Config
+from syncdp.watch import report
 
 __all__ = ["Watchdog", "Process"]
 

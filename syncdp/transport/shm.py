@@ -22,7 +22,7 @@ so the set segment ``k+1`` is written into was last read (segment ``k-2``'s copy
 every rank reached barrier ``k``.
 
 The barriers are MPI barriers on the communicator (waited for politely, see
-:mod:`syncdp.core.waiting`), so a rank that never arrives is seen by
+:mod:`syncdp.transport.waiting`), so a rank that never arrives is seen by
 the stall watchdog and a rank that dies raises ``MPI_ERR_PROC_FAILED`` under ULFM, exactly as
 for any other collective. ``MPI_Win_sync`` around each barrier orders the memory accesses as
 MPI's unified memory model asks.
@@ -46,8 +46,8 @@ import sys
 
 import numpy as np
 
-from syncdp.core import mpi as _mpi
-from syncdp.core.waiting import wait_politely
+from syncdp.rank import mpi as _mpi
+from syncdp.transport.waiting import wait_politely
 
 __all__ = ["SharedPlane", "SEGMENT_BYTES", "open_plane"]
 

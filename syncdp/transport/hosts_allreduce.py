@@ -1,8 +1,9 @@
 """Allreduce across hosts: each host reduces once, and only that crosses the network.
 
-:class:`~syncdp.core.communicator.Communicator` takes these paths when the topology-aware
+:class:`~syncdp.transport.communicator.Communicator` takes these paths when the topology-aware
 allreduce is on (``--hierarchical-allreduce``). With the shared-memory plane
-(:mod:`syncdp.core.shm`) each host sums in shared memory and :func:`ring_allreduce` carries each
+(:mod:`syncdp.transport.shm`) each host sums in shared memory and :func:`ring_allreduce` carries
+each
 rank's slice among the hosts; without it, :func:`reduce_by_host` does the whole path in MPI.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from syncdp.core import mpi as _mpi
+from syncdp.rank import mpi as _mpi
 
 __all__ = ["reduce_by_host", "ring_allreduce"]
 

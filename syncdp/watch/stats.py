@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 
-from syncdp.core import report
+from syncdp.watch import report
 
 __all__ = ["RECORDER", "REPORT_EVERY", "Recorder"]
 
@@ -154,7 +154,7 @@ class Recorder:
         Args:
             rank: This process's rank.
             patience: How long to keep trying while the launcher does not answer
-                (:func:`syncdp.core.report.send`). Defaults to the channel's.
+                (:func:`syncdp.watch.report.send`). Defaults to the channel's.
         """
         report.send("timing", rank, patience=patience, **self.summary())
 

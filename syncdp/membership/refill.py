@@ -5,12 +5,12 @@ Either way rank 0 starts a new one, one at a time, from a thread of its own (:cl
 while the ranks go on training:
 
 1. the thread spawns one process on ``MPI_COMM_SELF`` (the same program, under the launcher's
-   supervisor, with :data:`~syncdp.core.spares.NEW_SPARE_VAR` set). The spawn returns once the
+   supervisor, with :data:`~syncdp.membership.spares.NEW_SPARE_VAR` set). The spawn returns once the
    new process has loaded TensorFlow and reached ``init()`` (seconds), and only this thread
    waits for it;
 2. the new process (:func:`join`) opens an MPI port, sends its name to rank 0 over the pair
    they share, and waits there, as spares do, for rank 0's word;
-3. at the next commit (:func:`syncdp.core.runtime.tend_spares`, a collective of the ranks that
+3. at the next commit (:func:`syncdp.job.runtime.tend_spares`, a collective of the ranks that
    costs one small broadcast when there is nothing to do) the ranks and the waiting spares
    *refresh* the reserve (:func:`refresh`): they shrink it first if a spare died, then connect
    to the new spare's port and merge it in, after every rank and spare. The training
@@ -27,7 +27,7 @@ A recovery that must spawn while a spare is being started spawns nothing itself:
 for that start (:meth:`Keeper.hand_over`), the new spare is merged into the recovery and takes a
 lost place. A spawn next to the background one (both in one job) left MPI_Finalize hanging at
 the end. Should a recovery still spawn (no start under way, or it failed), it waits for any
-start still running (:data:`syncdp.core.membership.SPAWN_LOCK`), and a spare started meanwhile
+start still running (:data:`syncdp.membership.membership.SPAWN_LOCK`), and a spare started meanwhile
 is released rather than taken in (:meth:`Keeper.abandon`).
 
 If rank 0 is lost before a new spare joins, the spare sees its pair fail and leaves (exit 0,
@@ -42,7 +42,8 @@ import dataclasses
 import sys
 import threading
 
-from syncdp.core import membership, mpi, spares
+from syncdp.membership import membership, spares
+from syncdp.rank import mpi
 
 __all__ = ["Keeper", "join", "refresh"]
 
@@ -227,7 +228,7 @@ def join(finalize_timeout: float):
     Returns:
         ``(reserve, recovering)``: the reserve communicator, with this process last, and
         whether it was merged by a recovery in progress (:meth:`Keeper.hand_over`: it then joins
-        :func:`syncdp.core.membership.reseat`) rather than at a commit. A process told to
+        :func:`syncdp.membership.membership.reseat`) rather than at a commit. A process told to
         leave (the job ended) or whose rank 0 was lost before it joined exits 0 here
         (:func:`spares.leave`).
     """

@@ -9,16 +9,16 @@ Each collective is numbered and announced to the :class:`~syncdp.watchdog.Watchd
 starts, which is how a rank that never arrives is detected and named.
 
 Across hosts, :meth:`Communicator.allreduce_inplace` can take a topology-aware path
-(:meth:`Communicator.set_hierarchy`, :mod:`syncdp.core.hosts_allreduce`): a reduction inside
+(:meth:`Communicator.set_hierarchy`, :mod:`syncdp.transport.hosts_allreduce`): a reduction inside
 each host, a ring allreduce of each segment among the hosts, and a share back, so each host
 sends one copy of the data over the network instead of one per rank. Inside one host the bytes
-move through a shared-memory window (:mod:`syncdp.core.shm`) when the ranks can map one.
+move through a shared-memory window (:mod:`syncdp.transport.shm`) when the ranks can map one.
 
 Under Open MPI's ULFM (elastic mode) a collective whose peer died fails with
 ``MPI_ERR_PROC_FAILED`` on the ranks that notice, while the others could wait for them forever.
 So the first rank to notice revokes the communicator (every rank's pending and future
 operations on it then fail with ``MPI_ERR_REVOKED``), and every rank raises
-:class:`~syncdp.core.errors.RankFailureError` from the collective it was in.
+:class:`~syncdp.rank.errors.RankFailureError` from the collective it was in.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ from typing import Any
 
 import numpy as np
 
-from syncdp.core import hosts_allreduce as _hosts
-from syncdp.core import mpi as _mpi
-from syncdp.core import shm as _shm
-from syncdp.core import stats as _stats
-from syncdp.core.errors import CollectiveError, MismatchError, RankFailureError
-from syncdp.core.settings import Config
-from syncdp.core.waiting import wait_politely
-from syncdp.core.watchdog import Watchdog
+from syncdp.rank import mpi as _mpi
+from syncdp.rank.errors import CollectiveError, MismatchError, RankFailureError
+from syncdp.rank.settings import Config
+from syncdp.transport import hosts_allreduce as _hosts
+from syncdp.transport import shm as _shm
+from syncdp.transport.waiting import wait_politely
+from syncdp.watch import stats as _stats
+from syncdp.watch.watchdog import Watchdog
 
 __all__ = ["Communicator", "OPS", "signature_digest"]
 
@@ -88,7 +88,7 @@ class Communicator:
         # ranks with this local rank, and whether every host runs as many ranks.
         self.hierarchy: tuple | None = None
         self.prefer_hierarchy = False
-        # The shared-memory planes (syncdp.core.shm), opened by the first allreduce that can
+        # The shared-memory planes (syncdp.transport.shm), opened by the first allreduce that can
         # use one: "group" over all ranks (one host), "host" over this host's ranks (the
         # topology-aware path); None when this group cannot have that one.
         self._planes: dict[str, _shm.SharedPlane | None] = {}
@@ -275,7 +275,7 @@ class Communicator:
 
         When every rank of this group shares one host (and ``config.shared_memory`` allows
         it), the bytes move through a shared-memory window where each rank reduces its own
-        slice (:mod:`syncdp.core.shm`), in segments of about 1 MiB. Otherwise the buffer goes
+        slice (:mod:`syncdp.transport.shm`), in segments of about 1 MiB. Otherwise the buffer goes
         to MPI in chunks of ``config.chunk_bytes`` with ``MPI.IN_PLACE`` (Open MPI is several
         times faster on a few MiB that stay in cache than on one large message, and in place
         it skips its own copy of the send buffer), or through the topology-aware path across
@@ -555,7 +555,7 @@ class Communicator:
         """Returns rank ``root``'s picklable ``obj`` on every rank.
 
         The root pickles first and tells everyone whether it could: an object that cannot be
-        pickled raises :class:`~syncdp.core.errors.CollectiveError` on every rank, naming the
+        pickled raises :class:`~syncdp.rank.errors.CollectiveError` on every rank, naming the
         root and the cause, instead of leaving the others waiting for bytes that never come.
         """
         payload, problem = None, None
@@ -581,7 +581,7 @@ class Communicator:
         """Returns the list of every rank's picklable ``obj``, in rank order.
 
         A rank whose object cannot be pickled still takes part: every rank then raises
-        :class:`~syncdp.core.errors.CollectiveError` naming it and the cause.
+        :class:`~syncdp.rank.errors.CollectiveError` naming it and the cause.
         """
         payload, problem = _pickled(obj)
         if self.size == 1:

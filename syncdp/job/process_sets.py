@@ -10,7 +10,7 @@ one after the other, or by different threads, cannot deadlock each other.
 ``global_process_set`` (id 0) is the whole job; it exists before ``init()`` and follows the
 runtime's current communicator.
 
-This module sits above :mod:`syncdp.core.runtime`: it imports the runtime, and plugs its own
+This module sits above :mod:`syncdp.job.runtime`: it imports the runtime, and plugs its own
 hooks into it (``init(process_sets=...)``, release at shutdown and reset), so the runtime
 never imports it.
 """
@@ -21,9 +21,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from syncdp.core import runtime
-from syncdp.core.communicator import Communicator
-from syncdp.core.errors import SyncdpError
+from syncdp.job import runtime
+from syncdp.rank.errors import SyncdpError
+from syncdp.transport.communicator import Communicator
 
 __all__ = [
     "NotInProcessSetError",
@@ -148,7 +148,7 @@ global_process_set = _GlobalProcessSet()
 
 def _world_ranks_of(mpi_comm) -> list[int]:
     """The ranks, in the job's communicator, of ``mpi_comm``'s members."""
-    from syncdp.core import mpi
+    from syncdp.rank import mpi
 
     MPI = mpi.load()
     world = runtime.communicator().mpi
@@ -200,7 +200,7 @@ def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
         raise ValueError(f"A process set needs ranks in [0, {world.size}); got {ps.ranks}.")
     if ps.process_set_id is not None or any(s.ranks == ps.ranks for s in sets.values()):
         raise ValueError(f"Attempted to add a duplicate process set: {ps.ranks}.")
-    from syncdp.core import mpi
+    from syncdp.rank import mpi
 
     MPI = mpi.load()
     included = world.rank in ps.ranks

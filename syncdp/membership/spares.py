@@ -9,15 +9,15 @@ The reserve is kept in this order, always: the ranks by rank, then the spares.
 A spare waits for a message from rank 0 on the reserve (:func:`wait`):
 
 - the reserve is revoked (the ranks lost one of theirs and are recovering) or rank 0 itself
-  failed: the spare joins the recovery (:func:`syncdp.core.membership.reseat`), which either
+  failed: the spare joins the recovery (:func:`syncdp.membership.membership.reseat`), which either
   makes it a rank (it returns from ``init()`` as a replacement would) or leaves it a spare;
 - :data:`GROW`: the ranks grow into new slots; the spare joins, and stays a spare;
 - :data:`REFRESH`: the ranks drop spares that died and take in one started in the background
-  (:mod:`syncdp.core.refill`); the spare joins, and stays a spare;
+  (:mod:`syncdp.membership.refill`); the spare joins, and stays a spare;
 - :data:`RELEASE`: the job is over; the spare answers rank 0 and exits 0 without running the
   rest of the program (:func:`leave`).
 
-A spare that dies while it waits disturbs no rank: rank 0 notices (:mod:`syncdp.core.refill`
+A spare that dies while it waits disturbs no rank: rank 0 notices (:mod:`syncdp.membership.refill`
 keeps the count), and the next recovery or refresh leaves it out. A spare is never needed for
 the job to end: under ULFM every process's MPI_Finalize waits for a spare that is alive but does
 not run (stopped), so rank 0 waits a few seconds for each spare to answer its release
@@ -29,7 +29,7 @@ survivors, spares and the processes just spawned (which receive the counts) each
 place.
 
 A spare that took a lost rank's place, or died, is replaced in the background by rank 0
-(:mod:`syncdp.core.refill`), so the job keeps ``--spares`` of them.
+(:mod:`syncdp.membership.refill`), so the job keeps ``--spares`` of them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from syncdp.core import mpi, report
+from syncdp.rank import mpi
+from syncdp.watch import report
 
 __all__ = [
     "SPARES_VAR",
@@ -62,7 +63,7 @@ __all__ = [
 # The number of spares the launcher started (read once by init(); spawned processes inherit it).
 # One of the launcher's own variables (settings.INTERNAL_VARS), not a setting.
 SPARES_VAR = "SYNCDP_SPARES"
-# Set (to "1") in a spare started in the background (syncdp.core.refill); also internal.
+# Set (to "1") in a spare started in the background (syncdp.membership.refill); also internal.
 NEW_SPARE_VAR = "SYNCDP_NEW_SPARE"
 # What wakes a spare: rank 0's message (RELEASE, GROW, REFRESH) or a failure (the reserve
 # revoked, or rank 0 lost).
@@ -75,11 +76,11 @@ RELEASE_ANSWER_SECONDS = 5.0
 
 
 class Order(NamedTuple):
-    """What woke a spare, and for REFRESH what the refresh does (:mod:`syncdp.core.refill`).
+    """What woke a spare, and for REFRESH what the refresh does (:mod:`syncdp.membership.refill`).
 
     Attributes:
         what: RELEASE, GROW, FAILURE, REFRESH, or JOIN (a spare started in the background
-            joins a recovery in progress, :mod:`syncdp.core.refill`).
+            joins a recovery in progress, :mod:`syncdp.membership.refill`).
         prune: REFRESH: spares died, and the reserve shrinks to the processes alive.
         adopt: REFRESH: a spare started in the background joins the reserve.
     """
@@ -169,7 +170,7 @@ def wake(reserve, first_spare: int, what: int, *, prune: bool = False, adopt: bo
 
     Args:
         reserve: The reserve communicator (rank 0's side), or a spare's pair communicator with
-            rank 0 (:mod:`syncdp.core.refill`).
+            rank 0 (:mod:`syncdp.membership.refill`).
         first_spare: The reserve rank of the first spare (the number of training ranks).
         what: RELEASE, GROW or REFRESH.
         prune: REFRESH: the reserve shrinks first. Defaults to False.
@@ -216,10 +217,10 @@ def release(
 
     Args:
         reserve: The reserve communicator (rank 0's side), or a new spare's pair communicator
-            with rank 0 (:mod:`syncdp.core.refill`).
+            with rank 0 (:mod:`syncdp.membership.refill`).
         first_spare: The reserve rank of the first spare.
         waiting: The spares, in reserve order (objects with ``label``, ``host`` and ``pid``,
-            :class:`syncdp.core.membership.Member`), for the report. Defaults to none known.
+            :class:`syncdp.membership.membership.Member`), for the report. Defaults to none known.
         seconds: How long to wait for the answers. Defaults to
             :data:`RELEASE_ANSWER_SECONDS`.
 

@@ -2,13 +2,13 @@
 
 ``import syncdp`` starts nothing. ``init()``:
 
-1. reads the settings (:mod:`syncdp.core.settings`) and starts MPI (:mod:`syncdp.core.mpi`);
+1. reads the settings (:mod:`syncdp.rank.settings`) and starts MPI (:mod:`syncdp.rank.mpi`);
 2. tells the launcher this rank has arrived (before starting MPI, whose own start-up already
    waits for every rank), then waits at most ``start_timeout`` seconds for
    every other rank to arrive (a non-blocking duplicate of the communicator, polled against the
    deadline); if one never comes, the job ends and the launcher names it;
-3. builds the :class:`~syncdp.core.communicator.Communicator` on that private duplicate, the
-   topology from shared-memory splits (:mod:`syncdp.core.topology`), and the timeline;
+3. builds the :class:`~syncdp.transport.communicator.Communicator` on that private duplicate, the
+   topology from shared-memory splits (:mod:`syncdp.rank.topology`), and the timeline;
 4. pins this rank's GPU by local rank and installs a hook that ends the whole job when an
    exception escapes on any rank, so no other rank is left waiting in a collective.
 
@@ -16,10 +16,10 @@
 ``init()`` builds it again. The communicator is a value held here, not a global fixed at
 import: every layer above asks :func:`communicator` for the current one.
 
-In elastic mode :func:`reset` swaps it after a rank failure (:mod:`syncdp.core.membership`:
+In elastic mode :func:`reset` swaps it after a rank failure (:mod:`syncdp.membership.membership`:
 revoke, shrink, spawn, merge) and rebuilds everything above on the new one with the same code
 ``init()`` runs, which a replacement runs too, so both sides make the same collectives. With
-warm spares (``syncdp-run --spares K``, :mod:`syncdp.core.spares`) the last K processes wait
+warm spares (``syncdp-run --spares K``, :mod:`syncdp.membership.spares`) the last K processes wait
 inside ``init()``; a recovery makes one of them a rank, and it returns from ``init()`` as a
 replacement would. ``shutdown()`` on rank 0 releases the spares still waiting.
 """
@@ -35,11 +35,13 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from syncdp.core import membership, mpi, refill, report, settings, spares, stats
-from syncdp.core.communicator import Communicator
-from syncdp.core.errors import ElasticAbortError, NotInitializedError, RankFailureError
-from syncdp.core.timeline import Timeline
-from syncdp.core.topology import Topology, discover
+from syncdp.membership import membership, refill, spares
+from syncdp.rank import mpi, settings
+from syncdp.rank.errors import ElasticAbortError, NotInitializedError, RankFailureError
+from syncdp.rank.topology import Topology, discover
+from syncdp.transport.communicator import Communicator
+from syncdp.watch import report, stats
+from syncdp.watch.timeline import Timeline
 
 __all__ = [
     "init",
@@ -83,7 +85,7 @@ class _State:
     sets = None
     hook_installed = False
     atexit_registered = False
-    # Elastic mode: every rank's process (rank order) and the plan (syncdp.core.membership).
+    # Elastic mode: every rank's process (rank order) and the plan (syncdp.membership.membership).
     members: list = []
     plan = None
     # Functions called after every membership change (step counters, Horovod's callbacks).
@@ -92,9 +94,9 @@ class _State:
     # ranks' steps may differ by design (a replacement's optimizer counts from 0, the
     # survivors' from their last commit), so the step check is off (steps_agree()).
     steps_unsynced = False
-    # Warm spares (syncdp.core.spares): every live process of the job, ranks then spares.
+    # Warm spares (syncdp.membership.spares): every live process of the job, ranks then spares.
     reserve = None
-    # Rank 0's care of the spares (syncdp.core.refill): new ones started in the background.
+    # Rank 0's care of the spares (syncdp.membership.refill): new ones started in the background.
     keeper = None
 
 
@@ -112,10 +114,10 @@ def init(comm=None, process_sets=None, **options) -> None:
         comm: The mpi4py communicator whose processes train together. syncdp works on a
             private duplicate and leaves it to the caller. Defaults to ``MPI.COMM_WORLD``.
         process_sets: Process sets to register at once, in this order, the same on every rank
-            (:class:`~syncdp.core.process_sets.ProcessSet` objects or lists of ranks); Horovod's
+            (:class:`~syncdp.job.process_sets.ProcessSet` objects or lists of ranks); Horovod's
             ``"dynamic"`` is accepted too (sets can always be added later). Defaults to none.
         **options: Settings that override the ``SYNCDP_*`` environment variables, by name
-            (see :data:`syncdp.core.settings.SETTINGS`), e.g. ``fusion_threshold=16 << 20``.
+            (see :data:`syncdp.rank.settings.SETTINGS`), e.g. ``fusion_threshold=16 << 20``.
 
     Raises:
         ConfigError: A ``SYNCDP_*`` variable or an option is unknown or malformed.
@@ -174,7 +176,8 @@ def _elastic_base(base, config: settings.Config, spawned):
     """The communicator this process trains on in elastic mode, and rank 0's first plan.
 
     A replacement (``spawned``: its side of the merge) trains with the job it was spawned
-    for. With warm spares (:mod:`syncdp.core.spares`), the last of the processes mpirun started
+    for. With warm spares (:mod:`syncdp.membership.spares`), the last of the processes mpirun
+    started
     are spares: they wait here until a recovery makes them ranks, and a released one never
     returns.
     """
@@ -318,8 +321,10 @@ def reset(grow: bool = False) -> dict:
 
     A collective of every surviving rank (replacements and warm spares join from ``init()``).
     After a failure: revoke, shrink, spawn replacements, merge
-    (:func:`syncdp.core.membership.recover`), or with warm spares let them take the lost places
-    first (:func:`syncdp.core.membership.reseat`); with ``grow``: spawn into the free slots and
+    (:func:`syncdp.membership.membership.recover`), or with warm spares let them take the lost
+    places
+    first (:func:`syncdp.membership.membership.reseat`); with ``grow``: spawn into the free slots
+    and
     merge. Then the communicator, topology and watchdog
     are rebuilt, registered process sets are dropped (register them again), the reset
     callbacks run, and rank 0 tells the launcher what changed.
@@ -411,7 +416,8 @@ def _change_membership(comm: Communicator, plan, grow: bool):
 def tend_spares() -> None:
     """Keeps the job's warm spares (a collective of the ranks; elastic mode calls it at every
     commit): rank 0 starts a new spare in the background when one was used or died, and once it
-    waits, or a spare died, the ranks and spares refresh the reserve (:mod:`syncdp.core.refill`).
+    waits, or a spare died, the ranks and spares refresh the reserve
+    (:mod:`syncdp.membership.refill`).
     Does nothing in a job without spares.
 
     Raises:
@@ -494,14 +500,14 @@ def on_reset(callback) -> None:
 
 
 def members() -> list:
-    """Every rank's process (:class:`~syncdp.core.membership.Member`), in rank order; elastic
+    """Every rank's process (:class:`~syncdp.membership.membership.Member`), in rank order; elastic
     mode only (empty otherwise)."""
     communicator()
     return list(_state.members)
 
 
 def elastic_plan():
-    """The elastic :class:`~syncdp.core.membership.Plan` (None outside elastic mode)."""
+    """The elastic :class:`~syncdp.membership.membership.Plan` (None outside elastic mode)."""
     communicator()
     return _state.plan
 
@@ -510,7 +516,7 @@ def _register(process_sets, only_new: bool = False) -> None:
     """Registers ``init(process_sets=...)``; with ``only_new``, those not registered yet."""
     if process_sets in (None, "dynamic"):
         return
-    if _state.sets is None:  # nothing imported syncdp.core.process_sets, so no ProcessSet exists
+    if _state.sets is None:  # nothing imported syncdp.job.process_sets, so no ProcessSet exists
         raise ValueError(
             "init(process_sets=...) takes syncdp.ProcessSet objects; got "
             f"{process_sets!r}. Pass e.g. [syncdp.ProcessSet([0, 1])]."
@@ -530,7 +536,7 @@ def plug_process_sets(
     release: Callable[[bool], None],
     communicators: Callable[[], list],
 ) -> None:
-    """How :mod:`syncdp.core.process_sets`, the layer above, plugs into the runtime.
+    """How :mod:`syncdp.job.process_sets`, the layer above, plugs into the runtime.
 
     The runtime never imports that layer; the layer hands in, when it is imported, what the
     runtime must call.
@@ -734,7 +740,7 @@ def shutdown() -> None:
 def timing() -> dict:
     """Where this rank's time went so far: per-step time, and the shares spent computing,
     waiting for other ranks and moving bytes, with the bandwidth achieved (see
-    :meth:`syncdp.core.stats.Recorder.summary`). Not a collective.
+    :meth:`syncdp.watch.stats.Recorder.summary`). Not a collective.
 
     Example:
         >>> t = syncdp.timing()
@@ -766,7 +772,7 @@ def get_config() -> settings.Config:
 
 
 def topology() -> Topology:
-    """This rank's place among the hosts (see :mod:`syncdp.core.topology`)."""
+    """This rank's place among the hosts (see :mod:`syncdp.rank.topology`)."""
     communicator()
     return _state.topology
 

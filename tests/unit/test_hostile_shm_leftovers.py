@@ -1,0 +1,41 @@
+"""The shared-memory segments a job's killed processes leave are removed, and nothing else."""
+
+import subprocess
+import sys
+
+from launch.cleanup import ShmLeftovers
+
+_HOLD = """
+import mmap, sys, time
+with open(sys.argv[1], "r+b") as f:
+    m = mmap.mmap(f.fileno(), 4096)
+print("mapped", flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_jobs_segments_that_nothing_holds_are_removed(tmp_path):
+    names = [
+        "sm_segment.h.0.abcd0001.0",  # a killed rank's: the job's
+        "sm_segment.h.0.abcd0001.1",  # a live rank's: held
+        "sm_segment.h.0.abcd0002.0",  # a killed replacement's (the same mpirun spawned it)
+        "sm_segment.h.0.1234aaaa.0",  # another mpirun's
+        "sm_segment.other.0.abcd0001.0",  # another host's name
+        "osc_sm.h.abcd0001.3",  # not a segment
+    ]
+    for name in names:
+        (tmp_path / name).write_bytes(bytes(4096))
+    rank = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(tmp_path / names[1])], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert rank.stdout.readline() == "mapped\n"
+        leftovers = ShmLeftovers(rank.pid, str(tmp_path))
+        assert leftovers.remove() == []  # nothing learned yet: nothing touched
+        leftovers.look()
+        assert leftovers.remove() == [names[0], names[2]]
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[1], *names[3:]])
+    finally:
+        rank.kill()
+        rank.wait()
+    assert leftovers.remove() == [names[1]]  # its rank is gone now
