@@ -108,8 +108,8 @@ def _resnet50(args) -> None:
     cfg = (
         f"ResNet-50 trainable-variable gradients: {len(shapes)} tensors, {nbytes / 1e6:.1f} "
         f"MB float32, Average, np={syncdp.size()}, fusion threshold "
-        f"{syncdp.core.runtime.get_config().fusion_threshold >> 20} MiB, chunk "
-        f"{syncdp.core.runtime.get_config().chunk_bytes >> 10} KiB"
+        f"{syncdp.job.runtime.get_config().fusion_threshold >> 20} MiB, chunk "
+        f"{syncdp.job.runtime.get_config().chunk_bytes >> 10} KiB"
     )
     mach = machine(f"{args.intra_threads} intra-op thread per rank")
     say(f"allreduce --resnet50: {cfg}\nmachine: {mach}")

@@ -66,8 +66,8 @@ def main(argv=None) -> None:
 
     import syncdp
     from syncdp import engine
-    from syncdp.core import runtime
     from syncdp.engine import autotune
+    from syncdp.job import runtime
     from syncdp.tensorflow import autotuning
 
     syncdp.init()

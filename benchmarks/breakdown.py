@@ -104,7 +104,7 @@ def _worker(args) -> dict | None:
 
     # Where syncdp's step time goes, per rank, over steps that run alone.
     world.Barrier()
-    syncdp.core.stats.RECORDER.reset()
+    syncdp.watch.stats.RECORDER.reset()
     repeat(synced)()
     repeat(synced)()
     split = world.gather(dict(syncdp.timing(), host=MPI.Get_processor_name()), root=0)

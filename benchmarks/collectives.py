@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     from mpi4py import MPI
 
     import syncdp
-    from syncdp.core.communicator import Communicator
+    from syncdp.transport.communicator import Communicator
 
     syncdp.init()
     comm, n = MPI.COMM_WORLD, syncdp.size()

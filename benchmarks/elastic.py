@@ -109,7 +109,8 @@ def _worker(mode: str, steps: int) -> None:
     import tensorflow as tf
 
     import syncdp.tensorflow as hvd
-    from syncdp.core import membership, runtime
+    from syncdp.job import runtime
+    from syncdp.membership import membership
 
     hvd.init()
     label = membership.me().label

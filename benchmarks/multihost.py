@@ -58,7 +58,7 @@ def _worker(repeats: int) -> None:
     import tensorflow as tf
 
     import syncdp.tensorflow as hvd
-    from syncdp.core import runtime
+    from syncdp.job import runtime
 
     hvd.init()
     comm = runtime.communicator()

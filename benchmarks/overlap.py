@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     from mpi4py import MPI
 
     import syncdp
-    from syncdp.core import runtime
+    from syncdp.job import runtime
 
     syncdp.init()
     if syncdp.size() < 2:

@@ -102,7 +102,8 @@ def main() -> int:
 
     import syncdp.data
     import syncdp.tensorflow as hvd
-    from syncdp.core import membership, runtime, spares
+    from syncdp.job import runtime
+    from syncdp.membership import membership, spares
 
     _write_data(args.data, args.records, SHARDS)
     hvd.init()

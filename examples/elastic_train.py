@@ -31,7 +31,7 @@ import tensorflow as tf
 
 import syncdp.data
 import syncdp.keras as hvd
-from syncdp.core import membership
+from syncdp.membership import membership
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train import (  # noqa: E402 - the same data, model and evaluation

@@ -31,7 +31,7 @@ Flags of the launcher itself:
     --version, --check-build   print syncdp's version, or what this install supports, and exit
     --spares K                 elastic mode: K warm spares (see below)
 
-Every other flag is a row of :data:`syncdp.core.settings.SETTINGS` and sets exactly that row's
+Every other flag is a row of :data:`syncdp.base.settings.SETTINGS` and sets exactly that row's
 ``SYNCDP_*`` variable on every rank (flags ending in ``-mb`` take MiB; the variable holds
 bytes). ``syncdp-run --help`` lists them with their defaults. Each setting is resolved once, here:
 the command line, then ``--config-file``, then the launcher's ``SYNCDP_*`` variable; the launcher
@@ -40,7 +40,7 @@ and exports it to every rank, a false boolean too (``--no-autotune`` beats an in
 ``SYNCDP_AUTOTUNE=1``). Every value, given as a flag or
 as a ``SYNCDP_*`` variable in the launcher's environment or a key of ``--config-file``, is
 checked before anything starts
-(:func:`syncdp.core.settings.validate`, the check ``init()`` also runs): NaN, infinity, text
+(:func:`syncdp.base.settings.validate`, the check ``init()`` also runs): NaN, infinity, text
 where a number belongs, a value below the minimum, or an unknown ``SYNCDP_*`` name exits 2
 with one line naming it, the value and what is allowed. horovodrun's spellings of settings
 flags (``--stall-check-shutdown-time-seconds`` for ``--stall-timeout``,
@@ -51,7 +51,7 @@ sets SYNCDP_STALL_TIMEOUT=0 and SYNCDP_STALL_WARNING=0.
 Warm spares: ``--spares K`` (elastic mode only; exit 2 otherwise) starts K more processes than
 ``-np``. They run the program up to ``syncdp.init()`` and wait there, so a lost rank is replaced
 by a process that has TensorFlow and the program's imports loaded already, instead of a spawned
-one that must load them (:mod:`syncdp.core.spares`). Their output is labelled after the ranks'
+one that must load them (:mod:`syncdp.membership.spares`). Their output is labelled after the ranks'
 (``[N]`` to ``[N+K-1]``); a spare that becomes a rank keeps its label. Spares hold slots: with
 ``-H`` or ``--hostfile``, ``-np`` plus ``--spares`` must fit in the hosts' slots. A spare that dies
 while waiting is logged and is not a failure; when training ends, rank 0 releases the spares,
@@ -72,8 +72,8 @@ from typing import Any
 
 from launch import check_build, config_file, horovodrun_flags
 from launch import hosts as _hosts
-from syncdp.core import settings
-from syncdp.core.errors import ConfigError
+from syncdp.base import settings
+from syncdp.base.errors import ConfigError
 
 __all__ = ["LaunchConfig", "LOG_LEVELS", "TCP_ONLY", "build_parser", "parse_args"]
 
@@ -100,7 +100,7 @@ class LaunchConfig:
             the launcher's environment sets, in that precedence, by setting name
             (``stall_timeout``), each in the flag's unit (MiB for the ``-mb`` flags); settings
             set nowhere are absent. The launcher acts on these and exports each of them
-            (:func:`syncdp.core.settings.launcher_env`), so the ranks read the same values.
+            (:func:`syncdp.base.settings.launcher_env`), so the ranks read the same values.
         mpi_args: Extra mpirun arguments.
         ssh_port: The remote shell's port, or None.
         ssh_identity_file: The remote shell's identity file, or None.
@@ -300,7 +300,7 @@ def build_parser(prog: str = "syncdp-run") -> argparse.ArgumentParser:
     )
     _add_launcher_flags(p)
     group = p.add_argument_group(
-        "settings", "each sets one SYNCDP_* variable on every rank (syncdp.core.settings)"
+        "settings", "each sets one SYNCDP_* variable on every rank (syncdp.base.settings)"
     )
     for s in settings.SETTINGS:
         spellings = (s.flag, *horovodrun_flags.ALIASES.get(s.name, ()))
@@ -343,7 +343,7 @@ def _check_settings(
     the variable).
 
     Returns:
-        The settings, resolved once (:func:`syncdp.core.settings.resolve`), by name, in the
+        The settings, resolved once (:func:`syncdp.base.settings.resolve`), by name, in the
         flag's unit: what the launcher acts on and exports to every rank.
     """
     given = {}

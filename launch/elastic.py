@@ -2,7 +2,7 @@
 
 ``syncdp-run --min-np M`` (or ``--max-np K``, ``--elastic``, ``--host-discovery-script``)
 starts mpirun with ``--with-ft ulfm``, so a rank that dies does not end the job: the survivors
-heal it themselves (:mod:`syncdp.core.membership`). The launcher then only listens:
+heal it themselves (:mod:`syncdp.membership.membership`). The launcher then only listens:
 
 - a rank's supervisor reports its exit: the launcher logs the loss (which rank, which host,
   how it ended); it is not a failure of the job while the survivors recover from it;

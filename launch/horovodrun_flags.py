@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from syncdp.core import settings
+from syncdp.base import settings
 
 __all__ = [
     "Flag",

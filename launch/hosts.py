@@ -356,7 +356,7 @@ def job_address(
     Slurm has for it. When none of that can be told (names that resolve nowhere here), the
     launcher listens on every interface and tells the ranks every non-loopback address of this
     machine: each supervisor tries them all and keeps the first that answers
-    (:func:`syncdp.core.report.connect`). A name that resolves to loopback is never what
+    (:func:`syncdp.watch.report.connect`). A name that resolves to loopback is never what
     remote ranks are told (Debian maps the host name to 127.0.1.1; a container, to 127.0.0.1).
 
     Args:

@@ -6,7 +6,7 @@ listens at ``SYNCDP_LIFELINE_ADDR`` (:class:`LifelineServer`), and every supervi
 (:mod:`launch.worker`), on every host, connects before it starts its rank and keeps the
 connection (:class:`Lifeline`):
 
-- its first line is a signed ``lifeline`` report (:mod:`syncdp.core.report`: rank, host, the
+- its first line is a signed ``lifeline`` report (:mod:`syncdp.watch.report`: rank, host, the
   rank's pid), so only the job's supervisors count; then both ends send a byte a second;
 - the supervisor takes the launcher as gone when its address refuses connections (the kernel
   closes the launcher's sockets the moment its process ends, whatever killed it), or when it has
@@ -42,7 +42,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from syncdp.core import report, settings
+from syncdp.base import settings
+from syncdp.watch import report
 
 __all__ = [
     "LIFELINE_VAR",
@@ -363,7 +364,7 @@ class Lifeline:
     @classmethod
     def connect(cls, address: str, job: report.Job, timeout: float = 10.0) -> Lifeline:
         """Connects to the launcher's lifeline at ``address`` (``host:port``, or several,
-        comma-separated: the first that answers, :func:`syncdp.core.report.connect`).
+        comma-separated: the first that answers, :func:`syncdp.watch.report.connect`).
 
         Raises:
             OSError: The launcher cannot be reached (it is gone, or the address is wrong).

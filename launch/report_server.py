@@ -1,17 +1,17 @@
 """The launcher's end of the failure channel: it takes the job's reports and nothing else.
 
-Ranks and their supervisors send one signed line per report (:mod:`syncdp.core.report`). The
+Ranks and their supervisors send one signed line per report (:mod:`syncdp.watch.report`). The
 server, one thread around a selector:
 
 - listens on one address only: loopback for a job on this host, the job's interface otherwise
   (the caller chooses; :func:`launch.hosts.job_address`);
 - keeps at most ``max_connections`` connections open and never buffers more than one line of
-  :data:`~syncdp.core.report.MAX_LINE_BYTES`;
+  :data:`~syncdp.watch.report.MAX_LINE_BYTES`;
 - gives a connection :data:`_FIRST_LINE_SECONDS` to deliver a signed line, however it trickles
   bytes meanwhile, and when every slot is taken, makes room for a new connection by closing the
   oldest one that has not delivered one yet: anyone on the host can connect, but connections
   that prove nothing never keep the job's own reports out (senders retry, with backoff,
-  :func:`syncdp.core.report.send`);
+  :func:`syncdp.watch.report.send`);
 - hands each report whose HMAC checks, that names this job and whose nonce is new to the
   callback, and answers ``ok``; a sender's retry of a report already taken (the same line, whose
   answer it missed) is answered ``ok`` again and not passed on; every other line is dropped and
@@ -35,7 +35,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 
-from syncdp.core import report
+from syncdp.watch import report
 
 __all__ = ["ReportServer", "describe_rejected"]
 

@@ -21,7 +21,7 @@ and nothing recovers. So the launcher survives a lost host above the runtime:
    and no fewer than ``--min-np``.
 4. **Resumed.** The job starts again on them with the same commit directory: every rank's
    first sync finds the newest commit on the hosts' local disks and resumes from it
-   (:mod:`syncdp.core.commits`), so what is lost is at most the work after the last commit.
+   (:mod:`syncdp.membership.commits`), so what is lost is at most the work after the last commit.
 
 ``--reset-limit`` counts each restart as a membership change, together with those the ranks
 made; a restart it does not allow ends the job with a last line that says so. Every restart
@@ -41,7 +41,7 @@ from launch import cleanup, supervision
 from launch import hosts as _hosts
 from launch.cli import LaunchConfig
 from launch.lifeline import ELASTIC_LOST_SECONDS, Link
-from syncdp.core import membership
+from syncdp.membership import membership
 
 __all__ = ["HOST_LOST_SECONDS", "Loss", "Watch", "Restarts", "commit_directory", "vanished_hosts"]
 

@@ -55,7 +55,7 @@ where the ranks resume from the last commit, which each host keeps on its local 
 (SYNCDP_COMMIT_DIR on every rank of a job on several listed hosts; :mod:`launch.restart`).
 
 Failures arrive as data, not as text to parse: ranks and their supervisors send one signed JSON
-report per event to SYNCDP_REPORT_ADDR (:mod:`syncdp.core.report`); the launcher listens only on
+report per event to SYNCDP_REPORT_ADDR (:mod:`syncdp.watch.report`); the launcher listens only on
 the interface the job uses (loopback for a job on one host), drops reports that do not prove
 they are this job's and says how many it dropped. The verdict comes from the reports, never
 from mpirun's exit code (:mod:`launch.verdict`): the job succeeded only if every rank's
@@ -91,9 +91,11 @@ from launch.report_server import ReportServer, describe_rejected
 from launch.restart import Restarts
 from launch.summary import TimingBoard
 from launch.verdict import Verdict
-from syncdp.core import report, settings, spares
-from syncdp.core.commits import COMMIT_DIR_VAR
-from syncdp.core.errors import ConfigError
+from syncdp.base import settings
+from syncdp.base.errors import ConfigError
+from syncdp.membership import spares
+from syncdp.membership.commits import COMMIT_DIR_VAR
+from syncdp.watch import report
 
 __all__ = [
     "LaunchConfig",
@@ -111,7 +113,7 @@ _HOST_CHECK_SECONDS = 30.0
 # After mpirun ends, a rank whose supervisor is still connected and heard from gets this long
 # to deliver its exit report.
 _LAST_REPORTS_SECONDS = 2.0
-# Open MPI's switch that leaves the fence out of MPI_Finalize (syncdp.core.runtime's too).
+# Open MPI's switch that leaves the fence out of MPI_Finalize (syncdp.job.runtime's too).
 _ASYNC_FINALIZE = "OMPI_MCA_async_mpi_finalize"
 # The --log-level words at which the launcher says more, and less.
 _CHATTY, _QUIET = ("TRACE", "DEBUG"), ("ERROR", "FATAL")
@@ -198,7 +200,7 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
         cmd += ["--with-ft", "ulfm"]
         if _ASYNC_FINALIZE not in env:
             # No fence in MPI_Finalize: Open MPI 5.0.11's never completes once a host has lost
-            # every rank it started with (syncdp.core.runtime.init sets it too, for a program
+            # every rank it started with (syncdp.job.runtime.init sets it too, for a program
             # that does not start MPI itself first, and for replacements).
             cmd += ["--mca", _ASYNC_FINALIZE.removeprefix("OMPI_MCA_"), "1"]
     if config.hosts:

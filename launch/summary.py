@@ -3,7 +3,7 @@
 Every rank sends a ``timing`` report at exit (and every 20 s while it trains, so that
 ``kill -USR1 <syncdp-run>`` can print the figures so far): its step time and the shares spent
 computing, waiting for the other ranks and moving bytes, and the bandwidth it achieved (see
-``syncdp.core.stats``). :func:`format_table` turns the latest report of each rank into a short
+``syncdp.watch.stats``). :func:`format_table` turns the latest report of each rank into a short
 table and names the slowest rank: the one that waits least, since every other rank waits
 for it.
 
@@ -18,7 +18,7 @@ Example output::
 In an elastic job the heading counts the steps of the ranks that trained longest; a rank that
 joined later (a replacement, a spare made a rank) trained fewer, and a ``steps`` column then
 says how many each did. Each rank leaves a recovery, and the first step after it, out of its
-figures (``syncdp.core.stats``), so a newcomer's start-up is charged to no rank.
+figures (``syncdp.watch.stats``), so a newcomer's start-up is charged to no rank.
 
 The bandwidth column takes one unit for every row, the largest of GB/s, MB/s and kB/s in
 which the fastest rank moves at least 1 (a small model moves kilobytes per step, which in GB/s

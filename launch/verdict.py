@@ -1,7 +1,7 @@
 """The launcher's verdict on a job: from what the ranks reported, never from mpirun's exit code.
 
 A job succeeded only when every rank's supervisor reported that its program exited 0 (an
-``exit`` report, :mod:`syncdp.core.report`; the supervisor sends it for every program, also one
+``exit`` report, :mod:`syncdp.watch.report`; the supervisor sends it for every program, also one
 that never calls ``syncdp.init()``) and no rank reported a failure. mpirun's exit code is not
 evidence either way: Open MPI exits 0 after losing a daemon whose ranks never finished, and
 non-zero after a replacement was killed in a job that recovered.

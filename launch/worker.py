@@ -14,7 +14,7 @@ a rank whose supervisor dies before reaping it waits as a zombie under init, for
 init reaps slowly. However it ends, the supervisor reaps its rank before it exits.
 
 However the child ends, the supervisor sends the launcher an ``exit`` report
-(:mod:`syncdp.core.report`, which like :mod:`syncdp.core.settings` loads neither TensorFlow nor
+(:mod:`syncdp.watch.report`, which like :mod:`syncdp.base.settings` loads neither TensorFlow nor
 MPI): ``code`` or ``signal``, and ``requested`` when the child was stopped because the job was
 ending.
 
@@ -24,7 +24,8 @@ a failed rank the others can recover from, while one that merely exits non-zero 
 waiting. Replacements spawned by a recovery run as ``python -m launch.worker --replacement LABEL
 COMMAND...``: their output lines carry ``LABEL`` plus their index among the ranks spawned
 together (the original ranks are labelled 0..N-1), and the child finds that label in
-``SYNCDP_REPLACEMENT``. A warm spare rank 0 starts in the background (:mod:`syncdp.core.refill`)
+``SYNCDP_REPLACEMENT``. A warm spare rank 0 starts in the background
+(:mod:`syncdp.membership.refill`)
 runs as ``--replacement LABEL --spare COMMAND...``: the supervisor tells the launcher it is a
 spare (a ``spare_started`` report) before the program runs.
 
@@ -60,7 +61,9 @@ from collections.abc import Mapping
 
 from launch.lifeline import LIFELINE_VAR, Lifeline, lost_after
 from launch.output import CONTINUED, PIECE_BYTES
-from syncdp.core import report, settings, spares  # none imports TensorFlow or MPI
+from syncdp.base import settings
+from syncdp.membership import spares
+from syncdp.watch import report  # none imports TensorFlow or MPI
 
 __all__ = ["main", "describe_exit"]
 
@@ -219,7 +222,7 @@ def _share_cores(env: dict[str, str]) -> dict[str, str]:
         world = int(env.get("OMPI_COMM_WORLD_SIZE", "1"))
     except ValueError:
         local = world = 1
-    if local == world:  # one host: its warm spares wait without computing (syncdp.core.spares)
+    if local == world:  # one host: its warm spares wait without computing (membership.spares)
         local = max(1, local - spares.count(env))
     env["TF_NUM_INTRAOP_THREADS"] = str(max(1, cores // local))
     return env

@@ -5,7 +5,11 @@ that needs it is used.
 
 The layers, each importing only the ones above it in this list:
 
-    syncdp.core        rank environment: settings, MPI, communicator, watchdog, topology
+    syncdp.base        who this rank is: settings, errors, MPI, topology
+    syncdp.watch       reports to the launcher, time accounting, timeline, watchdog
+    syncdp.transport   how bytes move: the communicator, shared memory, the ring among hosts
+    syncdp.membership  elastic membership: recovery, warm spares, commits on disk
+    syncdp.job         init(), shutdown(), the job's communicator, process sets
     syncdp.engine      the reduction engine: buckets, packing, reduce, unpack (NumPy + MPI)
     syncdp.elastic     elastic training's state and recovery loop (hvd.elastic's core)
     syncdp.tensorflow  the TensorFlow face: collectives on tensors, DistributedGradientTape
@@ -28,9 +32,21 @@ __version__ = "0.1.0"
 
 # Importing syncdp loads nothing else: the public names are the TensorFlow face's (its
 # __all__ is the one list of them), fetched from syncdp.tensorflow on first use, and the layers
-# are imported when first named, so that `syncdp-run` (which reads syncdp.core.settings) starts
+# are imported when first named, so that `syncdp-run` (which reads syncdp.base.settings) starts
 # without TensorFlow.
-_LAYERS = ("core", "engine", "elastic", "tensorflow", "data", "checkpoint", "keras")
+_LAYERS = (
+    "base",
+    "watch",
+    "transport",
+    "membership",
+    "job",
+    "engine",
+    "elastic",
+    "tensorflow",
+    "data",
+    "checkpoint",
+    "keras",
+)
 
 
 def __getattr__(name: str):

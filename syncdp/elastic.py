@@ -4,10 +4,10 @@ Horovod's elastic API on syncdp's engine (Open MPI ULFM underneath, no Gloo, no 
 survivors). A training function decorated with :func:`run` takes a :class:`State`; it calls
 ``state.commit()`` every few steps, which keeps a copy of the state in memory on every rank.
 When a rank dies (or stalls and is removed), every survivor's current collective raises
-:class:`~syncdp.core.errors.RankFailureError` (``HorovodInternalError``), and :func:`run`:
+:class:`~syncdp.base.errors.RankFailureError` (``HorovodInternalError``), and :func:`run`:
 
 1. restores the last commit (``state.restore()``),
-2. heals the job (``syncdp.core.runtime.reset``: revoke, shrink, spawn replacements, merge),
+2. heals the job (``syncdp.job.runtime.reset``: revoke, shrink, spawn replacements, merge),
 3. calls the reset callbacks (``state.register_reset_callbacks``; :func:`run_fn`'s ``reset``
    first); a rank lost while they run is one more failure, recovered from in the same way,
 4. broadcasts rank 0's state to every rank, replacements included (``state.sync()``),
@@ -18,7 +18,7 @@ A replacement runs the program from the top: ``syncdp.init()`` merges it into th
 ``init()`` and :func:`run` must pair up with those of the survivors' reset callbacks (Horovod's
 Keras example fits one step in both places). Until that sync the ranks' optimizers, and so their
 step counts, differ: the step check is off from a membership change to the next sync
-(:func:`syncdp.core.runtime.steps_agree`).
+(:func:`syncdp.job.runtime.steps_agree`).
 
 When the function returns on every rank, a fault-tolerant agreement makes sure no rank was lost
 at the very end; if one was, the survivors recover and run the function again from the last
@@ -27,7 +27,8 @@ commit (usually returning at once).
 A lost *host* is survived one level up: Open MPI's runtime ends with it, and ``syncdp-run``
 starts the job again on the hosts left (:mod:`launch.restart`). For that, in an elastic job on
 several hosts, every ``commit()`` also puts the state on each host's local disk (its lowest
-local rank writes it, :mod:`syncdp.core.commits`), and every sync first finds the newest commit
+local rank writes it, :mod:`syncdp.membership.commits`), and every sync first finds the newest
+commit
 anywhere (in a rank's memory or on a host's disk) and gives it to every rank. A restarted job
 therefore resumes from the last commit with the same code that heals a lost rank. A state's
 copy is what :meth:`State.snapshot` returns: the attributes ``save()`` fills whose names start
@@ -52,12 +53,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from syncdp.core import commits, membership, report, runtime
-from syncdp.core.errors import (
+from syncdp.base.errors import (
     HorovodInternalError,
     HostsUpdatedInterrupt,
     RankFailureError,
 )
+from syncdp.job import runtime
+from syncdp.membership import commits, membership
+from syncdp.watch import report
 
 __all__ = [
     "State",
@@ -91,7 +94,7 @@ class State:
         self._reset_callbacks: list = []
         self._last_check = [0.0]  # when rank 0 last ran the host discovery script
         # Commits so far, the same on every rank (they commit in lockstep; a sync sets it): the
-        # counter of the copy on disk (syncdp.core.commits).
+        # counter of the copy on disk (syncdp.membership.commits).
         self._commits = 0
 
     def register_reset_callbacks(self, callbacks) -> None:
@@ -113,7 +116,7 @@ class State:
 
         In an elastic job on several hosts under ``syncdp-run`` the lowest local rank of each
         host also writes the copy to that host's local disk, so that a restart after a lost
-        host resumes from it (:mod:`syncdp.core.commits`).
+        host resumes from it (:mod:`syncdp.membership.commits`).
 
         Raises:
             HostsUpdatedInterrupt: The discovery script offers room to grow; :func:`run`
@@ -158,7 +161,7 @@ class State:
         ``--host-discovery-script`` and fewer ranks than ``--max-np``); otherwise returns.
 
         With warm spares (``--spares``) it also keeps their number (a collective):
-        :func:`syncdp.core.runtime.tend_spares`."""
+        :func:`syncdp.job.runtime.tend_spares`."""
         plan = runtime.elastic_plan()
         if plan is None:
             return

@@ -81,9 +81,7 @@ def launch(
     """
     started_at = time.time()
     began = time.monotonic()
-    proc = start(
-        np, *command, env=env, launcher_args=launcher_args, cwd=cwd, launcher=launcher
-    )
+    proc = start(np, *command, env=env, launcher_args=launcher_args, cwd=cwd, launcher=launcher)
     cmd = proc.args
     try:
         out, err = proc.communicate(timeout=timeout)

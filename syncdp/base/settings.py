@@ -11,7 +11,7 @@ A frozen :class:`Config` is read once by ``syncdp.init()``: environment first, k
 win. A ``SYNCDP_*`` name that is not in the table raises, so a typo is never silently ignored.
 
 Example:
-    >>> from syncdp.rank import settings
+    >>> from syncdp.base import settings
     >>> settings.from_env({"SYNCDP_STALL_TIMEOUT": "30"}, verbose=True).stall_timeout
     30.0
 """
@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from syncdp.rank.errors import ConfigError
+from syncdp.base.errors import ConfigError
 
 __all__ = [
     "Config",

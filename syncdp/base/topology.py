@@ -49,7 +49,7 @@ class Topology:
 
 def discover(mpi_comm) -> Topology:
     """Splits ``mpi_comm`` by shared memory, then by local rank. A collective on ``mpi_comm``."""
-    from syncdp.rank import mpi
+    from syncdp.base import mpi
 
     MPI = mpi.load()
     rank = mpi_comm.Get_rank()

@@ -22,12 +22,12 @@ What ``restore()`` does with a checkpoint it cannot use depends on why:
   to ``ckpt-00000030.damaged``: kept for inspection, never restored, never deleted and never
   counted against ``max_to_keep``. Every rank prints a warning naming it and its damage.
 - Every checkpoint is damaged: ``restore()`` raises
-  :class:`~syncdp.core.errors.CheckpointError` on every rank, naming each and its damage, and
+  :class:`~syncdp.base.errors.CheckpointError` on every rank, naming each and its damage, and
   moves nothing. Starting again from step 0 would lose their progress without anyone noticing,
   so it happens only when asked for: ``restore(allow_fresh=True)``.
 - The operating system refuses to read it (``EIO``, ``EACCES``, a directory where a file should
   be, ...): that says nothing about the checkpoint, and may pass, so ``restore()`` raises
-  :class:`~syncdp.core.errors.CheckpointError` on every rank, naming the file and the cause.
+  :class:`~syncdp.base.errors.CheckpointError` on every rank, naming the file and the cause.
   Falling back would resume from older state without anyone noticing, and the saves that
   follow would overwrite the newer checkpoint.
 
@@ -61,10 +61,10 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
+from syncdp.base.errors import CheckpointError
 from syncdp.checkpoint import _files
 from syncdp.checkpoint._files import MANIFEST, list_checkpoints  # noqa: F401 - for callers
-from syncdp.core import runtime
-from syncdp.core.errors import CheckpointError
+from syncdp.job import runtime
 from syncdp.tensorflow import collectives as ops
 from syncdp.tensorflow import keras2_names, verify
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from syncdp.core.errors import CheckpointError
+from syncdp.base.errors import CheckpointError
 
 __all__ = [
     "MANIFEST",

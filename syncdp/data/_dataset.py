@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from syncdp.core import runtime
-from syncdp.core.errors import DataError
+from syncdp.base.errors import DataError
 from syncdp.data._sharding import _assign, _gather_counts, _resolve_files
+from syncdp.job import runtime
 
 __all__ = ["tfrecord_dataset"]
 

@@ -23,9 +23,9 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
-from syncdp.core import runtime
-from syncdp.core.errors import DataError
+from syncdp.base.errors import DataError
 from syncdp.data._sharding import _gather_counts, _resolve_files
+from syncdp.job import runtime
 
 __all__ = ["elastic_tfrecord_dataset", "elastic_steps"]
 

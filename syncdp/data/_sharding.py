@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from syncdp.core import runtime
-from syncdp.core.errors import DataError
+from syncdp.base.errors import DataError
 from syncdp.data._tfrecord import _read_with_tensorflow, _scan_headers, count_records
+from syncdp.job import runtime
 
 __all__ = ["shard_files"]
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from syncdp.core.errors import DataError
+from syncdp.base.errors import DataError
 
 __all__ = ["count_records", "write_tfrecord_shards"]
 

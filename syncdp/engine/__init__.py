@@ -6,7 +6,7 @@
     reducer   one bucket over all ranks: MPI in place for float32/64 and integers, bytes plus
               NumPy arithmetic for float16/bfloat16; results as views of the buffer
 
-Pure NumPy over :class:`syncdp.core.communicator.Communicator`: the TensorFlow face adapts
+Pure NumPy over :class:`syncdp.transport.communicator.Communicator`: the TensorFlow face adapts
 tensors to it, and nothing here imports TensorFlow.
 """
 

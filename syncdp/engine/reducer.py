@@ -28,9 +28,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from syncdp.core import stats as _stats
 from syncdp.engine import steps as _steps
 from syncdp.engine.buffers import BufferPool, Layout
+from syncdp.watch import stats as _stats
 
 __all__ = ["OPS", "HALF_DTYPES", "BucketReducer", "broadcast_bucket", "is_half"]
 
@@ -104,7 +104,7 @@ class BucketReducer:
         A synchronization point: every rank calls it with arrays of the same shapes.
 
         Args:
-            comm: The :class:`~syncdp.core.communicator.Communicator` to reduce over.
+            comm: The :class:`~syncdp.transport.communicator.Communicator` to reduce over.
             arrays: The members, in the bucket's order.
             step: This rank's step, when the bucket carries it.
             check_step: Whether the ranks' steps must agree. False (the caller must pass the

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from syncdp.core.errors import StepMismatchError
+from syncdp.base.errors import StepMismatchError
 
 __all__ = ["limbs_for", "encode", "decode", "check"]
 

@@ -21,8 +21,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from syncdp.base.errors import SyncdpError
 from syncdp.job import runtime
-from syncdp.rank.errors import SyncdpError
 from syncdp.transport.communicator import Communicator
 
 __all__ = [
@@ -148,7 +148,7 @@ global_process_set = _GlobalProcessSet()
 
 def _world_ranks_of(mpi_comm) -> list[int]:
     """The ranks, in the job's communicator, of ``mpi_comm``'s members."""
-    from syncdp.rank import mpi
+    from syncdp.base import mpi
 
     MPI = mpi.load()
     world = runtime.communicator().mpi
@@ -200,7 +200,7 @@ def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
         raise ValueError(f"A process set needs ranks in [0, {world.size}); got {ps.ranks}.")
     if ps.process_set_id is not None or any(s.ranks == ps.ranks for s in sets.values()):
         raise ValueError(f"Attempted to add a duplicate process set: {ps.ranks}.")
-    from syncdp.rank import mpi
+    from syncdp.base import mpi
 
     MPI = mpi.load()
     included = world.rank in ps.ranks

@@ -2,13 +2,13 @@
 
 ``import syncdp`` starts nothing. ``init()``:
 
-1. reads the settings (:mod:`syncdp.rank.settings`) and starts MPI (:mod:`syncdp.rank.mpi`);
+1. reads the settings (:mod:`syncdp.base.settings`) and starts MPI (:mod:`syncdp.base.mpi`);
 2. tells the launcher this rank has arrived (before starting MPI, whose own start-up already
    waits for every rank), then waits at most ``start_timeout`` seconds for
    every other rank to arrive (a non-blocking duplicate of the communicator, polled against the
    deadline); if one never comes, the job ends and the launcher names it;
 3. builds the :class:`~syncdp.transport.communicator.Communicator` on that private duplicate, the
-   topology from shared-memory splits (:mod:`syncdp.rank.topology`), and the timeline;
+   topology from shared-memory splits (:mod:`syncdp.base.topology`), and the timeline;
 4. pins this rank's GPU by local rank and installs a hook that ends the whole job when an
    exception escapes on any rank, so no other rank is left waiting in a collective.
 
@@ -35,10 +35,10 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+from syncdp.base import mpi, settings
+from syncdp.base.errors import ElasticAbortError, NotInitializedError, RankFailureError
+from syncdp.base.topology import Topology, discover
 from syncdp.membership import membership, refill, spares
-from syncdp.rank import mpi, settings
-from syncdp.rank.errors import ElasticAbortError, NotInitializedError, RankFailureError
-from syncdp.rank.topology import Topology, discover
 from syncdp.transport.communicator import Communicator
 from syncdp.watch import report, stats
 from syncdp.watch.timeline import Timeline
@@ -117,7 +117,7 @@ def init(comm=None, process_sets=None, **options) -> None:
             (:class:`~syncdp.job.process_sets.ProcessSet` objects or lists of ranks); Horovod's
             ``"dynamic"`` is accepted too (sets can always be added later). Defaults to none.
         **options: Settings that override the ``SYNCDP_*`` environment variables, by name
-            (see :data:`syncdp.rank.settings.SETTINGS`), e.g. ``fusion_threshold=16 << 20``.
+            (see :data:`syncdp.base.settings.SETTINGS`), e.g. ``fusion_threshold=16 << 20``.
 
     Raises:
         ConfigError: A ``SYNCDP_*`` variable or an option is unknown or malformed.
@@ -772,7 +772,7 @@ def get_config() -> settings.Config:
 
 
 def topology() -> Topology:
-    """This rank's place among the hosts (see :mod:`syncdp.rank.topology`)."""
+    """This rank's place among the hosts (see :mod:`syncdp.base.topology`)."""
     communicator()
     return _state.topology
 

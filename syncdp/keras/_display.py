@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from syncdp.core import runtime
+from syncdp.job import runtime
 
 __all__ = ["quiet_other_ranks"]
 

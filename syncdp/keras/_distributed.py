@@ -20,7 +20,7 @@ from types import ModuleType
 import numpy as np
 import tensorflow as tf
 
-from syncdp.core.errors import UnsupportedError
+from syncdp.base.errors import UnsupportedError
 from syncdp.keras import _display
 from syncdp.tensorflow import collectives as ops
 from syncdp.tensorflow import graph

@@ -36,8 +36,8 @@ import keras as _keras3
 import numpy as np
 import tensorflow as tf
 
-from syncdp.core import runtime
-from syncdp.core.errors import CollectiveError
+from syncdp.base.errors import CollectiveError
+from syncdp.job import runtime
 from syncdp.keras import _callback, _display
 from syncdp.keras.optimizer import turn_off_jit
 from syncdp.tensorflow import collectives as ops

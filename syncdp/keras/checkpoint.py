@@ -14,8 +14,8 @@ from types import ModuleType
 
 import keras as _keras3
 
+from syncdp.base.errors import CheckpointError
 from syncdp.checkpoint import CheckpointManager
-from syncdp.core.errors import CheckpointError
 from syncdp.keras import _callback
 from syncdp.tensorflow.keras2_names import create_optimizer_variables
 
@@ -38,7 +38,7 @@ def for_package(keras: ModuleType) -> type:
 
         A damaged checkpoint is moved aside and ``fit`` resumes from the newest intact one (every
         rank warns); when every checkpoint is damaged, ``fit`` raises
-        :class:`~syncdp.core.errors.CheckpointError` on every rank unless ``allow_fresh`` is True
+        :class:`~syncdp.base.errors.CheckpointError` on every rank unless ``allow_fresh`` is True
         (see :class:`~syncdp.checkpoint.CheckpointManager`).
 
         Resume is exact for checkpoints written at the end of an epoch. A checkpoint written every

@@ -27,7 +27,7 @@ from types import ModuleType
 
 import keras as _keras3
 
-from syncdp.core.errors import HorovodInternalError, HostsUpdatedInterrupt, RankFailureError
+from syncdp.base.errors import HorovodInternalError, HostsUpdatedInterrupt, RankFailureError
 from syncdp.elastic import ObjectState, State, run
 from syncdp.keras import _callback
 from syncdp.tensorflow.elastic import TensorFlowKerasState

@@ -2,7 +2,7 @@
 
 Elastic mode (``syncdp-run --min-np M``, ``--max-np K`` or ``--elastic``) starts mpirun with
 ``--with-ft ulfm``: a rank that dies no longer ends the job. The survivors notice in a collective
-(:class:`~syncdp.rank.errors.RankFailureError`), and :func:`recover` heals the job in place:
+(:class:`~syncdp.base.errors.RankFailureError`), and :func:`recover` heals the job in place:
 
 1. revoke the job's communicator, so every survivor leaves whatever collective it was in;
 2. ``Shrink`` it to the survivors (they keep their order: ranks are renumbered consistently,
@@ -35,9 +35,9 @@ import sys
 import threading
 import time
 
+from syncdp.base import mpi
+from syncdp.base.errors import ElasticAbortError
 from syncdp.membership import spares
-from syncdp.rank import mpi
-from syncdp.rank.errors import ElasticAbortError
 
 __all__ = [
     "Member",

@@ -42,8 +42,8 @@ import dataclasses
 import sys
 import threading
 
+from syncdp.base import mpi
 from syncdp.membership import membership, spares
-from syncdp.rank import mpi
 
 __all__ = ["Keeper", "join", "refresh"]
 

@@ -40,7 +40,7 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from syncdp.rank import mpi
+from syncdp.base import mpi
 from syncdp.watch import report
 
 __all__ = [

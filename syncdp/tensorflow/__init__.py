@@ -2,7 +2,7 @@
 
 ``import syncdp.tensorflow as hvd`` works where ``import horovod.tensorflow as hvd`` did. The
 modules here adapt tensors to the engine (:mod:`syncdp.engine`) and the communicator
-(:mod:`syncdp.core`); they hold no reduction logic of their own:
+(:mod:`syncdp.transport`); they hold no reduction logic of their own:
 
     graph         collectives as ordered graph nodes inside tf.function
     collectives   allreduce, grouped_allreduce, allgather, broadcast, ... on tensors
@@ -21,7 +21,7 @@ import importlib
 
 import tensorflow as tf
 
-from syncdp.core.errors import (
+from syncdp.base.errors import (
     CheckpointError,
     CollectiveError,
     ConfigError,
@@ -37,13 +37,13 @@ from syncdp.core.errors import (
     UnsupportedError,
     VerificationError,
 )
-from syncdp.core.process_sets import (
+from syncdp.job.process_sets import (
     ProcessSet,
     add_process_set,
     global_process_set,
     remove_process_set,
 )
-from syncdp.core.runtime import (
+from syncdp.job.runtime import (
     cross_rank,
     cross_size,
     init,

@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from syncdp.core import runtime
 from syncdp.engine import autotune
+from syncdp.job import runtime
 from syncdp.tensorflow import graph
 
 __all__ = ["tuner", "reduce_tuned"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from syncdp.core import runtime
+from syncdp.job import runtime
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "for_transport"]
 

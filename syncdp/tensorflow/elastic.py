@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from syncdp.core.errors import HorovodInternalError, HostsUpdatedInterrupt, RankFailureError
+from syncdp.base.errors import HorovodInternalError, HostsUpdatedInterrupt, RankFailureError
 from syncdp.elastic import ObjectState, State, run, run_fn
 from syncdp.tensorflow.collectives import broadcast_object, broadcast_object_fn, broadcast_variables
 from syncdp.tensorflow.keras2_names import create_optimizer_variables, optimizer_variables

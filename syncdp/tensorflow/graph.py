@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from syncdp.core import errors
+from syncdp.base import errors
 
 __all__ = [
     "host_call",

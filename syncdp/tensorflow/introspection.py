@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from syncdp.core import mpi, process_sets, runtime
+from syncdp.base import mpi
+from syncdp.job import process_sets, runtime
 
 __all__ = [
     "mpi_built",

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import tensorflow as tf
 
-from syncdp.core import runtime
+from syncdp.job import runtime
 from syncdp.tensorflow import collectives
 from syncdp.tensorflow.keras2_names import package_behind_tf_keras
 

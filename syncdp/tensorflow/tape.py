@@ -28,7 +28,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from syncdp.core import runtime
+from syncdp.job import runtime
 from syncdp.tensorflow import collectives, graph, verify
 from syncdp.tensorflow.compression import Compression
 

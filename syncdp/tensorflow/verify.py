@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from syncdp.core import runtime
-from syncdp.core.errors import VerificationError
+from syncdp.base.errors import VerificationError
+from syncdp.job import runtime
 from syncdp.tensorflow import collectives, graph
 
 __all__ = ["verify_synchronized"]

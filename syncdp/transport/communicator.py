@@ -18,7 +18,7 @@ Under Open MPI's ULFM (elastic mode) a collective whose peer died fails with
 ``MPI_ERR_PROC_FAILED`` on the ranks that notice, while the others could wait for them forever.
 So the first rank to notice revokes the communicator (every rank's pending and future
 operations on it then fail with ``MPI_ERR_REVOKED``), and every rank raises
-:class:`~syncdp.rank.errors.RankFailureError` from the collective it was in.
+:class:`~syncdp.base.errors.RankFailureError` from the collective it was in.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from syncdp.rank import mpi as _mpi
-from syncdp.rank.errors import CollectiveError, MismatchError, RankFailureError
-from syncdp.rank.settings import Config
+from syncdp.base import mpi as _mpi
+from syncdp.base.errors import CollectiveError, MismatchError, RankFailureError
+from syncdp.base.settings import Config
 from syncdp.transport import hosts_allreduce as _hosts
 from syncdp.transport import shm as _shm
 from syncdp.transport.waiting import wait_politely
@@ -555,7 +555,7 @@ class Communicator:
         """Returns rank ``root``'s picklable ``obj`` on every rank.
 
         The root pickles first and tells everyone whether it could: an object that cannot be
-        pickled raises :class:`~syncdp.rank.errors.CollectiveError` on every rank, naming the
+        pickled raises :class:`~syncdp.base.errors.CollectiveError` on every rank, naming the
         root and the cause, instead of leaving the others waiting for bytes that never come.
         """
         payload, problem = None, None
@@ -581,7 +581,7 @@ class Communicator:
         """Returns the list of every rank's picklable ``obj``, in rank order.
 
         A rank whose object cannot be pickled still takes part: every rank then raises
-        :class:`~syncdp.rank.errors.CollectiveError` naming it and the cause.
+        :class:`~syncdp.base.errors.CollectiveError` naming it and the cause.
         """
         payload, problem = _pickled(obj)
         if self.size == 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from syncdp.rank import mpi as _mpi
+from syncdp.base import mpi as _mpi
 
 __all__ = ["reduce_by_host", "ring_allreduce"]
 

@@ -46,7 +46,7 @@ import sys
 
 import numpy as np
 
-from syncdp.rank import mpi as _mpi
+from syncdp.base import mpi as _mpi
 from syncdp.transport.waiting import wait_politely
 
 __all__ = ["SharedPlane", "SEGMENT_BYTES", "open_plane"]

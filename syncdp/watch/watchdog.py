@@ -50,8 +50,8 @@ import threading
 import time
 from typing import NamedTuple
 
-from syncdp.rank import mpi
-from syncdp.rank.settings import Config
+from syncdp.base import mpi
+from syncdp.base.settings import Config
 from syncdp.watch import report
 
 __all__ = ["Watchdog", "Process"]

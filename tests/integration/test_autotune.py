@@ -13,7 +13,7 @@ import math
 import pytest
 
 from syncdp import engine
-from syncdp.core import timeline
+from syncdp.watch import timeline
 from tests.launcher import check, launch, python_script
 
 MiB = 1 << 20

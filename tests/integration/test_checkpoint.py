@@ -128,7 +128,7 @@ import builtins, errno, os, shutil, sys
 import tensorflow as tf
 import syncdp
 from syncdp.checkpoint import CheckpointManager
-from syncdp.core.errors import CheckpointError
+from syncdp.base.errors import CheckpointError
 
 syncdp.init()
 rank = syncdp.rank()
@@ -196,7 +196,7 @@ import tensorflow as tf
 import keras
 import syncdp
 from syncdp.checkpoint import MANIFEST, CheckpointManager, list_checkpoints
-from syncdp.core.errors import CheckpointError
+from syncdp.base.errors import CheckpointError
 from syncdp.keras import CheckpointCallback
 
 syncdp.init()

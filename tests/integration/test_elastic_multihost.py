@@ -21,7 +21,7 @@ process's result, the launcher must exit 0, and no process of the job may remain
 
 Open MPI 5.0.11 limits where a replacement can go: a host the script lists must be one of the
 job's hosts (-H/--hostfile; adding a host at spawn time, PMIX_ADD_HOST, kills the daemons with
-an unpack error), and :mod:`syncdp.core.membership` still tries hosts with live ranks first.
+an unpack error), and :mod:`syncdp.membership.membership` still tries hosts with live ranks first.
 """
 
 from __future__ import annotations

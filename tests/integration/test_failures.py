@@ -270,7 +270,7 @@ QUIET = r"""
 import time
 import numpy as np
 import syncdp
-from syncdp.core import runtime
+from syncdp.job import runtime
 syncdp.init()
 comm = runtime.communicator()
 buf = np.ones(1 << 14, np.float32)

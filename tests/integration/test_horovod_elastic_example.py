@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 import syncdp.tensorflow as hvd
-from syncdp.core import membership
+from syncdp.membership import membership
 
 GLOBAL_BATCH, STEPS = 6, 5
 kill_at = int(sys.argv[1])  # the step before which the process labelled 1 dies; -1: never
@@ -141,7 +141,7 @@ import numpy as np
 import tensorflow as tf
 
 import syncdp.tensorflow.keras as hvd
-from syncdp.core import membership
+from syncdp.membership import membership
 
 EPOCHS, STEPS = 3, 6
 kill_at = int(sys.argv[1])  # the global batch (epoch * STEPS + batch) at which a label dies

@@ -8,7 +8,7 @@ import re
 from tests.launcher import check, launch, python_script
 
 VIEW = r"""
-from syncdp.core import settings
+from syncdp.base import settings
 c = settings.from_env()
 print(f"VIEW autotune={c.autotune} elastic={c.elastic} stall={c.stall_timeout:g}", flush=True)
 """

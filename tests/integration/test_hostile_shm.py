@@ -23,7 +23,8 @@ from tests.launcher import check, launch, python_script
 JOB = r"""
 import os
 import numpy as np
-from syncdp.core import runtime, shm
+from syncdp.job import runtime
+from syncdp.transport import shm
 
 mount = os.environ["HOSTILE_SHM"]
 

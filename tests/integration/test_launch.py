@@ -30,7 +30,7 @@ print("every rank arrived", flush=True)
 # A rank's first words to the launcher, without TensorFlow: what syncdp.init() sends on arrival.
 STARTED = """
 import os, time
-from syncdp.core import report
+from syncdp.watch import report
 if int(os.environ["OMPI_COMM_WORLD_RANK"]) == 0:
     assert report.send("started", 0)
 time.sleep(60)

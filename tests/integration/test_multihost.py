@@ -52,7 +52,7 @@ import numpy as np
 import tensorflow as tf
 import keras
 import syncdp
-from syncdp.core import runtime
+from syncdp.job import runtime
 
 syncdp.init()
 r, n = syncdp.rank(), syncdp.size()
@@ -146,7 +146,7 @@ LOOP = """
 import time, sys
 import numpy as np
 import syncdp
-from syncdp.core import runtime
+from syncdp.job import runtime
 syncdp.init()
 comm = runtime.communicator()
 buf = np.ones(1 << 16, np.float32)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from syncdp.core import report
+from syncdp.watch import report
 from tests.launcher import ROOT, python_script, rank_env
 
 # Rank 0 prints the report address; every rank waits for the go file, then exits with its

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from syncdp.core import timeline
+from syncdp.watch import timeline
 from tests.integration.test_elastic import (
     EPOCHS,
     EXAMPLE,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from syncdp.core.timeline import load
+from syncdp.watch.timeline import load
 from tests.launcher import check, launch, python_script
 
 JOB = """

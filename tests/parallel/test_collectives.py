@@ -183,7 +183,7 @@ def test_bad_arguments_raise(hvd):
 
 
 def test_an_object_one_rank_cannot_pickle_fails_on_every_rank_and_the_job_goes_on(hvd):
-    from syncdp.core.errors import CollectiveError
+    from syncdp.base.errors import CollectiveError
 
     n, r = hvd.size(), hvd.rank()
     root = n - 1

@@ -230,7 +230,7 @@ def test_init_again_registers_new_sets_and_refuses_an_empty_one(hvd):
 
 @pytest.mark.parametrize("empty", [[], (), "ProcessSet"], ids=["list", "tuple", "ProcessSet"])
 def test_an_empty_set_is_refused_on_every_rank(hvd, empty):
-    from syncdp.core import process_sets
+    from syncdp.job import process_sets
 
     before = [(ps.process_set_id, ps.ranks) for ps in process_sets.registered()]
     ranks = hvd.ProcessSet([]) if empty == "ProcessSet" else empty

@@ -5,7 +5,8 @@ import zlib
 import numpy as np
 import pytest
 
-from syncdp.core import runtime, shm
+from syncdp.job import runtime
+from syncdp.transport import shm
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])

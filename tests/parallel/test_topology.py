@@ -6,7 +6,7 @@ namespace hosts, where ``auto`` (the default) picks it."""
 import numpy as np
 import pytest
 
-from syncdp.core import runtime
+from syncdp.job import runtime
 
 
 def _data(rank: int) -> np.ndarray:

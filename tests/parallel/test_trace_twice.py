@@ -18,7 +18,7 @@ import tensorflow as tf
 
 import syncdp.keras as hvd_keras
 import syncdp.tensorflow as hvd
-from syncdp.core import runtime
+from syncdp.job import runtime
 from syncdp.tensorflow import tape
 
 GLOBAL_BATCH = 6

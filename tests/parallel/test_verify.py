@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from syncdp.core import runtime
+from syncdp.job import runtime
 from syncdp.tensorflow import tape
 
 

@@ -22,8 +22,8 @@ import tensorflow as tf
 
 import syncdp
 import syncdp.checkpoint
+from syncdp.base.errors import CheckpointError
 from syncdp.checkpoint import MANIFEST, CheckpointManager, list_checkpoints
-from syncdp.core.errors import CheckpointError
 from syncdp.keras import CheckpointCallback
 from tests.launcher import rank_env
 

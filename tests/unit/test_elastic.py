@@ -14,7 +14,7 @@ from launch import elastic, run
 
 
 def test_min_np_turns_elastic_mode_on_with_ulfm():
-    from syncdp.core import settings
+    from syncdp.base import settings
 
     c = run.parse_args(["-np", "3", "--min-np", "2", "python", "train.py"])
     assert c.elastic and c.settings == {"min_np": 2}
@@ -29,7 +29,8 @@ def test_min_np_turns_elastic_mode_on_with_ulfm():
 
 
 def test_elastic_alone_keeps_np_as_the_minimum():
-    from syncdp.core import membership, settings
+    from syncdp.base import settings
+    from syncdp.membership import membership
 
     config = settings.from_env({"SYNCDP_ELASTIC": "1"})
     plan = membership.first_plan(config, 3)
@@ -311,7 +312,7 @@ class _FakeCommunicator:
 
 def _elastic_loop(monkeypatch, calls):
     """syncdp.elastic's runtime faked: elastic mode on, a reset that only records itself."""
-    from syncdp.core import runtime
+    from syncdp.job import runtime
 
     monkeypatch.setattr(runtime, "elastic_plan", lambda: object())
     monkeypatch.setattr(runtime, "communicator", lambda: _FakeCommunicator())
@@ -334,7 +335,7 @@ class _RecordingState:
 
 
 def test_run_fn_calls_reset_after_the_job_is_healed_and_before_the_callbacks(monkeypatch):
-    from syncdp.core.errors import HostsUpdatedInterrupt, RankFailureError
+    from syncdp.base.errors import HostsUpdatedInterrupt, RankFailureError
     from syncdp.tensorflow import elastic
 
     calls = []
@@ -421,7 +422,8 @@ def test_an_elastic_rank_bounds_mpi_finalize_at_exit(monkeypatch):
     # that rank's exit forever. The bound is SIGALRM's default action: a named failure.
     import mpi4py
 
-    from syncdp.core import mpi, runtime
+    from syncdp.base import mpi
+    from syncdp.job import runtime
 
     alarms = []
     handlers = []
@@ -435,7 +437,7 @@ def test_an_elastic_rank_bounds_mpi_finalize_at_exit(monkeypatch):
     monkeypatch.setattr(mpi4py.rc, "finalize", False)  # the program finalizes MPI itself
     runtime._bound_finalize(12.5)
     assert alarms == [13]
-    from syncdp.core import settings
+    from syncdp.base import settings
 
     assert settings.from_env({}).finalize_timeout == 60.0
     assert settings.from_env({"SYNCDP_FINALIZE_TIMEOUT": "15"}).finalize_timeout == 15.0

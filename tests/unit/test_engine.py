@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from syncdp.core.errors import StepMismatchError
+from syncdp.base.errors import StepMismatchError
 from syncdp.engine import BucketReducer, TensorSpec, plan
 from syncdp.engine import steps as steps_mod
 from syncdp.engine.buffers import ALIGN, BufferPool, Layout, aligned_empty

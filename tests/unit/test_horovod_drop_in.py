@@ -58,7 +58,7 @@ def test_horovod_names_are_syncdps_own_modules():
         assert horovod.tensorflow.elastic is syncdp.tensorflow.elastic
         assert broadcast_variables is hvd.broadcast_variables and allreduce is hvd.allreduce
         assert Compression is hvd.Compression and _executing_eagerly()
-        assert HorovodInternalError is syncdp.core.errors.RankFailureError
+        assert HorovodInternalError is syncdp.base.errors.RankFailureError
         assert is_version_greater_equal_than("2.21.0", "2.6.0")
         assert not is_version_greater_equal_than("2.5.9", "2.6.0")
         assert horovod.__version__.startswith("0.28.1+syncdp."), horovod.__version__

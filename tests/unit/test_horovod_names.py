@@ -15,7 +15,8 @@ HOROVOD_TENSORFLOW = """
 init shutdown is_initialized start_timeline stop_timeline size local_size cross_size rank
 local_rank cross_rank is_homogeneous rank_op local_rank_op size_op local_size_op
 process_set_included_op mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built
-nccl_built ddl_built ccl_built sycl_built cuda_built rocm_built gpu_available ProcessSet global_process_set
+nccl_built ddl_built ccl_built sycl_built cuda_built rocm_built gpu_available ProcessSet
+global_process_set
 add_process_set remove_process_set Average Sum Adasum Min Max Product
 handle_average_backwards_compatibility check_num_rank_power_of_2 split_list join
 allreduce grouped_allreduce allgather grouped_allgather broadcast broadcast_ alltoall

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 from launch import config_file, horovodrun_flags, output, run
-from syncdp.core import settings
+from syncdp.base import settings
 from tests.launcher import ROOT, rank_env
 
 # Every option of horovodrun 0.28 (horovod/runner/launch.py parse_args), its spellings together:

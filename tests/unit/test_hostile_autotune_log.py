@@ -9,8 +9,8 @@ import os
 import pytest
 
 from launch import cli
-from syncdp.core import settings
-from syncdp.core.errors import ConfigError
+from syncdp.base import settings
+from syncdp.base.errors import ConfigError
 
 
 def test_what_cannot_be_written_is_named(tmp_path):
@@ -75,8 +75,8 @@ def test_the_launcher_exits_2_naming_the_file(tmp_path, capsys, argv, environ):
 
 def test_a_log_that_stops_being_writable_is_said_once(tmp_path, monkeypatch, capsys):
     autotuning = pytest.importorskip("syncdp.tensorflow.autotuning")
-    from syncdp.core import runtime
     from syncdp.engine.autotune import Choice, Tuner
+    from syncdp.job import runtime
 
     gone = tmp_path / "gone"
     gone.mkdir()

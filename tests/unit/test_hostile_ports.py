@@ -16,7 +16,7 @@ import pytest
 from launch.lifeline import Lifeline, LifelineServer
 from launch.report_server import ReportServer
 from launch.verdict import Verdict
-from syncdp.core import report
+from syncdp.watch import report
 from tests.hostile_peers import Crowd
 
 

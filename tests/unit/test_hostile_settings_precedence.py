@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from launch import run
-from syncdp.core import settings
+from syncdp.base import settings
 
 
 def _launch(argv, environ):

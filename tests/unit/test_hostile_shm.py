@@ -10,7 +10,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from syncdp.core import mpi, shm
+from syncdp.base import mpi
+from syncdp.transport import shm
 
 
 def _mapped(path, size):

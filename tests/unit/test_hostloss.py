@@ -1,6 +1,7 @@
 """Surviving a lost host, in one process: the commits on disk and the launcher's restart plan.
 
-The commits each host keeps on its local disk (syncdp.core.commits), how the ranks agree on the
+The commits each host keeps on its local disk (syncdp.membership.commits), how the ranks agree on
+the
 newest one and take it (syncdp.elastic), and what the launcher decides after a lost host
 (launch.restart): which hosts, how many ranks, what --min-np and --reset-limit allow. The real
 thing (a link cut between namespace hosts, the job restarted and resumed) is in
@@ -20,7 +21,7 @@ import pytest
 
 from launch import cleanup, elastic, restart, run
 from launch.lifeline import Link
-from syncdp.core import commits
+from syncdp.membership import commits
 
 # --- The commits on each host's disk. ---
 
@@ -80,7 +81,8 @@ class _Comm:
 @pytest.fixture
 def elastic_rank(monkeypatch, tmp_path):
     """This process as rank RANK of an elastic job that keeps commits in tmp_path/job."""
-    from syncdp.core import report, runtime
+    from syncdp.job import runtime
+    from syncdp.watch import report
 
     monkeypatch.setenv(commits.COMMIT_DIR_VAR, str(tmp_path / "job"))
     monkeypatch.setattr(runtime, "elastic_plan", lambda: types.SimpleNamespace(script=""))

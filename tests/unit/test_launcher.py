@@ -14,7 +14,8 @@ import pytest
 
 from launch import run
 from launch.lifeline import LIFELINE_VAR
-from syncdp.core import report, settings
+from syncdp.base import settings
+from syncdp.watch import report
 from tests.launcher import ROOT, rank_env
 
 

@@ -1,5 +1,6 @@
-"""Layers import one way: core <- engine <- elastic <- tensorflow <- data <- checkpoint <- keras
-<- horovod_names (Horovod's import names, answered by every layer below).
+"""Layers import one way: base <- watch <- transport <- membership <- job <- engine <- elastic <-
+tensorflow <- data <- checkpoint <- keras <- horovod_names (Horovod's import names, answered by
+every layer below). The folders follow the data's way, from who a rank is to the Keras face.
 
 Read from the source (no import needed): a module may import syncdp modules of its own layer
 or lower ones, never higher. The Horovod-path alias ``syncdp.tensorflow.keras`` (a re-export
@@ -16,7 +17,20 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "syncdp"
 # syncdp/elastic.py is the framework-neutral elastic state and loop; the TensorFlow and Keras
 # states build on it.
-LAYERS = ["core", "engine", "elastic", "tensorflow", "data", "checkpoint", "keras", "horovod_names"]
+LAYERS = [
+    "base",
+    "watch",
+    "transport",
+    "membership",
+    "job",
+    "engine",
+    "elastic",
+    "tensorflow",
+    "data",
+    "checkpoint",
+    "keras",
+    "horovod_names",
+]
 EXEMPT = {
     "__init__.py",
     "tensorflow/__init__.py",
@@ -56,8 +70,8 @@ def test_imports_point_down(rel, path):
                 assert name != "syncdp", f"{rel} imports the whole package; import its layer"
 
 
-def test_the_core_and_engine_import_no_tensorflow_at_module_level():
-    for layer in ("core", "engine"):
+def test_the_rooms_below_tensorflow_import_no_tensorflow_at_module_level():
+    for layer in ("base", "watch", "transport", "membership", "job", "engine"):
         for path in (ROOT / layer).glob("*.py"):
             tree = ast.parse(path.read_text())
             for node in tree.body:  # module level only: init() may import TensorFlow lazily

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from launch.lifeline import LIFELINE_VAR, Lifeline, LifelineServer
-from syncdp.core import report
+from syncdp.watch import report
 from tests.launcher import ROOT, rank_env
 
 # A stand-in for syncdp-run: the two servers a supervisor talks to, then nothing.
@@ -24,7 +24,7 @@ LAUNCHER = """
 import time
 from launch.lifeline import LifelineServer
 from launch.report_server import ReportServer
-from syncdp.core import report
+from syncdp.watch import report
 job = report.Job.from_env()
 lifeline = LifelineServer(job).start()
 reports = ReportServer(job).start(lambda r: None)

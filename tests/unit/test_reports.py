@@ -1,7 +1,7 @@
 """The report channel and the verdict, without mpirun.
 
 The launcher's report server is started on a local port and sent what ranks and supervisors
-send (``syncdp.core.report``'s signed lines), and what an attacker might send instead: unsigned
+send (``syncdp.watch.report``'s signed lines), and what an attacker might send instead: unsigned
 or forged reports, a report signed for another job, a replay, oversized and malformed lines.
 The verdict must be the one the authentic reports give, and every other line counted.
 """
@@ -18,7 +18,7 @@ from launch import hosts
 from launch.lifeline import Link
 from launch.report_server import ReportServer, describe_rejected
 from launch.verdict import START_GRACE_SECONDS, Verdict
-from syncdp.core import report
+from syncdp.watch import report
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """The settings table: one row per setting drives init(), the environment, the launcher, the docs.
 
-The first half checks :func:`syncdp.core.settings.from_env` (one frozen Config, keyword arguments
+The first half checks :func:`syncdp.base.settings.from_env` (one frozen Config, keyword arguments
 win, unknown or malformed variables raise). The second half checks that every place derived from
-:data:`~syncdp.core.settings.SETTINGS` agrees with it: the launcher's flags and their help, the
+:data:`~syncdp.base.settings.SETTINGS` agrees with it: the launcher's flags and their help, the
 variables the launcher sets, and the table in docs/settings.md.
 """
 
@@ -11,8 +11,8 @@ import argparse
 import pytest
 
 from launch import horovodrun_flags, run
-from syncdp.core import settings
-from syncdp.core.errors import ConfigError
+from syncdp.base import settings
+from syncdp.base.errors import ConfigError
 from tests.launcher import ROOT
 
 MiB = 1024 * 1024
@@ -230,9 +230,9 @@ def test_flag_below_the_rows_minimum_is_a_usage_error_naming_it(s, capsys):
 def test_docs_hold_the_generated_settings_table():
     page = (ROOT / "docs" / "settings.md").read_text()
     assert settings.markdown_table() in page, (
-        "docs/settings.md's settings table differs from syncdp/core/settings.py; paste the "
+        "docs/settings.md's settings table differs from syncdp/base/settings.py; paste the "
         "output of "
-        '`python -c "from syncdp.core import settings; print(settings.markdown_table())"`.'
+        '`python -c "from syncdp.base import settings; print(settings.markdown_table())"`.'
     )
 
 

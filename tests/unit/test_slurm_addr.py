@@ -16,7 +16,7 @@ import pytest
 
 from launch import hosts
 from launch.lifeline import Lifeline, LifelineServer
-from syncdp.core import report
+from syncdp.watch import report
 
 SLURM = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]"}
 

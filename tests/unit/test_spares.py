@@ -12,7 +12,8 @@ import types
 import pytest
 
 from launch import elastic, run
-from syncdp.core import membership, refill, settings, spares
+from syncdp.base import settings
+from syncdp.membership import membership, refill, spares
 from tests.unit.test_elastic import membership_report
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from launch import summary
-from syncdp.core import stats
+from syncdp.watch import stats
 
 
 class _Clock:

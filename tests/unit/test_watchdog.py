@@ -8,8 +8,8 @@ import sys
 import threading
 import time
 
-from syncdp.core import mpi, settings
-from syncdp.core.watchdog import Watchdog
+from syncdp.base import mpi, settings
+from syncdp.watch.watchdog import Watchdog
 
 
 def test_stop_waits_for_a_busy_thread_before_freeing_its_communicator():
@@ -48,7 +48,7 @@ class _FakeWorld:
 
 def _dog(monkeypatch, hosts, replies, parents=None):
     """A watchdog of rank 0 among ``len(hosts)`` ranks, whose questions get ``replies``."""
-    from syncdp.core import watchdog as module
+    from syncdp.watch import watchdog as module
 
     MPI = mpi.load()
     dog = Watchdog(MPI.COMM_SELF, settings.from_env({"SYNCDP_STALL_TIMEOUT": "60"}))
@@ -159,7 +159,7 @@ def test_a_rank_whose_supervisor_died_first_is_left_to_the_launcher(monkeypatch,
 
 
 def test_the_watchdog_watches_the_processes_of_its_host_only():
-    from syncdp.core.watchdog import Process
+    from syncdp.watch.watchdog import Process
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
     dog = Watchdog(mpi.load().COMM_SELF, settings.from_env({}))

@@ -23,7 +23,7 @@ ops, roots or names get :class:`~syncdp.tensorflow.graph.MismatchError` (TensorF
 ``FailedPreconditionError``, as in Horovod) on every rank, and the job can go on.
 """
 
-from syncdp.core.process_sets import global_process_set  # noqa: F401 - the default set
+from syncdp.job.process_sets import global_process_set  # noqa: F401 - the default set
 from syncdp.tensorflow.collectives._common import (
     Adasum,
     Average,

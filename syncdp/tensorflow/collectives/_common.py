@@ -13,8 +13,8 @@ import numpy as np
 import tensorflow as tf
 
 from syncdp import engine
-from syncdp.core import process_sets
-from syncdp.core.process_sets import global_process_set
+from syncdp.job import process_sets
+from syncdp.job.process_sets import global_process_set
 from syncdp.tensorflow import graph
 
 __all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "NotInProcessSetError"]

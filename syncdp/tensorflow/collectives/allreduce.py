@@ -13,9 +13,8 @@ import numpy as np
 import tensorflow as tf
 
 from syncdp import engine
-from syncdp.core import runtime
-from syncdp.core.communicator import signature_digest
-from syncdp.core.process_sets import global_process_set
+from syncdp.job import runtime
+from syncdp.job.process_sets import global_process_set
 from syncdp.tensorflow import autotuning as _autotuning
 from syncdp.tensorflow.collectives._common import (
     Adasum,
@@ -34,6 +33,7 @@ from syncdp.tensorflow.collectives._common import (
 from syncdp.tensorflow.collectives.gather import allgather, average_gradients_with
 from syncdp.tensorflow.compression import Compression, for_transport
 from syncdp.tensorflow.graph import ordered_call
+from syncdp.transport.communicator import signature_digest
 
 __all__ = ["allreduce", "grouped_allreduce", "fused_allreduce", "adasum_tree"]
 

@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from syncdp import engine
-from syncdp.core.process_sets import global_process_set
+from syncdp.job.process_sets import global_process_set
 from syncdp.tensorflow.collectives._common import (
     Adasum,
     Average,

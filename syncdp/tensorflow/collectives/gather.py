@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from syncdp.core.process_sets import global_process_set
+from syncdp.job.process_sets import global_process_set
 from syncdp.tensorflow.collectives._common import (
     _comm,
     _root,

@@ -13,8 +13,8 @@ import numpy as np
 import tensorflow as tf
 
 from syncdp import engine
-from syncdp.core import runtime
-from syncdp.core.process_sets import global_process_set
+from syncdp.job import runtime
+from syncdp.job.process_sets import global_process_set
 from syncdp.tensorflow.collectives._common import (
     _comm,
     _root,
