@@ -174,6 +174,10 @@ class ElasticLog:
         self._lock = threading.Lock()
         self._spares = set(spares)  # labels of the spares still waiting
         self._spare_pids: dict[int, tuple] = {}  # label -> (host, pid), from "started"
+        # Spares rank 0 started in the background that are not waiting yet, and rank 0 itself
+        # (host, pid), from its own reports: such a spare cannot join once that rank 0 is lost.
+        self._starting: set = set()
+        self._rank0: tuple | None = None
         # The launcher labels the spares right after the ranks: the first label is -np.
         self._ranks_at_start = min(self._spares) if self._spares else 0
         if ranks is not None:
@@ -238,6 +242,25 @@ class ElasticLog:
             code = -report["signal"] if report.get("signal") else report.get("code") or 0
             then = "recovering" if code != -signal.SIGALRM else "its training had ended"
             self._say(f"lost {_who(report)}: it {describe_exit(code)}; {then}.")
+            self._end_orphans(report)
+
+    def _end_orphans(self, report: Mapping[str, Any]) -> None:
+        """Rank 0 was lost while it started a spare: that spare can never join (Open MPI's
+        start of it waits for rank 0 forever, and keeps later spawns from working), so it is
+        killed at once."""
+        with self._lock:
+            if self._rank0 != (report.get("host"), report.get("pid")):
+                return
+            orphans = {label: self._spare_pids.get(label) for label in self._starting}
+            self._starting.clear()
+        for label, where in sorted(orphans.items()):
+            if where is None:
+                continue
+            self._say(
+                f"spare [{label}] (pid {where[1]} on {where[0]}) was being started by rank 0, "
+                "which was lost: it cannot join; killing it."
+            )
+            threading.Thread(target=_kill, args=(*where, self._shell), daemon=True).start()
 
     def _spare_exit(self, report: dict) -> bool:
         """Logs a waiting spare's exit; False when ``report`` is not one."""
@@ -246,6 +269,7 @@ class ElasticLog:
             if label not in self._spares:
                 return False
             self._spares.discard(label)
+            self._starting.discard(label)
             left = len(self._spares)
             failed = bool(report.get("code") or report.get("signal"))
             failed = failed and label not in self._released  # killed at the end, on purpose
@@ -306,6 +330,11 @@ class ElasticLog:
     def handle(self, report: dict) -> bool:
         """Takes the reports elastic mode treats differently; False for the others."""
         kind = report.get("kind")
+        if kind in ("membership", "spares") or (kind == "started" and report.get("rank") == 0):
+            with self._lock:  # sent by rank 0 itself
+                self._rank0 = (report.get("host"), report.get("pid"))
+                for member in [*report.get("spares", []), *report.get("added", [])]:
+                    self._starting.discard(member.get("label"))
         if kind == "started" and report.get("rank") in self._spares:
             with self._lock:
                 self._spare_pids[report["rank"]] = (report.get("host"), report.get("pid"))
@@ -313,6 +342,7 @@ class ElasticLog:
         if kind == "spare_started":  # rank 0 replaces a used or dead spare in the background
             with self._lock:
                 self._spares.add(report.get("rank"))
+                self._starting.add(report.get("rank"))
                 self._spare_pids[report.get("rank")] = (report.get("host"), report.get("pid"))
             self._say(
                 f"starting a new spare [{report.get('rank')}] (pid {report.get('pid')} on "
