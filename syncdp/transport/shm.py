@@ -181,7 +181,8 @@ class SharedPlane:
         self.size = mpi_comm.Get_size()
         self.rank = mpi_comm.Get_rank()
         self.segment_bytes = segment_bytes
-        self.win = MPI.Win.Allocate_shared(_SETS * segment_bytes, 1, comm=mpi_comm)
+        with _mpi.windows_made():  # its communicator is Open MPI's to free, with the window
+            self.win = MPI.Win.Allocate_shared(_SETS * segment_bytes, 1, comm=mpi_comm)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         # slots[s][r]: rank r's slot of set s, as raw bytes; typed views are made per call.
         self._raw = [
