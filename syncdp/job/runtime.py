@@ -432,7 +432,11 @@ def tend_spares() -> None:
             _state.keeper = refill.Keeper()
         _state.keeper.watch(_state.reserve, comm.size)
         order = _state.keeper.order(plan, list(_state.members) + list(plan.spares))
-    order = comm.broadcast_object(order, 0, name="elastic.spares")
+    # With rank 0's label counter: a spare it starts takes a label, and a rank 0 that follows it
+    # (this one lost) must not give the same label to another process.
+    order, plan.next_label = comm.broadcast_object(
+        (order, plan.next_label), 0, name="elastic.spares"
+    )
     if order is None:
         return
     prune, adopt = order
