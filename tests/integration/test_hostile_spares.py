@@ -8,6 +8,7 @@ every rank holding one process's weights, and leave nothing running.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -17,7 +18,7 @@ import pytest
 
 from tests.integration.test_elastic import EPOCHS, EXAMPLE, _expected, _results
 from tests.integration.test_spares import _assert_nothing_left, _spare_pid
-from tests.launcher import start
+from tests.launcher import launch, start
 
 
 def _start(data, marker, *example_args, launcher=()):
@@ -148,3 +149,66 @@ def test_a_rank_lost_after_the_spare_stopped_recovers_at_the_stall_timeout(tmp_p
     ]
     assert len(recovered) == 1 and recovered[0] < 5 + 15, recovered
     _assert_nothing_left(data)
+
+
+def _labels_given(err: str) -> list[int]:
+    """Every output label the launcher saw given to a new process (spare or replacement)."""
+    started = re.findall(r"starting a new spare \[(\d+)\]", err)
+    replaced = re.findall(r"replacement\(s\) started.*?\((.*)\); size", err)
+    spawned = [label for line in replaced for label in re.findall(r"output \[(\d+)\]", line)]
+    return sorted(int(label) for label in started + spawned if label)
+
+
+def _run_killing(tmp_path, np_, *kills, step="0.5"):
+    args = ["--data", str(tmp_path / "data"), "--epochs", str(EPOCHS), "--step-seconds", step]
+    for kill in kills:
+        args += ["--kill", kill]
+    return launch(
+        np_,
+        "python",
+        EXAMPLE,
+        *args,
+        launcher_args=("--min-np", "1", "--spares", "1"),
+        timeout=240,
+    )
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_rank_0_lost_while_it_starts_a_spare(tmp_path, np_):
+    # Rank 1 dies, the spare takes its place and rank 0 starts a new spare in the background;
+    # rank 0 dies 0.6 s later, while that spare loads. The spare can never join (its start
+    # waits for rank 0): the launcher kills it, the survivors spawn a replacement under a
+    # label of its own, and the job ends as one kill would.
+    result = _run_killing(tmp_path, np_, "1:0:3", "0:0:5", step="0.3")
+    log = f"--- stdout ---\n{result.stdout[-3000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+    results = _results(result.stdout)
+    assert result.returncode == 0, log
+    assert len(results) == np_ and len({r["label"] for r in results}) == np_, log
+    assert all(r["size"] == np_ and r["epoch"] == EPOCHS for r in results), log
+    w, b = _expected()
+    assert all(r["w"] == results[0]["w"] for r in results), log
+    np.testing.assert_allclose(results[0]["w"], w, rtol=1e-9, atol=1e-12)
+    assert abs(results[0]["b"] - b) < 1e-9, log
+    assert "was being started by rank 0, which was lost: it cannot join; killing it" in (
+        result.stderr
+    ), log
+    given = _labels_given(result.stderr)
+    assert len(given) == len(set(given)), given  # no label given twice
+    assert "SIGALRM" not in result.stderr and "recovery failed" not in result.stderr, log
+
+
+def test_the_spare_that_took_a_place_lost_six_seconds_later(tmp_path):
+    # Rank 1 dies and the spare [2] takes its place; ~6 s later [2] dies too, while or after
+    # the new spare [3] is started: the job takes [3] in, then starts [4]. Every process of
+    # these spawns must leave MPI_Finalize at the end (it crashed or hung there before).
+    result = _run_killing(tmp_path, 2, "1:0:3", "2:1:2", step="0.7")
+    log = f"--- stdout ---\n{result.stdout[-3000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+    results = _results(result.stdout)
+    assert result.returncode == 0, log
+    assert sorted(r["label"] for r in results) == [0, 3], log
+    w, b = _expected()
+    assert all(r["w"] == results[0]["w"] for r in results), log
+    np.testing.assert_allclose(results[0]["w"], w, rtol=1e-9, atol=1e-12)
+    assert "2 membership change(s); the job finished with 2 rank(s)" in result.stderr, log
+    assert "SIGALRM" not in result.stderr and "SIGSEGV" not in result.stderr, log
+    assert result.elapsed < 120, result.elapsed
