@@ -148,6 +148,15 @@ def test_a_rank_lost_after_the_spare_stopped_recovers_at_the_stall_timeout(tmp_p
         if "recovered in" in line
     ]
     assert len(recovered) == 1 and recovered[0] < 5 + 15, recovered
+    # The recovery (~10 s) is charged to no rank: every rank's step stays near its 0.3 s, and
+    # the heading counts the survivor's steps, not the newcomer's.
+    table = err[err.index("where the time went") :].splitlines()
+    steps = int(re.search(r"over (\d+) steps", table[0]).group(1))
+    assert steps >= 10 * EPOCHS, table
+    rows = [line.split() for line in table[2:] if line.strip()[:1].isdigit()]
+    column = table[1].split().index("step")  # "step ms": the tokens before it are the row's
+    step_ms = [float(row[column]) for row in rows]
+    assert len(rows) == 2 and all(ms < 600 for ms in step_ms), table
     _assert_nothing_left(data)
 
 
