@@ -312,7 +312,7 @@ class ShmLeftovers:
     def __init__(self, root: int, directory: str = "/dev/shm"):
         self.root = root
         self.directory = directory
-        self._mark: tuple[str, str, str] | None = None  # (host, uid, upper job id): the job's
+        self._mark: tuple[str, str] | None = None  # (uid, upper job id): the job's
 
     def look(self) -> None:
         """Learns which segments are the job's from a process of it, until one is found."""
@@ -347,17 +347,18 @@ class ShmLeftovers:
         return removed
 
     @classmethod
-    def _parse(cls, name: str) -> tuple[str, str, str] | None:
-        """``sm_segment.HOST.UID.JOBID.N`` -> (HOST, UID, the upper half of JOBID)."""
+    def _parse(cls, name: str) -> tuple[str, str] | None:
+        """``sm_segment.HOST.UID.JOBID.N`` -> (UID, the upper half of JOBID): a host's name
+        does not matter, hosts that share this directory share it with this job's too."""
         if not name.startswith(cls._PREFIX):
             return None
         parts = name[len(cls._PREFIX) :].rsplit(".", 3)
         if len(parts) != 4 or not all(parts) or not (parts[1] + parts[3]).isdigit():
             return None
-        host, uid, job, _ = parts
+        _, uid, job, _ = parts
         if len(job) < 5 or job.strip("0123456789abcdef"):
             return None
-        return host, uid, job[:-4]  # Open MPI's job ids: mpirun's 16 bits, then its job's 16
+        return uid, job[:-4]  # Open MPI's job ids: mpirun's 16 bits, then its job's 16
 
 
 def _descendants(root: int) -> list[int]:

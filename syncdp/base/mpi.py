@@ -26,7 +26,14 @@ import os
 import signal
 import sys
 
-__all__ = ["load", "loaded", "bound_finalize", "free_communicators", "windows_made"]
+__all__ = [
+    "load",
+    "loaded",
+    "bound_finalize",
+    "free_communicators",
+    "windows_made",
+    "windows_freed",
+]
 
 # Fortran indices of the communicators Open MPI made for windows (never freed here).
 _WINDOWS: set[int] = set()
@@ -84,15 +91,30 @@ def _communicators(MPI) -> set[int]:
 
 
 @contextlib.contextmanager
-def windows_made():
-    """``with windows_made(): win = MPI.Win.Allocate_shared(...)``: the communicators Open MPI
-    makes inside the block are the window's, and :func:`free_communicators` leaves them."""
+def windows_made(comm):
+    """``with windows_made(comm) as made: win = MPI.Win.Allocate_shared(..., comm=comm)``:
+    the communicators Open MPI makes inside the block for a window over ``comm`` (its copy of
+    ``comm``) are the window's, and :func:`free_communicators` leaves them. ``made`` receives
+    their indices, for :func:`windows_freed` once the window is freed."""
     MPI = load()
     before = _communicators(MPI)
+    made: list[int] = []
     try:
-        yield
+        yield made
     finally:
-        _WINDOWS.update(_communicators(MPI) - before)
+        for index in sorted(_communicators(MPI) - before):
+            try:  # a spare being started in another thread makes communicators too
+                if MPI.Comm.Compare(MPI.Comm.f2py(index), comm) == MPI.CONGRUENT:
+                    made.append(index)
+            except MPI.Exception:
+                pass
+        _WINDOWS.update(made)
+
+
+def windows_freed(made) -> None:
+    """The window whose communicators :func:`windows_made` found was freed: their indices may
+    name other communicators from now on."""
+    _WINDOWS.difference_update(made)
 
 
 def _spans_spawns(MPI, comm, world) -> bool:

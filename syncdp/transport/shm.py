@@ -181,7 +181,7 @@ class SharedPlane:
         self.size = mpi_comm.Get_size()
         self.rank = mpi_comm.Get_rank()
         self.segment_bytes = segment_bytes
-        with _mpi.windows_made():  # its communicator is Open MPI's to free, with the window
+        with _mpi.windows_made(mpi_comm) as self._made:  # Open MPI's, freed with the window
             self.win = MPI.Win.Allocate_shared(_SETS * segment_bytes, 1, comm=mpi_comm)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         # slots[s][r]: rank r's slot of set s, as raw bytes; typed views are made per call.
@@ -218,6 +218,7 @@ class SharedPlane:
         if collective:
             self.win.Unlock_all()
             self.win.Free()
+            _mpi.windows_freed(self._made)
         self.win = None
 
     def _slots(self, dtype: np.dtype, count: int) -> list[np.ndarray]:

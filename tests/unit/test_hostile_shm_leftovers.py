@@ -20,7 +20,7 @@ def test_the_jobs_segments_that_nothing_holds_are_removed(tmp_path):
         "sm_segment.h.0.abcd0001.1",  # a live rank's: held
         "sm_segment.h.0.abcd0002.0",  # a killed replacement's (the same mpirun spawned it)
         "sm_segment.h.0.1234aaaa.0",  # another mpirun's
-        "sm_segment.other.0.abcd0001.0",  # another host's name
+        "sm_segment.other.1.abcd0001.0",  # another user's
         "osc_sm.h.abcd0001.3",  # not a segment
     ]
     for name in names:
