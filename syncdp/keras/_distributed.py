@@ -188,7 +188,7 @@ class Distributed:
         """
         if self.built:
             return
-        var_list = list(var_list)
+        var_list = tf.nest.flatten(var_list)  # Keras 2 takes nested lists too
         # Built outside any trace: the first apply may be traced after the function's first
         # trace (Horovod's elastic example traces its step once without syncdp), where
         # tf.function refuses new variables.
@@ -346,7 +346,7 @@ class Distributed:
             With ``backward_passes_per_step > 1`` the gradients are returned as computed and
             accumulated by :meth:`apply_gradients`.
         """
-        var_list = list(var_list)
+        var_list = tf.nest.flatten(var_list)  # Keras 2 takes nested lists too
         if tape is None:
             tape = tf.GradientTape()
             with tape:

@@ -438,13 +438,17 @@ def PartialDistributedGradientTape(  # noqa: N802 - Horovod's name for a factory
     Raises:
         ValueError: ``local_layers`` holds something that is not a Keras layer.
     """
-    import keras
+    from syncdp.tensorflow.keras2_names import package_of
+
+    def is_layer(obj) -> bool:  # a layer of its own Keras: Keras 3's, or tf-keras's
+        package = package_of(obj)
+        return package is not None and isinstance(obj, package.layers.Layer)
 
     if local_layers is None:
         local_layers = []
-    elif isinstance(local_layers, keras.layers.Layer):
+    elif is_layer(local_layers):
         local_layers = [local_layers]
-    if not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+    if not all(is_layer(layer) for layer in local_layers):
         raise ValueError("All local layers must be of keras.layers.Layer type.")
     tape = DistributedGradientTape(
         gradtape,

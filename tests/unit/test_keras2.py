@@ -349,3 +349,24 @@ def test_a_keras_2_model_built_by_its_first_batch_is_broadcast_after_it():
     with pytest.warns(UserWarning, match="no weights before its first step"):
         model.fit(x, x[:, :2], epochs=1, verbose=0, callbacks=[callback])
     assert callback.broadcast_done and len(model.weights) == 2
+
+
+def test_keras_2_pieces_horovods_tests_use():
+    # PartialDistributedGradientTape takes tf-keras layers; _compute_gradients flattens a
+    # nested var_list, as Keras 2's own optimizers do.
+    import syncdp.tensorflow as hvd_tf
+
+    layer = tf_keras.layers.Dense(2)
+    layer.build((None, 3))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(tf.ones((1, 3))))
+    tape = hvd_tf.PartialDistributedGradientTape(tape, local_layers=[layer])
+    grads = tape.gradient(loss, layer.trainable_variables)
+    np.testing.assert_allclose(grads[1].numpy(), [1.0, 1.0])  # one rank: d(sum)/d(bias) = 1
+    with pytest.raises(ValueError, match="local layers"):
+        hvd_tf.PartialDistributedGradientTape(tf.GradientTape(), local_layers=["not a layer"])
+    x, y = tf.Variable([1.0]), tf.Variable([2.0, 3.0])
+    opt = DistributedK2(tf_keras.optimizers.legacy.SGD(0.1))
+    pairs = opt._compute_gradients(lambda: tf.reduce_sum(x) + tf.reduce_sum(y), [[x], [y]])
+    assert [v is w for (_, v), w in zip(pairs, [x, y])] == [True, True]
+    assert [g.numpy().tolist() for g, _ in pairs] == [[1.0], [1.0, 1.0]]
