@@ -98,6 +98,15 @@ def launch(
     return result
 
 
+def pytest_on_ranks(
+    np: int, *args: str, env: dict[str, str] | None = None, timeout: float = 900
+) -> subprocess.CompletedProcess:
+    """Runs one pytest session per rank (``python -m pytest -x -q ARGS``) under the launcher;
+    ``-x`` makes a failing rank exit at once, and the launcher then ends the others."""
+    command = ("python", "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args)
+    return launch(np, *command, env=env, timeout=timeout)
+
+
 def python_script(tmp_path: Path, source: str, name: str = "job.py") -> str:
     """Writes ``source`` to a file under ``tmp_path`` and returns its path."""
     path = tmp_path / name

@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 
-from tests.launcher import check, launch
+from tests.launcher import check, pytest_on_ranks
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("tf_keras") is None,
@@ -20,15 +20,8 @@ pytestmark = pytest.mark.skipif(
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_keras2_suite(np):
     result = check(
-        launch(
+        pytest_on_ranks(
             np,
-            "python",
-            "-m",
-            "pytest",
-            "-x",
-            "-q",
-            "-p",
-            "no:cacheprovider",
             "-W",
             "ignore::UserWarning",  # tf-keras' notes on h5 files and lr=, once per rank
             "tests/parallel/test_keras2.py",

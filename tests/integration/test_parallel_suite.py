@@ -6,25 +6,12 @@ launcher then ends the others, so a failure can never leave a rank waiting.
 
 import pytest
 
-from tests.launcher import check, launch
+from tests.launcher import check, pytest_on_ranks
 
 
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_parallel_suite(np):
-    result = check(
-        launch(
-            np,
-            "python",
-            "-m",
-            "pytest",
-            "-x",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/parallel",
-            timeout=900,
-        )
-    )
+    result = check(pytest_on_ranks(np, "tests/parallel", timeout=900))
     for rank in range(np):
         assert f"[{rank}]<stdout>:" in result.stdout
     assert " passed" in result.stdout and " failed" not in result.stdout
