@@ -71,8 +71,9 @@ class Distributed:
             ``size / factor`` after it. Defaults to 1.
         op: ``syncdp.Average`` or ``syncdp.Sum``. Defaults to ``syncdp.Average``.
         backward_passes_per_step: Accumulate this many local gradients before one allreduce
-            and one update; the wrapped optimizer's ``iterations`` counts updates. Defaults
-            to 1.
+            and one update. ``iterations`` counts every call, applied or not, as Horovod's
+            does (after 4 calls with 2 passes per step it is 4), so schedules keyed to it
+            move per pass. Defaults to 1.
         average_aggregated_gradients: With ``backward_passes_per_step > 1``, divide the
             accumulated gradients by ``backward_passes_per_step`` (so k passes on k batches
             equal one step on the k batches together). Defaults to True.
@@ -418,12 +419,17 @@ class Distributed:
             for acc in accumulators:
                 acc.assign(tf.zeros_like(acc))
 
+        def count_the_pass():
+            # As Horovod's aggregation helpers do: iterations counts passes, so learning-rate
+            # schedules (and Adam's bias correction) keyed to it move as they do under Horovod.
+            self.iterations.assign_add(1)
+
         # Every rank counts the same passes, so every rank takes the same branch and the
         # collectives inside it stay in step.
         tf.cond(
             tf.equal(tf.math.floormod(tf.convert_to_tensor(self._passes), k), 0),
             reduce_and_apply,
-            lambda: None,
+            count_the_pass,
         )
 
     def get_config(self):
