@@ -370,10 +370,7 @@ class Verdict:
         """One failure report in words, for the launcher's last line."""
         kind, ranks = report.get("kind"), report.get("ranks") or []
         if kind == "exception":
-            # The message's first line is the exception's "Type: text"; a last line has no room
-            # for the rest.
-            text = (report.get("message") or "").strip().splitlines()
-            return f"{_who(report)} failed with {text[0] if text else report.get('type')}"
+            return f"{_who(report)} failed with {_error_line(report)}"
         if kind == "stall":
             where = f"collective #{report.get('seq')} {report.get('collective')}"
             limit = f"the stall timeout ({self.stall_timeout:g} s)"
@@ -425,3 +422,24 @@ def _by_host(ranks: list[int], links: Mapping[int, Link]) -> list[tuple[str, lis
     for r in ranks:
         hosts.setdefault(links[r].host or "an unknown host", []).append(r)
     return sorted(hosts.items())
+
+
+def _error_line(report: Mapping[str, Any]) -> str:
+    """An exception report's message in one line: ``Type: text``.
+
+    A multi-line message ends with what went wrong (TensorFlow's "TypeError: in user code:"
+    puts the traceback of the traced function between its first line and the error's own
+    message, on the last line), so the last line is the one kept, with its type in front.
+    """
+    kind = report.get("type") or "an exception"
+    lines = [line.strip() for line in (report.get("message") or "").splitlines() if line.strip()]
+    if lines and lines[-1].startswith("[... cut"):
+        return lines[0]  # the end was cut off: the first line is all there is
+    if len(lines) <= 1:
+        return lines[0] if lines else kind
+    last = lines[-1]
+    head, _, rest = last.partition(": ")
+    names = head.split(".")
+    if rest and all(n.isidentifier() for n in names) and names[-1][:1].isupper():
+        return last  # the last line names its own type ("TypeError: ...")
+    return f"{kind}: {last}"

@@ -80,7 +80,12 @@ def test_a_ranks_exception_report_is_the_first_failure(listen, monkeypatch):
     for name, value in server.job.env().items():
         monkeypatch.setenv(name, value)
     assert report.send("started", 0) and report.send("started", 1)  # answered: delivered
-    assert report.send("exception", 1, "ValueError: bad batch\n(more)", type="ValueError")
+    # TensorFlow's error from a traced function: the error's own message is on its last line.
+    traced = (
+        'TypeError: in user code:\n\n    File "train.py", line 9, in step  *\n'
+        "        opt.variables()\n\n    TypeError: 'list' object is not callable"
+    )
+    assert report.send("exception", 1, traced, type="TypeError")
     server.close()
     assert verdict.failed.is_set()
     assert set(verdict.started) == {0, 1}
@@ -88,8 +93,36 @@ def test_a_ranks_exception_report_is_the_first_failure(listen, monkeypatch):
     assert code == 1
     assert last == (
         "the job failed (0 of 2 ranks exited cleanly); first failure: rank 1 "
-        f"(pid {os.getpid()} on {socket.gethostname()}) failed with ValueError: bad batch"
+        f"(pid {os.getpid()} on {socket.gethostname()}) failed with TypeError: 'list' object "
+        "is not callable"
     )
+
+
+@pytest.mark.parametrize(
+    "message, line",
+    [
+        ("ValueError: bad batch", "ValueError: bad batch"),
+        (
+            "ValueError: shapes differ:\n  rank 0: (2, 3)\n  rank 1: (2, 4)",
+            "ValueError: rank 1: (2, 4)",
+        ),
+        (
+            "tensorflow.python.framework.errors_impl.InvalidArgumentError: in user code:\n\n"
+            "    File ...\n\n    InvalidArgumentError: indices[0] = 9 is not in [0, 3)",
+            "InvalidArgumentError: indices[0] = 9 is not in [0, 3)",
+        ),
+        ("", "KeyError"),
+        (
+            "ValueError: " + "x" * 20 + "\n[... cut: the report was too long]",
+            "ValueError: " + "x" * 20,
+        ),
+    ],
+    ids=["one-line", "multi-line", "traced", "empty", "cut"],
+)
+def test_the_failure_line_carries_the_errors_own_message(message, line):
+    from launch.verdict import _error_line
+
+    assert _error_line({"message": message, "type": message and "ValueError" or "KeyError"}) == line
 
 
 def test_every_rank_reporting_a_clean_exit_is_the_only_success(listen):
