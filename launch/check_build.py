@@ -9,12 +9,13 @@ MPI or loading TensorFlow (so it answers in well under a second)::
     Available Frameworks:
         [X] TensorFlow 2.21.0
         [X] Keras 3.15.1
+        [X] Keras 2 (tf-keras 2.21.0, with TF_USE_LEGACY_KERAS=1)
         [ ] PyTorch
         [ ] MXNet
 
     Available Controllers:
         [X] MPI (Open MPI 5.0.11, /usr/bin/mpirun)
-        [ ] Gloo
+        [ ] Gloo (--gloo is accepted and runs on MPI)
 
     Available Tensor Operations:
         [ ] NCCL
@@ -30,7 +31,8 @@ MPI or loading TensorFlow (so it answers in well under a second)::
         [ ] CUDA (no NVIDIA GPU visible)
 
 PyTorch, MXNet, Gloo, NCCL, DDL and CCL are never available: syncdp drives TensorFlow through
-MPI only.
+MPI only. Keras 2 is there when tf-keras is installed (``pip install tf-keras``); a program
+selects it with ``TF_USE_LEGACY_KERAS=1``.
 """
 
 from __future__ import annotations
@@ -108,6 +110,12 @@ def report(mpirun: str | None, environ: Mapping[str, str] | None = None) -> str:
     environ = os.environ if environ is None else environ
     tensorflow = _version("tensorflow", "tensorflow-cpu", "tf-nightly")
     keras = _version("keras")
+    tf_keras = _version("tf-keras", "tf_keras")
+    keras2 = (
+        f"Keras 2 (tf-keras {tf_keras}, with TF_USE_LEGACY_KERAS=1)"
+        if tf_keras
+        else "Keras 2 (tf-keras is not installed: pip install tf-keras)"
+    )
     ompi = _open_mpi_version(mpirun) if mpirun else None
     if mpirun is None:
         mpi = f"{_box(False)} MPI (no mpirun on PATH)"
@@ -122,12 +130,13 @@ def report(mpirun: str | None, environ: Mapping[str, str] | None = None) -> str:
         "Available Frameworks:",
         f"    {_box(bool(tensorflow))} TensorFlow{' ' + tensorflow if tensorflow else ''}",
         f"    {_box(bool(keras))} Keras{' ' + keras if keras else ''}",
+        f"    {_box(bool(tf_keras))} {keras2}",
         f"    {_box(False)} PyTorch",
         f"    {_box(False)} MXNet",
         "",
         "Available Controllers:",
         f"    {mpi}",
-        f"    {_box(False)} Gloo",
+        f"    {_box(False)} Gloo (--gloo is accepted and runs on MPI)",
         "",
         "Available Tensor Operations:",
         f"    {_box(False)} NCCL",
