@@ -2,7 +2,7 @@
 
 The layout is horovodrun 0.28's; every section and key is optional::
 
-    controller: mpi                    # --mpi (gloo is refused, as --gloo is)
+    controller: mpi                    # --mpi (gloo: --gloo, which runs on MPI too)
     params:
       fusion_threshold_mb: 32          # --fusion-threshold-mb
       cycle_time_ms: 5                 # --cycle-time-ms (changes nothing)

@@ -97,6 +97,8 @@ class Flag:
         const: What a switch stores.
         nargs: How many arguments the flag takes (with ``value``).
         setting: The settings row whose flag these spellings are another name for.
+        says: A ``maps`` switch that says on stderr, in one line, what runs instead of what
+            it names (``--gloo``, ``--jsrun``).
     """
 
     names: tuple[str, ...]
@@ -107,6 +109,7 @@ class Flag:
     const: Any = True
     nargs: int = 1
     setting: str | None = None
+    says: bool = False
 
 
 _NO_CYCLES = "syncdp orders collectives when the graph is traced, so there is no negotiation cycle"
@@ -135,9 +138,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         ("--check-build", "-cb"),
         MAPS,
-        "prints what this install supports in horovodrun's layout (frameworks with versions, the "
-        "MPI controller with Open MPI's version, tensor operations, ULFM for elastic mode, "
-        "visible GPUs) and exits 0; -np is not needed",
+        "prints what this install supports in horovodrun's layout (frameworks with versions, "
+        "Keras 2 through tf-keras included, the MPI controller with Open MPI's version, tensor "
+        "operations, ULFM for elastic mode, visible GPUs) and exits 0; -np is not needed",
     ),
     Flag(
         ("--disable-cache",),
@@ -473,11 +476,12 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("--gloo",),
-        REFUSED,
-        "syncdp runs on MPI and has no Gloo controller; leave --gloo out (MPI is the default), "
-        "and for elastic training use --min-np/--max-np, which run on Open MPI's ULFM",
+        MAPS,
+        "accepted, and the job runs on syncdp's engine over Open MPI, as with --mpi (syncdp "
+        "has no Gloo controller; elastic mode runs on Open MPI's ULFM)",
         dest="controller",
         const="gloo",
+        says=True,
     ),
     Flag(
         ("--mpi",),
@@ -488,11 +492,12 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("--jsrun",),
-        REFUSED,
-        "syncdp-run starts its ranks with Open MPI's mpirun only; on an LSF cluster give the "
-        "allocation's hosts with -H or --hostfile instead",
+        MAPS,
+        "accepted, and the job runs on syncdp's engine, its ranks started by Open MPI's mpirun "
+        "instead of jsrun, on the hosts of -H or --hostfile (this host without them)",
         dest="controller",
         const="jsrun",
+        says=True,
     ),
 )
 
@@ -631,11 +636,15 @@ def _rows_by_dest() -> dict[str, Flag]:
 
 
 def notes(args: argparse.Namespace, spelled: Mapping[str, str]) -> list[str]:
-    """One line per ``inert`` flag given: why it changes nothing (named as it was given)."""
+    """One line per ``inert`` flag given: why it changes nothing (named as it was given); and
+    one per switch that says what runs instead (``--gloo``: syncdp's engine)."""
     lines = []
     for dest, row in _rows_by_dest().items():
         if row.kind == INERT and getattr(args, dest, None) is not None:
             lines.append(f"{spelled.get(dest, row.names[0])} changes nothing: {row.effect}")
+    for row in FLAGS:
+        if row.says and getattr(args, row.dest, None) == row.const:
+            lines.append(f"{spelled.get(row.dest, row.names[0])} is {row.effect}")
     return lines
 
 

@@ -9,8 +9,8 @@ Usage::
 
 The command line is horovodrun's: every flag of horovodrun 0.28 is accepted with Horovod's
 spelling and argument type (:mod:`launch.horovodrun_flags` has the table: what each one does
-here, which change nothing and say why on stderr, and the two that exit 2, ``--gloo`` and
-``--jsrun``). Every rank runs under a small supervisor
+here, and which change nothing and say why on stderr; ``--gloo`` and ``--jsrun`` run on
+syncdp's engine over Open MPI and say so). Every rank runs under a small supervisor
 (:mod:`launch.worker`) that prefixes its output lines with ``[rank]<stdout>:`` or
 ``[rank]<stderr>:`` and makes mpirun end all the other ranks when its rank dies or exits
 non-zero. Ctrl-C, SIGTERM or SIGHUP stops every rank.

@@ -6,6 +6,8 @@ nothing, or exits 2 saying what to use instead. ``--config-file`` reads horovodr
 layout, and flags on the command line win.
 """
 
+import importlib.metadata
+import importlib.util
 import io
 import os
 import subprocess
@@ -86,7 +88,7 @@ HOROVODRUN = [
 ]
 EVERY_SPELLING = [name for names in HOROVODRUN for name in names]
 
-# A valid use of each flag that starts a job (not --help, --version, -cb, --gloo, --jsrun).
+# A valid use of each flag that starts a job (not --help, --version, -cb).
 USES = {
     "--num-proc": ["--num-proc", "2"],
     "--disable-cache": ["--disable-cache"],
@@ -150,6 +152,8 @@ USES = {
     "-hostfile": None,
     "--host-discovery-script": ["--host-discovery-script", "discover.sh"],
     "--mpi": ["--mpi"],
+    "--gloo": ["--gloo"],
+    "--jsrun": ["--jsrun"],
 }
 INERT = {
     name
@@ -217,14 +221,16 @@ def test_horovodruns_argument_checks_hold(args, words, capsys):
     assert words in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, instead", [("--gloo", "MPI"), ("--jsrun", "-H or --hostfile")])
-def test_a_refused_flag_exits_2_in_one_line_naming_it_and_what_to_use(flag, instead, capsys):
-    with pytest.raises(SystemExit) as e:
-        parse(flag)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"syncdp-run: error: {flag}: ") and instead in err
-    assert err.count("\n") == 1
+@pytest.mark.parametrize("flag, instead", [("--gloo", "over Open MPI"), ("--jsrun", "mpirun")])
+def test_horovods_other_controllers_run_on_syncdps_engine_saying_so_in_one_line(flag, instead):
+    # horovodrun --gloo (its elastic mode's default) and --jsrun start a job; syncdp's is the
+    # same job --mpi starts, with one line that says so.
+    c = parse(flag)
+    (line,) = [n for n in c.notes if n.startswith(flag)]
+    assert line.startswith(f"{flag} is accepted, and the job runs on syncdp's engine")
+    assert instead in line and "\n" not in line
+    assert c.command == ("python", "x.py") and env_of(c) == env_of(parse("--mpi"))
+    assert not [n for n in parse("--mpi").notes if "--mpi" in n]
 
 
 @pytest.mark.parametrize(
@@ -275,6 +281,15 @@ def test_check_build_needs_no_np_and_lists_what_this_install_supports():
     assert "    [ ] PyTorch" in lines and "    [ ] Gloo" in lines and "    [X] MPI" in lines
     assert any(line.startswith("    [X] MPI (Open MPI 5.") for line in lines), lines
     assert any("ULFM" in line for line in lines)
+    # Keras 2 (tf-keras), which Horovod's Keras 2 programs run on, with its version.
+    tf_keras = importlib.util.find_spec("tf_keras")
+    (keras2,) = [line for line in lines if "Keras 2" in line]
+    if tf_keras is None:
+        assert keras2 == "    [ ] Keras 2 (tf-keras is not installed: pip install tf-keras)"
+    else:
+        version = importlib.metadata.version("tf-keras")
+        assert keras2 == f"    [X] Keras 2 (tf-keras {version}, with TF_USE_LEGACY_KERAS=1)"
+    assert lines.index(keras2) == lines.index("Available Frameworks:") + 3  # after Keras 3
 
 
 # --- Flags that map onto syncdp's settings and mpirun arguments. ---
@@ -493,16 +508,11 @@ def test_the_files_stall_check_off_wins_over_its_times_not_over_the_command_line
     assert env["SYNCDP_STALL_TIMEOUT"] == "30" and "SYNCDP_STALL_WARNING" not in env
 
 
-def test_horovods_own_default_file_asks_for_gloo_and_is_refused_unless_mpi_is_given(
-    tmp_path, capsys
-):
+def test_horovods_own_default_file_asks_for_gloo_and_runs_on_mpi(tmp_path):
     path = write(tmp_path, "controller: gloo\nparams:\n  fusion_threshold_mb: 64\n")
-    with pytest.raises(SystemExit) as e:
-        parse("--config-file", path)
-    assert e.value.code == 2
-    assert f"syncdp-run: error: controller in {path}: syncdp runs on MPI" in (
-        capsys.readouterr().err
-    )
+    c = parse("--config-file", path)
+    assert c.settings == {"fusion_threshold": 64.0}
+    assert any("is accepted, and the job runs on syncdp's engine" in n for n in c.notes), c.notes
     assert parse("--mpi", "--config-file", path).settings == {"fusion_threshold": 64.0}
 
 
