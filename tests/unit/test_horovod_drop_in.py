@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from tests.launcher import ROOT
+from tests.launcher import ROOT, rank_env
 
 
 def _python(code: str, env: dict[str, str] | None = None, cwd=None):
@@ -107,6 +107,41 @@ def test_a_real_horovod_is_imported_and_left_alone(fake_horovod):
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
+@pytest.mark.parametrize("contents", ["empty", "module", "package"])
+def test_a_folder_named_horovod_is_not_horovod(tmp_path, contents):
+    # A user's horovod/ beside the script (no __init__.py: a namespace package to Python), a
+    # horovod.py, or a package of that name without Horovod's launcher: syncdp answers.
+    if contents == "module":
+        (tmp_path / "horovod.py").write_text("raise AssertionError('the wrong horovod')\n")
+    else:
+        (tmp_path / "horovod").mkdir()
+        (tmp_path / "horovod" / "notes.txt").write_text("my experiments\n")
+        if contents == "package":
+            (tmp_path / "horovod" / "__init__.py").write_text("raise AssertionError('wrong')\n")
+    result = _python(
+        """
+        import horovod.tensorflow as hvd
+        import syncdp.tensorflow
+        from syncdp import horovod_names
+
+        assert hvd is syncdp.tensorflow and horovod_names.real_horovod() is None
+        print("ok")
+        """,
+        cwd=tmp_path,  # python -c puts the working directory first on sys.path
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+    version = subprocess.run(
+        [_horovodrun(), "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+    )
+    assert version.returncode == 0 and "Horovod is not installed" in version.stdout, (
+        version.stdout + version.stderr
+    )
+
+
 def _horovodrun():
     found = shutil.which("horovodrun")
     if found is None:
@@ -133,14 +168,31 @@ def test_horovodrun_is_syncdp_run_and_says_so():
     )
     assert version.returncode == 0 and "from syncdp" in version.stdout
     assert "Horovod is not installed" in version.stdout
-    bad = subprocess.run(
-        [_horovodrun(), "-np", "2", "--gloo", "python", "x.py"],
+
+
+@pytest.mark.parametrize("controller", ["--gloo", "--jsrun"])
+def test_horovodrun_with_another_controller_runs_on_syncdps_engine(controller, tmp_path):
+    # Horovod's elastic mode defaults to --gloo; the job is syncdp's, and one line says so.
+    program = tmp_path / "train.py"
+    program.write_text(
+        "import tensorflow as tf\n"
+        "import horovod.tensorflow as hvd\n"
+        "hvd.init()\n"
+        "total = hvd.allreduce(tf.constant([float(hvd.rank())]), op=hvd.Sum)\n"
+        "print('SUM', int(total.numpy()[0]), hvd.size(), flush=True)\n"
+    )
+    done = subprocess.run(
+        [_horovodrun(), "-np", "2", controller, sys.executable, str(program)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
         cwd=ROOT,
+        env=rank_env({"TF_CPP_MIN_LOG_LEVEL": "3"}),
     )
-    assert bad.returncode == 2 and "horovodrun" in bad.stderr and "--gloo" in bad.stderr
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("SUM 1 2") == 2, done.stdout[-3000:]  # 0 + 1 on both ranks
+    said = [line for line in done.stderr.splitlines() if controller in line]
+    assert len(said) == 1 and "runs on syncdp's engine" in said[0], done.stderr[-3000:]
 
 
 def test_horovods_test_helpers_and_keras_2s_version_are_there():

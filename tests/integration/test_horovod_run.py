@@ -1,0 +1,106 @@
+"""``horovod.run(func, ...)``, Horovod's programmatic launcher, on syncdp's launcher.
+
+Horovod's contract (its ``horovod.runner.run`` docstring): ``func(*args, **kwargs)`` runs in
+every process of a new job, and the call returns "a list which contains values return by all
+Horovod processes", whose index is the process's rank. Each check runs a fresh ``python`` (the
+import hook answers ``import horovod``) that calls ``horovod.run`` and prints what it got. A
+function that raises on one rank makes the call raise, naming that rank.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.launcher import rank_env
+
+CALLER = """
+import json, os, sys, warnings
+
+import horovod
+import horovod.runner
+
+
+def work(scale, offset=0.0):
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+
+    hvd.init()
+    total = hvd.allreduce(tf.constant([float(hvd.rank() + 1)]), op=hvd.Sum)
+    return [hvd.rank(), hvd.size(), float(total.numpy()[0]) * scale + offset,
+            os.environ.get("FROM_ENV")]
+
+
+def fails_on(bad_rank):
+    import horovod.tensorflow as hvd
+
+    hvd.init()
+    if hvd.rank() == bad_rank:
+        raise ValueError(f"rank {hvd.rank()} has no data\\nshard {hvd.rank()} is empty")
+    hvd.barrier()
+    return hvd.rank()
+
+
+assert horovod.run is horovod.runner.run
+mode, n = sys.argv[1], int(sys.argv[2])
+if mode == "values":
+    env = dict(os.environ, FROM_ENV="given")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # num_proc is the current spelling: no warning
+        got = horovod.run(work, args=(2.0,), kwargs={"offset": 1.0}, num_proc=n, env=env,
+                          use_mpi=True)
+    print("RESULT " + json.dumps(got), flush=True)
+else:
+    try:
+        horovod.runner.run(fails_on, args=(n - 1,), np=n)
+    except Exception as e:
+        cause = e.__cause__
+        print("ERROR " + json.dumps([type(e).__name__, str(e), getattr(e, "rank", None),
+                                     type(cause).__name__, str(cause)]), flush=True)
+    else:
+        print("NO ERROR", flush=True)
+"""
+
+
+def _call(tmp_path, mode: str, n: int) -> subprocess.CompletedProcess:
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent(CALLER))
+    env = rank_env({"TF_CPP_MIN_LOG_LEVEL": "3"})
+    env.pop("PYTHONPATH", None)  # the installed syncdp, as a user has it
+    return subprocess.run(
+        [sys.executable, str(script), mode, str(n)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+
+
+def _line(done: subprocess.CompletedProcess, prefix: str):
+    found = [line for line in done.stdout.splitlines() if line.startswith(prefix)]
+    assert len(found) == 1, (done.stdout[-3000:], done.stderr[-3000:])
+    return json.loads(found[0][len(prefix) :])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_run_returns_each_ranks_value_in_rank_order(tmp_path, n):
+    done = _call(tmp_path, "values", n)
+    assert done.returncode == 0, done.stderr[-3000:]
+    total = n * (n + 1) / 2  # the sum of rank + 1 over the ranks
+    assert _line(done, "RESULT ") == [[r, n, total * 2.0 + 1.0, "given"] for r in range(n)]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_rank_that_raises_is_named(tmp_path, n):
+    done = _call(tmp_path, "fails", n)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kind, message, rank, cause, cause_text = _line(done, "ERROR ")
+    bad = n - 1
+    assert (kind, rank, cause) == ("RunError", bad, "ValueError")
+    assert message == f"horovod.run: rank {bad} failed: ValueError: shard {bad} is empty"
+    assert cause_text == f"rank {bad} has no data\nshard {bad} is empty"
