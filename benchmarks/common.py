@@ -18,7 +18,10 @@ from pathlib import Path
 __all__ = [
     "RESULTS",
     "alternate",
+    "fmt_interval",
+    "interval",
     "machine",
+    "paired_ratio",
     "median",
     "plot_lines",
     "say",
@@ -74,6 +77,36 @@ def machine(extra: str = "") -> str:
 def median(values: Sequence[float]) -> float:
     """The median, or NaN for no values."""
     return statistics.median(values) if values else float("nan")
+
+
+def interval(values: Sequence[float], *, draws: int = 2000, seed: int = 0) -> tuple:
+    """``(median, low, high)``: the median of ``values`` and a bootstrap 95% interval for it.
+
+    The interval is the 2.5th and 97.5th percentiles of the medians of ``draws`` resamples
+    (with replacement) of ``values``; a fixed seed makes the same values give the same
+    interval. Fewer than 3 values give the median as both bounds.
+    """
+    import numpy as np
+
+    values = np.asarray(values, dtype=np.float64)
+    mid = float(np.median(values)) if values.size else float("nan")
+    if values.size < 3:
+        return mid, mid, mid
+    rng = np.random.default_rng(seed)
+    medians = np.median(rng.choice(values, size=(draws, values.size)), axis=1)
+    return mid, float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
+
+
+def paired_ratio(base: Sequence[float], other: Sequence[float]) -> tuple:
+    """``interval`` of ``base[i] / other[i]``: repetitions paired by round, so load that hits
+    one round hits both sides of its ratio (with times, > 1 means ``other`` is faster)."""
+    return interval([b / o for b, o in zip(base, other)])
+
+
+def fmt_interval(iv: tuple, digits: int = 3) -> str:
+    """``0.981 [0.975, 0.990]``."""
+    mid, lo, hi = iv
+    return f"{mid:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
 def alternate(

@@ -102,8 +102,9 @@ def ordered_call(fn, inputs: Sequence[tf.Tensor], out_dtypes, out_shapes, name: 
                 raise
             raise MismatchError(str(e)) from None
         outs = []
-        for r, dtype, like in zip(results, out_dtypes, inputs):
-            with tf.device(like.device or "/cpu:0"):
+        for i, (r, dtype) in enumerate(zip(results, out_dtypes)):
+            device = inputs[i].device if i < len(inputs) else ""
+            with tf.device(device or "/cpu:0"):
                 outs.append(tf.convert_to_tensor(r, dtype=dtype))
         return outs
     graph = tf.compat.v1.get_default_graph()

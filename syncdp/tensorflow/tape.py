@@ -59,6 +59,12 @@ class _StepCount:
         self.value += by
         return np.int64(self.value)
 
+    def advance(self) -> int:
+        """Counts one more reduction; returns the count. Called inside the first bucket's host
+        call when a traced step runs, so that counting costs no host call of its own."""
+        self.value += 1
+        return self.value
+
     def assign_add(self, by: int) -> tf.Tensor:
         """The count after adding ``by``, as an int64 scalar (a graph node inside a trace)."""
         if tf.executing_eagerly():
@@ -88,6 +94,11 @@ runtime.on_reset(_zero_counters)
 def _step_counter(process_set=None) -> _StepCount:
     key = 0 if process_set is None else process_set.process_set_id
     return _counters.setdefault(key, _StepCount())
+
+
+def _dense_count(grads) -> int:
+    """How many of ``grads`` are dense tensors (not None, not IndexedSlices)."""
+    return sum(1 for g in grads if g is not None and not isinstance(g, tf.IndexedSlices))
 
 
 def _mark_computed(grads, variables):
@@ -229,17 +240,20 @@ def reduce_gradients(
     # In elastic mode a traced step must stay right when the job later grows from one rank.
     several = comm.size > 1 or runtime.get_config().elastic
     if several and not graph.in_v1_graph() and op is not collectives.Adasum:
-        if step is None:
-            step_tensor = _step_counter(process_set).assign_add(1)
+        if step is None and not tf.executing_eagerly() and _dense_count(grads):
+            step_tensor = _step_counter(process_set).advance  # counted by the first bucket
+        elif step is None:
+            step_tensor = tf.reshape(_step_counter(process_set).assign_add(1), [])
         else:
-            step_tensor = tf.cast(tf.convert_to_tensor(step), tf.int64)
-        step_tensor = tf.reshape(step_tensor, [])
+            step_tensor = tf.reshape(tf.cast(tf.convert_to_tensor(step), tf.int64), [])
     grads = _mark_computed(grads, variables)
     results = list(grads)
     dense_at = [
         i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)
     ]
     agreed = None
+    every = runtime.get_config().verify_every
+    check_replicas = bool(every) and variables is not None
     if dense_at:
         reduced, agreed = collectives.fused_allreduce(
             [grads[i] for i in dense_at],
@@ -251,6 +265,7 @@ def reduce_gradients(
             reverse=True,
             step=step_tensor,
             process_set=process_set,
+            return_step=check_replicas,
         )
         for i, r in zip(dense_at, reduced):
             results[i] = r
@@ -261,6 +276,7 @@ def reduce_gradients(
             name=f"{name}.step",
             step=step_tensor,
             process_set=process_set,
+            return_step=check_replicas,
         )
     for i, g in enumerate(grads):
         if isinstance(g, tf.IndexedSlices):
@@ -268,8 +284,7 @@ def reduce_gradients(
             results[i] = collectives.allreduce(
                 g, op=op, name=f"{name}.sparse{i}", process_set=process_set
             )
-    every = runtime.get_config().verify_every
-    if every and variables is not None and agreed is not None:
+    if check_replicas and agreed is not None:
         checked = _verify_every(agreed, variables, every)
         results = _after(checked, results)
     return results

@@ -14,6 +14,7 @@ import pytest
 
 from syncdp.base.errors import StepMismatchError
 from syncdp.engine import BucketReducer, TensorSpec, plan
+from syncdp.engine import reducer as reducer_mod
 from syncdp.engine import steps as steps_mod
 from syncdp.engine.buffers import ALIGN, BufferPool, Layout, aligned_empty
 
@@ -74,6 +75,15 @@ class _Comm:
         for r in range(self.size):
             out[r] = everyone[r]
         return out
+
+
+@pytest.fixture(params=["gathered", "in place"])
+def engine_path(request, monkeypatch):
+    """Runs a test on both paths of a bucket: gathered and summed by every rank (small
+    buckets), and reduced in place in chunks (the rest)."""
+    if request.param == "in place":
+        monkeypatch.setattr(reducer_mod, "GATHER_BYTES", 0)
+    return request.param
 
 
 def reduce_on_ranks(per_rank, dtype, op, *, pre=1.0, post=1.0, steps=None, check_step=True):
@@ -152,7 +162,7 @@ def test_pool_reuses_only_free_buffers():
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
-def test_every_op_matches_the_formula(size, dtype):
+def test_every_op_matches_the_formula(size, dtype, engine_path):
     rng = np.random.default_rng(size)
     # Small integers: every sum, mean and scale below is exact in every dtype.
     data = [
@@ -184,7 +194,7 @@ def test_every_op_matches_the_formula(size, dtype):
 
 
 @pytest.mark.parametrize("dtype, big", [(np.float16, 2048.0), (ml_dtypes.bfloat16, 256.0)])
-def test_half_precision_accumulates_in_float32_at_three_ranks(dtype, big):
+def test_half_precision_accumulates_in_float32_at_three_ranks(dtype, big, engine_path):
     # big + 1 rounds back to big in this dtype (its spacing there is 2), so adding in the
     # bucket's dtype would lose both ones; the exact sum big + 2 is representable.
     per_rank = [
@@ -197,13 +207,13 @@ def test_half_precision_accumulates_in_float32_at_three_ranks(dtype, big):
         np.testing.assert_array_equal(np.asarray(results[r][0][0], np.float64), [big + 2, 6.0])
 
 
-def test_integer_average_truncates_toward_zero():
+def test_integer_average_truncates_toward_zero(engine_path):
     per_rank = [[np.array([1, 2, 3, -3], np.int64)], [np.array([2, 2, 4, -4], np.int64)]]
     results = reduce_on_ranks(per_rank, np.int64, "average")
     np.testing.assert_array_equal(results[0][0][0], [1, 2, 3, -3])  # C's (a + b) / 2
 
 
-def test_hundreds_of_tiny_tensors_in_one_collective():
+def test_hundreds_of_tiny_tensors_in_one_collective(engine_path):
     rng = np.random.default_rng(0)
     arrays = [rng.integers(-50, 50, size=rng.integers(0, 5)).astype(np.float32) for _ in range(400)]
     per_rank = [arrays, [a * 2 for a in arrays], [a * 3 for a in arrays]]
@@ -247,7 +257,7 @@ def test_step_round_trips_through_a_summed_region(dtype):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("op", ["average", "sum"])
-def test_the_step_rides_in_the_bucket_unscaled(dtype, op):
+def test_the_step_rides_in_the_bucket_unscaled(dtype, op, engine_path):
     per_rank = [[np.array([2.0, 4.0], dtype)], [np.array([6.0, 8.0], dtype)]]
     results = reduce_on_ranks(per_rank, dtype, op, pre=0.5, post=2.0, steps=[70000, 70000])
     want = np.array([8.0, 12.0]) if op == "sum" else np.array([4.0, 6.0])
@@ -256,13 +266,13 @@ def test_the_step_rides_in_the_bucket_unscaled(dtype, op):
         assert agreed == 70000
 
 
-def test_ranks_at_different_steps_raise_on_every_rank_naming_them():
+def test_ranks_at_different_steps_raise_on_every_rank_naming_them(engine_path):
     per_rank = [[np.ones(3, np.float32)]] * 3
     with pytest.raises(StepMismatchError, match=r"rank 2 is at step 8; ranks 0, 1 at step 7"):
         reduce_on_ranks(per_rank, np.float32, "average", steps=[7, 7, 8])
 
 
-def test_without_the_step_check_rank_0s_step_is_agreed_and_the_sum_is_exact():
+def test_without_the_step_check_rank_0s_step_is_agreed_and_the_sum_is_exact(engine_path):
     # Elastic mode between a membership change and the state sync: a replacement's optimizer
     # counts from 0, the survivors' from their commit.
     per_rank = [[np.array([1.0, 2.0], np.float32)], [np.array([3.0, 5.0], np.float32)]]

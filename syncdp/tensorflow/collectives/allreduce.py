@@ -38,8 +38,21 @@ from syncdp.transport.communicator import signature_digest
 __all__ = ["allreduce", "grouped_allreduce", "fused_allreduce", "adasum_tree"]
 
 
-def _reduce_bucket(members, reducer: engine.BucketReducer, step=None, process_set=None):
-    """One bucket as one ordered host call; returns the reduced members (and the agreed step)."""
+# A bucket whose members average at most this many bytes crosses into its host call as one
+# tensor, concatenated by TensorFlow, and comes back as one: each tensor that crosses a host
+# call costs a few microseconds of conversion, more than TensorFlow takes to copy this much.
+PACK_MEAN_BYTES = 32 << 10
+
+
+def _reduce_bucket(
+    members, reducer: engine.BucketReducer, step=None, process_set=None, *, output_step=True
+):
+    """One bucket as one ordered host call; returns the reduced members (and the agreed step).
+
+    ``step`` is an int64 scalar tensor, or a callable giving this rank's step (an int) when
+    the bucket runs, so that counting the step costs no host call of its own. The agreed step
+    is an output of the call only with ``output_step`` (each output costs a conversion).
+    """
     k = len(members)
     # A traced step's shapes are fixed: its signature and checksum are computed once, here.
     fixed = fixed_digest = None
@@ -48,6 +61,14 @@ def _reduce_bucket(members, reducer: engine.BucketReducer, step=None, process_se
         shapes = tuple(tuple(m.shape.as_list()) for m in members)
         fixed = _signature(reducer.name, like, op=reducer.op, shapes=shapes)
         fixed_digest = signature_digest(fixed)
+    packed = (
+        k > 1
+        and fixed is not None
+        and sum(m.shape.num_elements() * m.dtype.size for m in members) <= PACK_MEAN_BYTES * k
+    )
+    count_step = step if callable(step) else None
+    sent = [tf.concat([tf.reshape(m, [-1]) for m in members], 0)] if packed else list(members)
+    j = len(sent)
 
     def run(*arrays):
         comm = _comm(process_set)
@@ -56,15 +77,24 @@ def _reduce_bucket(members, reducer: engine.BucketReducer, step=None, process_se
             shapes = tuple(np.shape(a) for a in arrays[:k])
             signature = _signature(reducer.name, arrays[0], op=reducer.op, shapes=shapes)
         comm.agree(signature, name=reducer.name, digest=fixed_digest)
-        step = arrays[k] if k < len(arrays) else None
-        results, agreed = reducer(comm, arrays[:k], step, check_step=runtime.steps_agree())
-        return results if agreed is None else (*results, np.int64(agreed))
+        if count_step is not None:
+            step = count_step()
+        else:
+            step = arrays[j] if j < len(arrays) else None
+        results, agreed = reducer(comm, arrays[:j], step, check_step=runtime.steps_agree())
+        return results if not carries else (*results, np.int64(agreed))
 
-    inputs = list(members) + ([step] if step is not None else [])
-    dtypes = [m.dtype for m in members] + ([tf.int64] if step is not None else [])
-    shapes = [m.shape for m in members] + ([tf.TensorShape([])] if step is not None else [])
+    carries = step is not None and output_step
+    inputs = sent + ([] if step is None or count_step is not None else [step])
+    dtypes = [m.dtype for m in sent] + ([tf.int64] if carries else [])
+    shapes = [m.shape for m in sent] + ([tf.TensorShape([])] if carries else [])
     outs = ordered_call(run, inputs, dtypes, shapes, reducer.name)
-    return (outs[:k], outs[k]) if step is not None else (outs, None)
+    reduced = outs[:j]
+    if packed:
+        sizes = [m.shape.num_elements() for m in members]
+        pieces = tf.split(reduced[0], sizes)
+        reduced = [tf.reshape(p, m.shape) for p, m in zip(pieces, members)]
+    return (reduced, outs[j]) if carries else (reduced, None)
 
 
 def fused_allreduce(
@@ -78,8 +108,9 @@ def fused_allreduce(
     cap_bytes: int | None = None,
     first_bytes: int | None = None,
     reverse: bool = False,
-    step: tf.Tensor | None = None,
+    step=None,
     process_set=None,
+    return_step: bool = True,
 ):
     """Allreduces dense tensors in buckets planned by the engine; the path of every allreduce.
 
@@ -93,13 +124,17 @@ def fused_allreduce(
         cap_bytes: Most bytes per bucket. Defaults to the ``fusion_threshold`` setting.
         first_bytes: Most bytes in the first bucket. Defaults to ``first_bucket_bytes``.
         reverse: Plan from the last tensor to the first (gradients, in backprop order).
-        step: An int64 scalar every rank must agree on, carried in the first bucket (needs a
-            sum or average). Defaults to None.
+        step: An int64 scalar tensor every rank must agree on, or a callable returning
+            this rank's step as an int when the first bucket runs; carried in the first
+            bucket (needs a sum or average). Defaults to None.
         process_set: The ranks that reduce together. Defaults to the whole job.
+        return_step: Return the agreed step as a tensor (the step is checked either way).
+            Defaults to True.
 
     Returns:
         ``(results, agreed_step)``: the reduced tensors in the order given, and the step
-        tensor every rank agreed on (None without ``step``, or on one rank).
+        tensor every rank agreed on (None without ``step`` or ``return_step``, or on one
+        rank).
     """
     comm = _comm(process_set)
     _check_reducible(tensors)
@@ -140,7 +175,11 @@ def fused_allreduce(
             )
             with tf.name_scope(f"syncdp_bucket{b}"):
                 reduced, carried = _reduce_bucket(
-                    members, reducer, step if b == 0 else None, process_set
+                    members,
+                    reducer,
+                    step if b == 0 else None,
+                    process_set,
+                    output_step=return_step,
                 )
             agreed = carried if carried is not None else agreed
             for i, piece in zip(bucket.indices, reduced):
@@ -154,7 +193,7 @@ def fused_allreduce(
     elif tuning is not None:  # gradients, with the fusion threshold and first bucket tuned
         site = (name, tuple((s.nbytes, s.dtype) for s in specs))  # all a plan depends on
         results, agreed = _autotuning.reduce_tuned(
-            tuning, plan_for, run_plan, site, with_step=step is not None
+            tuning, plan_for, run_plan, site, with_step=step is not None and return_step
         )
     else:
         results, agreed = run_plan(plan_for(first, cap))
