@@ -449,6 +449,7 @@ def parse_args(
         parser.error(f"{least} ({resolved['min_np']}) must not exceed -np ({args.num_proc})")
     if resolved.get("max_np") and resolved["max_np"] < args.num_proc:
         parser.error(f"{most} ({resolved['max_np']}) must be at least -np ({args.num_proc})")
+    _check_elastic_limits(spelled, resolved, args.num_proc, prog)
     _check_spares(args.spares, args.num_proc, resolved, listed, prog)
     return LaunchConfig(
         num_proc=args.num_proc,
@@ -477,11 +478,37 @@ def _origin(name: str, args: argparse.Namespace) -> str:
     return s.flag if getattr(args, name) is not None else s.env
 
 
+def _check_elastic_limits(
+    spelled: Mapping[str, str], given: Mapping[str, Any], num_proc: int, prog: str
+) -> None:
+    """Exits 2 with one line when an elastic limit was spelled out but means nothing: 0 for
+    --min-np or --max-np (the variables' "unset"; as a flag it turned elastic mode off
+    silently), or --reset-limit without elastic mode."""
+    for name, meaning in (
+        ("min_np", "fewest ranks the job goes on with"),
+        ("max_np", "most ranks the job grows to"),
+    ):
+        if name in spelled and given.get(name) == 0:
+            _setting_error(
+                f"{spelled[name]} 0: the {meaning} must be at least 1; give a number from 1 "
+                f"(e.g. {spelled[name]} {num_proc}), or leave it out to use -np",
+                prog,
+            )
+    elastic = any(given.get(name) for name in _ELASTIC_SETTINGS)
+    if "reset_limit" in spelled and not elastic:
+        _setting_error(
+            f"{spelled['reset_limit']} counts the membership changes of an elastic job, and "
+            "this job is not elastic: add --min-np M (or --max-np, --elastic, "
+            f"--host-discovery-script), or leave {spelled['reset_limit']} out",
+            prog,
+        )
+
+
 def _check_spares(
     spares: int, num_proc: int, given: Mapping[str, Any], listed, prog: str = "syncdp-run"
 ) -> None:
-    """Exits 2 with one line when ``--spares`` cannot be honoured: not elastic, negative, or
-    more processes than the listed hosts have slots (spares hold slots too)."""
+    """Exits 2 with one line when ``--spares`` cannot be honoured: not elastic, negative, more
+    than ``-np``, or more processes than the listed hosts have slots (spares hold slots too)."""
     problem = None
     if spares < 0:
         problem = f"--spares must be 0 or more; got {spares}"
@@ -489,6 +516,14 @@ def _check_spares(
         problem = (
             f"--spares {spares} needs elastic mode: add --min-np M (or --max-np, --elastic, "
             "--host-discovery-script)"
+        )
+    elif spares > num_proc:
+        # Each spare is a whole copy of the program, loaded and waiting; a job never loses
+        # more ranks at once than it has.
+        problem = (
+            f"--spares {spares} is more than -np {num_proc}: a job never needs more spares than "
+            f"ranks, and each one is a whole copy of the program, loaded and waiting. Use at "
+            f"most --spares {num_proc}."
         )
     elif spares and listed and num_proc + spares > sum(h.slots for h in listed):
         problem = (

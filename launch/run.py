@@ -40,6 +40,9 @@ addresses the other hosts route to: the first that answers is used, and a name t
 loopback is never one of them, :func:`launch.hosts.job_address`);
 SYNCDP_JOB_ID and SYNCDP_REPORT_SECRET, the job's id and the key its reports are signed with
 (new for every job; exported to other hosts by name, so never on a command line);
+SYNCDP_CARRIED, the names of the variables every process of the job carries, so that a rank
+that spawns a replacement or a spare passes them on (:mod:`syncdp.membership.jobenv`: mpirun's
+``-x`` reaches only the processes it starts, and a remote shell passes no environment);
 OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (so root works without Open MPI's
 flags); PYTHONUNBUFFERED=1 (so lines arrive as they are printed); and TF_CPP_MIN_LOG_LEVEL=1
 unless already set (hides TensorFlow's info logs). mpirun runs with --oversubscribe (more ranks
@@ -93,7 +96,7 @@ from launch.summary import TimingBoard
 from launch.verdict import Verdict
 from syncdp.base import settings
 from syncdp.base.errors import ConfigError
-from syncdp.membership import spares
+from syncdp.membership import jobenv, spares
 from syncdp.membership.commits import COMMIT_DIR_VAR
 from syncdp.watch import report
 
@@ -126,6 +129,7 @@ def build_env(
     report_addr: str | None = None,
     lifeline_addr: str | None = None,
     job: report.Job | None = None,
+    commit_dir: str | None = None,
 ) -> dict[str, str]:
     """The environment every rank gets: the caller's, plus one SYNCDP_* variable per flag.
 
@@ -138,6 +142,8 @@ def build_env(
             ``SYNCDP_LIFELINE_ADDR``. Defaults to None.
         job: The job's id and secret (``SYNCDP_JOB_ID``, ``SYNCDP_REPORT_SECRET``), or None
             to set neither. Defaults to None.
+        commit_dir: Where each host keeps the job's commits (``SYNCDP_COMMIT_DIR``), or None
+            to set none. Defaults to None.
 
     Returns:
         The environment, a new dict.
@@ -152,6 +158,8 @@ def build_env(
         env[LIFELINE_VAR] = lifeline_addr
     if job is not None:
         env.update(job.env())
+    if commit_dir is not None:
+        env[COMMIT_DIR_VAR] = commit_dir
     env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
     env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
@@ -168,7 +176,17 @@ def build_env(
         # No RDMA device: Open MPI's UCX one-sided component would print an error for every
         # shared-memory window (syncdp's data plane makes one per group); sm serves instead.
         env.setdefault("OMPI_MCA_osc", "^ucx")
+    # What a process spawned later (a replacement, a new spare) must carry too, on any host:
+    # mpirun's -x reaches only the processes it starts (syncdp.membership.jobenv).
+    extra = [n for n in env if n.startswith("OMPI_MCA_")] + _exported_by_user(config.mpi_args)
+    env[jobenv.CARRIED_VAR] = ",".join(jobenv.carried_names(env, extra))
     return env
+
+
+def _exported_by_user(mpi_args) -> list[str]:
+    """The names in ``-x NAME`` or ``-x NAME=VALUE`` of ``--mpi-args``."""
+    args = list(mpi_args)
+    return [v.partition("=")[0] for flag, v in zip(args, args[1:]) if flag == "-x"]
 
 
 def _find_mpirun() -> str:
@@ -407,9 +425,13 @@ def _run_once(
         max_connections=64 + 2 * (config.num_proc + config.spares),
     )
     lifeline = LifelineServer(job, host=host, advertise=advertise)
-    env = build_env(config, report_addr=server.address, lifeline_addr=lifeline.address, job=job)
-    if commits is not None:
-        env[COMMIT_DIR_VAR] = commits
+    env = build_env(
+        config,
+        report_addr=server.address,
+        lifeline_addr=lifeline.address,
+        job=job,
+        commit_dir=commits,
+    )
     try:
         ranks_config = settings.from_env(env)
     except ConfigError as e:  # a LaunchConfig made without parse_args

@@ -24,10 +24,12 @@ a failed rank the others can recover from, while one that merely exits non-zero 
 waiting. Replacements spawned by a recovery run as ``python -m launch.worker --replacement LABEL
 COMMAND...``: their output lines carry ``LABEL`` plus their index among the ranks spawned
 together (the original ranks are labelled 0..N-1), and the child finds that label in
-``SYNCDP_REPLACEMENT``. A warm spare rank 0 starts in the background
-(:mod:`syncdp.membership.refill`)
-runs as ``--replacement LABEL --spare COMMAND...``: the supervisor tells the launcher it is a
-spare (a ``spare_started`` report) before the program runs.
+``SYNCDP_REPLACEMENT``. The spawning rank puts the job's settings first (``--job-env JSON``,
+:mod:`syncdp.membership.jobenv`): the supervisor takes them into its environment before it
+reads anything, since Open MPI starts a spawned process with its host's environment only.
+A warm spare rank 0 starts in the background (:mod:`syncdp.membership.refill`) runs as
+``--replacement LABEL --spare COMMAND...``: the supervisor tells the launcher it is a spare (a
+``spare_started`` report) before the program runs.
 
 In elastic mode a process that stays stopped (SIGSTOP, a debugger) holds up every recovery,
 which must shrink the job to the processes alive, and the end of the job, whose MPI_Finalize
@@ -62,7 +64,7 @@ from collections.abc import Mapping
 from launch.lifeline import LIFELINE_VAR, Lifeline, lost_after
 from launch.output import CONTINUED, PIECE_BYTES
 from syncdp.base import settings
-from syncdp.membership import spares
+from syncdp.membership import jobenv, spares
 from syncdp.watch import report  # none imports TensorFlow or MPI
 
 __all__ = ["main", "describe_exit"]
@@ -315,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         not be started, 2 without a command.
     """
     argv = sys.argv[1:] if argv is None else argv
+    # A spawned process: the job's settings first, before anything reads one (Open MPI started
+    # it with its host's environment, which a remote shell leaves bare).
+    argv = jobenv.apply(argv, os.environ)
     if not argv:
         print("usage: python -m launch.worker COMMAND [ARGS...]", file=sys.stderr)
         return 2

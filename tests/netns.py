@@ -3,9 +3,12 @@
 :class:`NamespaceHosts` makes ``k`` namespaces, each with its own address on a private test
 subnet (a veth pair into a bridge in the root namespace, which gets ``.1``), and an agent
 script Open MPI uses as its remote shell (``--mca plm_rsh_agent AGENT``): ``AGENT HOST CMD``
-runs CMD in HOST's namespace under its own UTS hostname, so every host reports its own name.
-Everything it made is removed on exit, also when the test fails; traffic stays on the test
-subnet and loopback. With ``private_disks`` each host also gets a /var/tmp of its own, so a
+runs CMD in HOST's namespace under its own UTS hostname, so every host reports its own name,
+in a bare environment as ssh gives one (PATH, HOME, USER, LOGNAME, SHELL and the machine's
+OPENBLAS_* settings, as a host's profile would set them; nothing of the launcher's), so a
+process reaches a remote host with only what the job passes on; a host may be given by its
+address too. Everything it made is removed on exit, also when the test fails; traffic stays on
+the test subnet and loopback. With ``private_disks`` each host also gets a /var/tmp of its own, so a
 test can show that nothing relies on a file system the hosts share. The agent cannot reach a
 host whose link was cut (:meth:`NamespaceHosts.cut`): it waits, as ssh would. Where namespaces
 cannot be made (not root, no ``ip``) it raises :class:`Unavailable` with the reason (tests skip
@@ -15,6 +18,7 @@ with it; ``benchmarks/multihost.py`` says it).
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -29,9 +33,16 @@ class Unavailable(RuntimeError):
 _AGENT = """#!/bin/sh
 # Open MPI's remote shell for namespace hosts: AGENT HOST COMMAND...
 host="$1"; shift
+# A host may be given by its address, as users write -H 10.0.0.12:4: reach it by either.
+case "$host" in
+{aliases}esac
 # A host whose link is cut cannot be reached: wait, as ssh does until its connect timeout.
 [ -e "{marks}/cut-$host" ] && exec sleep {unreachable}
-exec ip netns exec "{prefix}$host" unshare --uts {unshare} \\
+# What ssh gives a remote command: a bare environment (PATH, HOME and this machine's own
+# settings, as the host's shell profile would set them), nothing of the launcher's.
+exec env -i PATH="$PATH" HOME="$HOME" USER="$(id -un)" LOGNAME="$(id -un)" SHELL=/bin/sh \\
+    {profile} \\
+    ip netns exec "{prefix}$host" unshare --uts {unshare} \\
     sh -c 'hostname "$0" && {bind}exec sh -c "$1"' "$host" "$*"
 """
 # With private disks: the host's own directory over /var/tmp, in a mount namespace of its own.
@@ -40,6 +51,12 @@ _BIND = 'mount --bind "{disks}/$0" /var/tmp && '
 
 # How long the agent waits before failing for a host whose link is cut (ssh's connect timeout).
 _UNREACHABLE = 30
+
+
+def _profile() -> dict[str, str]:
+    """What this machine's shell profile sets that every host shares: OpenBLAS's CPU type (the
+    same arithmetic on every host, so that results compare bit for bit with the test's own)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS_")}
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -106,6 +123,8 @@ class NamespaceHosts:
                 unreachable=_UNREACHABLE,
                 unshare="--mount" if self.private_disks else "",
                 bind=bind,
+                profile=" ".join(shlex.quote(f"{k}={v}") for k, v in _profile().items()),
+                aliases="".join(f"    {a}) host={n} ;;\n" for n, a in self.address.items()),
             )
         )
         os.chmod(self.agent, 0o755)

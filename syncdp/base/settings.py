@@ -440,6 +440,8 @@ def _variable_value(s: Setting, typed: Any, unit: int) -> Any:
 #   SYNCDP_COMMIT_DIR   elastic jobs on several hosts: where each host keeps the last commit on its
 #                       local disk, so a restart after a lost host resumes
 #                       (syncdp.membership.commits)
+#   SYNCDP_CARRIED      the variables every process of the job carries, spawned ones included
+#                       (syncdp.membership.jobenv)
 #   SYNCDP_RUN_FUNC_ADDR, SYNCDP_RUN_FUNC_SECRET  horovod.run: where each rank fetches the
 #                       function and sends its value back, and the key both are signed with
 #                       (launch.run_func)
@@ -454,6 +456,7 @@ INTERNAL_VARS = frozenset(
         "SYNCDP_SPARES",
         "SYNCDP_NEW_SPARE",
         "SYNCDP_COMMIT_DIR",
+        "SYNCDP_CARRIED",
         "SYNCDP_RUN_FUNC_ADDR",
         "SYNCDP_RUN_FUNC_SECRET",
     }

@@ -38,7 +38,7 @@ from typing import NamedTuple
 from syncdp.base import mpi, settings
 from syncdp.base.errors import ElasticAbortError, NotInitializedError, RankFailureError
 from syncdp.base.topology import Topology, discover
-from syncdp.membership import membership, refill, spares
+from syncdp.membership import jobenv, membership, refill, spares
 from syncdp.transport.communicator import Communicator
 from syncdp.watch import report, stats
 from syncdp.watch.timeline import Timeline
@@ -133,6 +133,10 @@ def init(comm=None, process_sets=None, **options) -> None:
     config = settings.from_env(**options)
     stats.RECORDER.reset()
     replacement = os.environ.get(membership.REPLACEMENT_VAR)
+    if replacement:  # spawned by the job: never on its own (syncdp.membership.jobenv)
+        lacking = jobenv.missing(elastic=config.elastic)
+        if lacking:
+            membership.refuse(replacement, lacking)
     # Announce this rank before MPI starts: Open MPI's MPI_Init itself waits for every rank,
     # so a rank that is late to start would otherwise keep the others from ever reporting.
     world_rank = _rank_from_launcher()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -36,8 +37,8 @@ import threading
 import time
 
 from syncdp.base import mpi
-from syncdp.base.errors import ElasticAbortError
-from syncdp.membership import spares
+from syncdp.base.errors import ConfigError, ElasticAbortError
+from syncdp.membership import jobenv, spares
 
 __all__ = [
     "Member",
@@ -144,6 +145,41 @@ def join_parent():
     return merged
 
 
+def refuse(label: str, lacking: list[str]) -> None:
+    """A spawned process without its job's settings or identity: it never trains.
+
+    Training would make it a job of its own (a second rank 0, a second chief). Leaving before
+    MPI starts would leave the spawning ranks waiting in ``MPI_Comm_spawn`` forever (Open MPI
+    5.0.11), and leaving before the merge, in ``Merge``; so it takes its side of the merge and
+    dies there by SIGKILL, where ULFM tells the spawning ranks at once: their recovery fails and
+    starts over (:data:`RECOVERY_ATTEMPTS` at most), or a new spare counts as not started.
+
+    Raises:
+        ConfigError: The process was not spawned at all (``SYNCDP_REPLACEMENT`` set by hand).
+    """
+    message = (
+        f"syncdp: process [{label}] on {socket.gethostname()} was spawned for an elastic job "
+        f"but lacks the job's settings and identity ({', '.join(lacking)}): the process that "
+        "spawned it did not pass them on. It will not train (it would be a rank 0 of a job of "
+        "its own); it ends, and the job goes on without it."
+    )
+    MPI = mpi.load()
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        raise ConfigError(
+            f"{REPLACEMENT_VAR} is set ({label!r}) but this process was not spawned by a job: "
+            "unset it; only syncdp-run's supervisor sets it."
+        )
+    print(message, file=sys.stderr, flush=True)
+    try:
+        parent.Merge(high=True)
+        parent.Disconnect()
+    except MPI.Exception:
+        pass
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def join_reserve(merged):
     """A replacement's side of :func:`reseat` once merged (a job with spares): its seat.
 
@@ -215,14 +251,26 @@ def free_slots(plan: Plan, alive: list[Member]) -> tuple[int | None, list[str]]:
 
 
 def spawn_where(hosts: list[str]):
-    """The MPI info a spawn gets: this directory, and ``hosts`` when one of them is another
+    """The MPI info a spawn gets: this directory, the job's id and secret
+    (:func:`syncdp.membership.jobenv.spawn_parts`), and ``hosts`` when one of them is another
     host (the caller frees it)."""
     MPI = mpi.load()
     info = MPI.Info.Create()
     info.Set("wdir", os.getcwd())
+    _, envar = jobenv.spawn_parts()
+    if envar:
+        info.Set("PMIX_ENVAR", envar)
     if any(h != socket.gethostname() for h in hosts):
         info.Set("host", ",".join(hosts))
     return info
+
+
+def worker_args(label: int, command, *, spare: bool = False) -> list[str]:
+    """The arguments of a spawned process: the launcher's supervisor with the job's settings
+    (:mod:`syncdp.membership.jobenv`), its output label, and the job's command."""
+    args, _ = jobenv.spawn_parts()
+    spare_flag = ["--spare"] if spare else []
+    return ["-m", "launch.worker", *args, "--replacement", str(label), *spare_flag, *command]
 
 
 # One spawn at a time in a process: a recovery's spawn waits for a spare being started in the
@@ -234,7 +282,7 @@ SPAWN_WAIT_SECONDS = 60.0
 
 def _spawn(comm, plan: Plan, count: int, hosts: list[str]):
     """Starts ``count`` replacements and merges them in after ``comm``'s ranks (collective)."""
-    args = ["-m", "launch.worker", "--replacement", str(plan.next_label), *plan.command]
+    args = worker_args(plan.next_label, plan.command)
     info = spawn_where(hosts[:count])
     locked = SPAWN_LOCK.acquire(timeout=SPAWN_WAIT_SECONDS)
     try:

@@ -136,7 +136,7 @@ class Keeper:
             return  # the discovery script lists no free slot: try again at a later commit
         label = plan.next_label
         plan.next_label += 1
-        args = ["-m", "launch.worker", "--replacement", str(label), "--spare", *plan.command]
+        args = membership.worker_args(label, plan.command, spare=True)
         self._thread = threading.Thread(
             target=self._spawn, args=(args, hosts[:1], label), daemon=True, name="spare-start"
         )

@@ -83,6 +83,7 @@ def _discovery(tmp_path, lines: str, *, unless: str = "", then: str = "") -> str
 
 
 def _command(cluster, tmp_path, hosts, script, *kills, extra=()):
+    # script: the discovery script, or "" for none (the hosts of -H).
     """The launcher's flags and the job's command: ``(launcher_args, *command)``."""
     args = ["--data", str(tmp_path / "data"), "--epochs", str(EPOCHS), *extra]
     for kill in kills:
@@ -92,8 +93,7 @@ def _command(cluster, tmp_path, hosts, script, *kills, extra=()):
         "2",
         "-H",
         hosts,
-        "--host-discovery-script",
-        script,
+        *(("--host-discovery-script", script) if script else ()),
         "--stall-timeout",
         str(STALL),
         "--network-interface",
@@ -105,9 +105,9 @@ def _command(cluster, tmp_path, hosts, script, *kills, extra=()):
     return flags, "python", wrapper, *args
 
 
-def _run(cluster, tmp_path, np_, hosts, script, *kills, timeout=TIMEOUT):
+def _run(cluster, tmp_path, np_, hosts, script, *kills, timeout=TIMEOUT, launcher=()):
     flags, *command = _command(cluster, tmp_path, hosts, script, *kills)
-    return launch(np_, *command, launcher_args=flags, timeout=timeout)
+    return launch(np_, *command, launcher_args=(*flags, *launcher), timeout=timeout)
 
 
 def _where(stdout: str) -> dict[int, str]:
@@ -244,4 +244,34 @@ def test_a_whole_host_lost_with_min_np_still_met_restarts_without_it(cluster, tm
     assert "restart 1: starting 2 rank(s) on ha:1,hb:1 without hc" in err, log
     assert re.search(r"elastic: resumed from commit \d+, kept on h[ab]'s disk at size 2", err), log
     assert "1 restart(s) after a lost host (hc)" in err.strip().splitlines()[-1], log
+    _assert_nothing_left(cluster)
+
+
+def test_hosts_given_by_address_a_replacement_on_a_remote_host_joins_the_job(cluster, tmp_path):
+    # Issue 35.1: the agent gives a remote process a bare environment, as ssh does, and the
+    # hosts are given by address. The replacement for rank 1 is spawned by a rank through
+    # Open MPI's daemon on a remote host: it must carry the job's settings and identity
+    # (syncdp.membership.jobenv), join the job and not train alone as a second rank 0 (which
+    # printed "final rank 0 size 1" and hung).
+    a, b = cluster.address["ha"], cluster.address["hb"]
+    result = _run(cluster, tmp_path, 4, f"{a}:2,{b}:2", "", "1:0:4")
+    _assert_finished(result, size=4, changes=1)
+    assert re.search(r"elastic: lost rank 1 \(pid \d+ on ha\)", result.stderr), result.stderr[
+        -3000:
+    ]
+    assert _where(result.stdout).get(4) in ("ha", "hb"), result.stdout[-3000:]
+    assert "lacks the job's settings" not in result.stderr
+    _assert_nothing_left(cluster)
+
+
+def test_a_spare_on_a_remote_host_takes_over_and_a_new_one_is_started_there(cluster, tmp_path):
+    # Issue 35.1 with warm spares: spare [2] takes rank 1's place, and rank 0 starts spare [3]
+    # in the background by spawn; both on remote hosts with bare environments. The new spare
+    # used to train alone and the job ended with a SIGSEGV on rank 0.
+    result = _run(cluster, tmp_path, 2, "ha:1,hb:2", "", "1:0:4", launcher=("--spares", "1"))
+    _assert_finished(result, size=2, changes=1)
+    assert "1 spare(s) took over, 0 replacement(s) started" in result.stderr, result.stderr[-3000:]
+    assert "starting a new spare [3]" in result.stderr, result.stderr[-3000:]
+    assert sorted(r["label"] for r in _results(result.stdout)) == [0, 2]
+    assert "lacks the job's settings" not in result.stderr
     _assert_nothing_left(cluster)

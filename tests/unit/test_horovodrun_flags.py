@@ -122,7 +122,7 @@ USES = {
     "--max-num-proc": ["--max-num-proc", "4"],
     "--slots-per-host": ["--slots-per-host", "2", "-H", "localhost"],
     "--elastic-timeout": ["--elastic-timeout", "600"],
-    "--reset-limit": ["--reset-limit", "3"],
+    "--reset-limit": ["--reset-limit", "3", "--min-np", "1"],  # elastic mode only
     "--blacklist-cooldown-range": ["--blacklist-cooldown-range", "60", "300"],
     "--timeline-filename": ["--timeline-filename", "t.json"],
     "--timeline-mark-cycles": ["--timeline-mark-cycles"],

@@ -203,9 +203,13 @@ def _flag_value(s: settings.Setting) -> tuple[list[str], str]:
 
 @pytest.mark.parametrize("s", settings.SETTINGS, ids=lambda s: s.flag)
 def test_each_flag_sets_exactly_its_rows_variable(s):
-    base = run.build_env(run.parse_args(["-np", "2", "python"], environ={}), environ={})
+    # --reset-limit is refused outside elastic mode: both jobs are elastic for it.
+    mode = ["--elastic"] if s.name == "reset_limit" else []
+    base = run.build_env(run.parse_args(["-np", "2", *mode, "python"], environ={}), environ={})
     args, text = _flag_value(s)
-    env = run.build_env(run.parse_args(["-np", "2", *args, "python"], environ={}), environ={})
+    env = run.build_env(
+        run.parse_args(["-np", "2", *mode, *args, "python"], environ={}), environ={}
+    )
     added = {k: v for k, v in env.items() if k not in base}
     assert added == {s.env: text}
     # And the ranks read back what the flag said.

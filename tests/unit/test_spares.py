@@ -273,3 +273,37 @@ def test_the_keeper_stops_after_three_failed_starts(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "a new spare [5] could not be started (no slot); trying again later" in err
     assert "a new spare [7] could not be started (no slot); 3 starts failed, so no spare" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        # Issue 35.7: each was accepted and ran (1,000 spares would be 1,002 TensorFlow
+        # processes; --min-np 0 silently turned elastic mode off).
+        (
+            ["-np", "2", "--min-np", "1", "--spares", "1000"],
+            "--spares 1000 is more than -np 2: a job never needs more spares than ranks",
+        ),
+        (["-np", "2", "--min-np", "0"], "--min-np 0: the fewest ranks the job goes on with must"),
+        (["-np", "2", "--max-np", "0"], "--max-np 0: the most ranks the job grows to must be"),
+        (
+            ["-np", "2", "--reset-limit", "3"],
+            "--reset-limit counts the membership changes of an elastic job, and this job is not",
+        ),
+    ],
+)
+def test_elastic_limits_that_mean_nothing_are_refused_at_start(argv, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        run.parse_args([*argv, "python", "t.py"], environ={})
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1, err
+
+
+def test_the_documented_zero_of_the_variables_still_means_np():
+    # SYNCDP_MIN_NP=0 is the setting's default ("0: -np"); only a spelled-out 0 is refused.
+    c = run.parse_args(
+        ["-np", "2", "--elastic", "--spares", "2", "--reset-limit", "1", "python", "t.py"],
+        environ={"SYNCDP_MIN_NP": "0"},
+    )
+    assert c.elastic and c.spares == 2 and c.settings["reset_limit"] == 1

@@ -1,0 +1,135 @@
+"""What every process of a launched job carries: the job's settings and its identity.
+
+``syncdp-run`` gives the ranks it starts their settings and identity as environment variables
+(``SYNCDP_*``, the job's id and secret, the launcher's addresses), exported to other hosts by
+name with mpirun's ``-x``. A process the job starts later is not covered by that list: a
+replacement or a new warm spare is spawned by a rank, and Open MPI starts it from the daemon on
+its host, whose environment is whatever the remote shell gave it (ssh gives a bare one). Without
+the job's variables such a process would not know it is elastic, would not look for the job that
+spawned it, and would train alone as a second rank 0.
+
+So the launcher names what it exports in ``SYNCDP_CARRIED`` (:func:`carried_names`), and a rank
+that spawns passes those variables on with its own values (:func:`spawn_parts`):
+
+- the job's id and secret through the spawn's MPI info (``PMIX_ENVAR``: Open MPI sets them in
+  the new process's environment), never on a command line, where any user of the host could read
+  them; Open MPI bounds an info value to 255 characters, which these two fit;
+- everything else (settings, addresses, ``SYNCDP_CARRIED`` itself, the user's ``TF_*`` and
+  ``-x`` variables) as one JSON argument of :mod:`launch.worker` (``--job-env``), which the
+  supervisor puts into its environment before it reads any setting.
+
+A process that was spawned (``SYNCDP_REPLACEMENT`` set) and still lacks them refuses to train
+(:func:`missing`, checked by ``syncdp.init()``).
+
+This module imports neither TensorFlow nor MPI: the supervisor uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+
+from syncdp.watch import report
+
+__all__ = [
+    "CARRIED_VAR",
+    "JOB_ENV_FLAG",
+    "carried_names",
+    "carried",
+    "spawn_parts",
+    "apply",
+    "missing",
+]
+
+CARRIED_VAR = "SYNCDP_CARRIED"
+# The worker's argument that carries the job's environment, as JSON (see the docstring).
+JOB_ENV_FLAG = "--job-env"
+# Where the launcher's lifeline and report server listen (launch.lifeline, syncdp.watch.report).
+_LIFELINE_VAR = "SYNCDP_LIFELINE_ADDR"
+# Set by the supervisor for its own process only: never carried to another.
+_PER_PROCESS = frozenset({"SYNCDP_REPLACEMENT", "SYNCDP_NEW_SPARE"})
+# Through the spawn's MPI info, never on a command line.
+_SECRET = (report.JOB_VAR, report.SECRET_VAR)
+# Open MPI's bound on an MPI info value (MPI_MAX_INFO_VAL, 256 with its terminating NUL).
+_INFO_VALUE_CHARS = 255
+# What a process of a launched job cannot do without.
+_IDENTITY = ("SYNCDP_LAUNCHER", report.JOB_VAR, report.SECRET_VAR, _LIFELINE_VAR)
+
+
+def _exported(name: str) -> bool:
+    """Names the launcher gives every rank (launch.run.build_command exports these by name)."""
+    return name.startswith(("SYNCDP_", "OMPI_ALLOW", "TF_")) or name in (
+        "PYTHONUNBUFFERED",
+        "PYTHONPATH",
+        "PATH",
+        "LD_LIBRARY_PATH",
+    )
+
+
+def carried_names(env: Mapping[str, str], extra: Iterable[str] = ()) -> list[str]:
+    """The variables of ``env`` every process of the job must carry, for ``SYNCDP_CARRIED``.
+
+    Args:
+        env: The ranks' environment, as the launcher built it.
+        extra: More names to carry (the user's ``-x NAME`` in ``--mpi-args``, and the Open MPI
+            settings the launcher or the user put in the environment). Defaults to none.
+
+    Returns:
+        The names, sorted: those of ``env`` the launcher exports, and ``extra``.
+    """
+    names = {n for n in env if _exported(n)} | set(extra)
+    return sorted(names - _PER_PROCESS - {CARRIED_VAR})
+
+
+def carried(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's values of the variables its job carries (empty outside a launched job)."""
+    environ = os.environ if environ is None else environ
+    names = [n for n in environ.get(CARRIED_VAR, "").split(",") if n]
+    found = {n: environ[n] for n in names if n in environ and n not in _PER_PROCESS}
+    if found:
+        found[CARRIED_VAR] = environ[CARRIED_VAR]
+    return found
+
+
+def spawn_parts(environ: Mapping[str, str] | None = None) -> tuple[list[str], str]:
+    """What a spawn passes on: the worker's arguments and the MPI info's ``PMIX_ENVAR`` value.
+
+    Returns:
+        ``([JOB_ENV_FLAG, json], envar)``: the arguments (empty outside a launched job) and
+        the ``NAME=VALUE`` lines of the job's id and secret ("" when it has none).
+
+    Raises:
+        ValueError: The id and secret do not fit an MPI info value (never with the launcher's).
+    """
+    env = carried(environ)
+    secret = {n: env.pop(n) for n in _SECRET if n in env}
+    envar = "\n".join(f"{n}={v}" for n, v in secret.items())
+    if len(envar) > _INFO_VALUE_CHARS or any("\n" in v for v in secret.values()):
+        raise ValueError(
+            f"the job's id and secret take {len(envar)} characters; an MPI info value holds "
+            f"{_INFO_VALUE_CHARS}"
+        )
+    args = [JOB_ENV_FLAG, json.dumps(env, sort_keys=True)] if env else []
+    return args, envar
+
+
+def apply(argv: list[str], environ: dict[str, str]) -> list[str]:
+    """The supervisor's side: takes ``--job-env JSON`` off the front of ``argv`` into
+    ``environ`` (the job's values win over the host's) and returns the rest of ``argv``."""
+    if len(argv) >= 2 and argv[0] == JOB_ENV_FLAG:
+        environ.update({str(k): str(v) for k, v in json.loads(argv[1]).items()})
+        return argv[2:]
+    return argv
+
+
+def missing(environ: Mapping[str, str] | None = None, *, elastic: bool) -> list[str]:
+    """What a spawned process lacks of its job's settings and identity (empty: nothing).
+
+    Args:
+        environ: The process's environment. Defaults to ``os.environ``.
+        elastic: Whether its settings say elastic mode (every spawned process is elastic).
+    """
+    environ = os.environ if environ is None else environ
+    lacking = [] if elastic else ["SYNCDP_ELASTIC (or --min-np, --max-np)"]
+    return lacking + [n for n in _IDENTITY if not environ.get(n)]
