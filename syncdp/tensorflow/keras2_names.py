@@ -24,6 +24,13 @@ And Horovod's Keras 2 spellings, which Horovod programs use everywhere:
   examples pass it). tf-keras's legacy optimizers still do; its current ones log a warning and
   train at the default rate instead, silently 10 or 100 times off.
 
+And one that Keras 3 cannot take, explained where it fails:
+
+- ``optimizer.variables()``: a method in Keras 2 (Horovod's TF2 examples broadcast
+  ``opt.variables()``), a list in Keras 3. Calling it raises the ``TypeError`` Python would
+  (``'list' object is not callable``), with what to do instead: run the program under Keras 2
+  (``TF_USE_LEGACY_KERAS=1``, with tf-keras installed), or write ``opt.variables``.
+
 Without them a Horovod program that only swapped its import would stop, or train wrongly,
 before or after syncdp ever ran. :func:`install` (run when :mod:`syncdp.tensorflow` is imported)
 adds exactly these, once per Keras, and changes nothing else: ``compile`` drops that one
@@ -105,7 +112,7 @@ def optimizer_variables(optimizer) -> list:
     """A Keras optimizer's variables, in its own order (a property in Keras 3 and tf-keras's
     current optimizers, a method in its legacy ones)."""
     variables = optimizer.variables
-    return list(variables() if callable(variables) else variables)
+    return list(variables if isinstance(variables, list) else variables())
 
 
 def install(keras: ModuleType | None = None) -> None:
@@ -126,6 +133,7 @@ def install(keras: ModuleType | None = None) -> None:
             install(behind)
             _give_tf_keras_a_version(behind)
     _accept_compile_argument(keras)
+    _explain_variables_call(keras)
     if not hasattr(keras.optimizers.Optimizer, "lr"):
         keras.optimizers.Optimizer.lr = property(_get_lr, _set_lr, doc=_get_lr.__doc__)
     _accept_lr_argument(keras)
@@ -161,6 +169,64 @@ def _accept_compile_argument(keras) -> None:
 
     compile._syncdp_wrapped = True
     owner.compile = compile
+
+
+_VARIABLES_CALLED = (
+    "'list' object is not callable: optimizer.variables is a list in Keras 3, and "
+    "optimizer.variables() is Keras 2's spelling. This program is written for Keras 2: run it "
+    "under Keras 2 with TF_USE_LEGACY_KERAS=1 (pip install tf-keras), or write "
+    "optimizer.variables for Keras 3."
+)
+
+
+class _VariablesList(list):
+    """What Keras 3's ``optimizer.variables`` returns, a list, that says what to do when it is
+    called as Keras 2's method.
+
+    ``keras.tree`` (optree) would take a list subclass for a leaf; registered with it, it
+    flattens as the list it is (Keras' export flattens ``optimizer.variables``).
+    """
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(_VARIABLES_CALLED)
+
+    def tree_flatten(self):
+        return list(self), None
+
+    @classmethod
+    def tree_unflatten(cls, metadata, children):
+        return cls(children)
+
+
+def _register_with_keras_tree() -> None:
+    try:  # Keras' own registry for its tree functions: private, so a Keras that moved it
+        from keras.src.tree.tree_api import register_tree_node_class
+    except ImportError:  # pragma: no cover - leaves the list a leaf of keras.tree
+        return
+    try:
+        register_tree_node_class(_VariablesList)
+    except ValueError:  # pragma: no cover - registered already
+        pass
+
+
+def _explain_variables_call(keras) -> None:
+    base = keras.optimizers.Optimizer
+    owner = _owner(base, "variables")
+    variables = vars(owner)["variables"]
+    if not isinstance(variables, property) or getattr(variables.fget, "_syncdp_wrapped", False):
+        return  # Keras 2's legacy method, or wrapped already
+    get = variables.fget
+
+    @functools.wraps(get)
+    def fget(self):
+        found = get(self)
+        # tf-keras returns a callable list of its own: only a plain list is Keras 3's.
+        return _VariablesList(found) if type(found) is list else found
+
+    fget._syncdp_wrapped = True
+    owner.variables = property(fget, variables.fset, variables.fdel, variables.__doc__)
+    if keras.__name__ == "keras":
+        _register_with_keras_tree()
 
 
 def _takes_any_keyword(function) -> bool:

@@ -324,3 +324,65 @@ def test_horovods_elastic_keras_example_survives_a_kill_under_horovodrun(tmp_pat
         assert r["weights"] == results[0]["weights"], out  # bit-identical replicas
     assert [r["resets"] for r in results if r["rank"] == 0] == [[2]], out
     assert "1 membership change(s)" in result.stderr, out
+
+
+# Horovod's tensorflow2_mnist.py step as its users write it: tf.keras, DistributedGradientTape,
+# and on the first batch a broadcast of opt.variables(), Keras 2's method (a list in Keras 3).
+MNIST_STEP_PROGRAM = r"""
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow as hvd
+
+hvd.init()
+rng = np.random.default_rng(hvd.rank())
+images = rng.normal(size=(16, 4)).astype("float32")
+labels = rng.integers(0, 2, size=(16,)).astype("int64")
+model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(2)])
+loss = tf.losses.SparseCategoricalCrossentropy(from_logits=True)
+opt = tf.optimizers.Adam(0.001 * hvd.size())
+
+
+@tf.function
+def training_step(images, labels, first_batch):
+    with tf.GradientTape() as tape:
+        loss_value = loss(labels, model(images, training=True))
+    tape = hvd.DistributedGradientTape(tape)
+    grads = tape.gradient(loss_value, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    if first_batch:
+        hvd.broadcast_variables(model.variables, root_rank=0)
+        hvd.broadcast_variables(opt.variables(), root_rank=0)
+    return loss_value
+
+
+for batch in range(3):
+    training_step(images, labels, batch == 0)
+print("DONE", hvd.rank(), flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "keras2",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(not HAS_TF_KERAS, reason="tf-keras is not installed"),
+        ),
+    ],
+    ids=["keras3", "keras2"],
+)
+def test_horovods_tf2_example_says_to_run_under_keras_2_where_keras_3_fails(tmp_path, keras2):
+    env = {"TF_USE_LEGACY_KERAS": "1" if keras2 else "0"}
+    script = python_script(tmp_path, MNIST_STEP_PROGRAM)
+    result = launch(2, "python", script, env=env, timeout=300, launcher="horovodrun")
+    out = f"--- stdout ---\n{result.stdout[-3000:]}\n--- stderr ---\n{result.stderr[-4000:]}"
+    if keras2:
+        assert result.returncode == 0 and result.stdout.count("DONE") == 2, out
+        return
+    assert result.returncode != 0, out
+    (last,) = [line for line in result.stderr.splitlines() if "first failure: rank" in line]
+    # The launcher's line carries the error's own message, which says what to do.
+    assert "failed with TypeError: 'list' object is not callable: optimizer.variables" in last
+    assert "run it under Keras 2 with TF_USE_LEGACY_KERAS=1 (pip install tf-keras)" in last

@@ -24,7 +24,7 @@ tf_keras = pytest.importorskip(
 import syncdp  # noqa: E402
 import syncdp.keras as hvd  # noqa: E402
 from syncdp.keras import _face, callbacks, checkpoint, elastic, optimizer, saving  # noqa: E402
-from syncdp.tensorflow import sync_batch_norm  # noqa: E402
+from syncdp.tensorflow import keras2_names, sync_batch_norm  # noqa: E402
 from syncdp.tensorflow.elastic import TensorFlowKerasState  # noqa: E402
 from tests.launcher import rank_env  # noqa: E402
 
@@ -370,3 +370,25 @@ def test_keras_2_pieces_horovods_tests_use():
     pairs = opt._compute_gradients(lambda: tf.reduce_sum(x) + tf.reduce_sum(y), [[x], [y]])
     assert [v is w for (_, v), w in zip(pairs, [x, y])] == [True, True]
     assert [g.numpy().tolist() for g, _ in pairs] == [[1.0], [1.0, 1.0]]
+
+
+def test_keras_2s_variables_call_on_a_keras_3_optimizer_says_what_to_do():
+    # Horovod's TF2 examples broadcast opt.variables(): Keras 2's method, Keras 3's list.
+    v = tf.Variable([1.0])
+    opt = keras.optimizers.Adam(0.01)
+    opt.build([v])
+    variables = opt.variables
+    assert isinstance(variables, list) and len(variables) == 4  # iterations, rate, 2 slots
+    assert keras.tree.flatten(variables) == list(variables)  # still a list to Keras' tree
+    with pytest.raises(TypeError) as e:
+        opt.variables()
+    message = str(e.value)
+    assert message.startswith("'list' object is not callable")  # Python's words come first
+    assert "TF_USE_LEGACY_KERAS=1 (pip install tf-keras)" in message and "\n" not in message
+    # Keras 2's optimizers and the wrapper keep their callable variables.
+    for k2 in (tf_keras.optimizers.Adam(0.01), tf_keras.optimizers.legacy.Adam(0.01)):
+        keras2_names.create_optimizer_variables(k2, [v])
+        assert len(k2.variables()) >= 3  # the step count and Adam's 2 slots
+    wrapped = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    wrapped.build([v])
+    assert wrapped.variables() == wrapped.variables
