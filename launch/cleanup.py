@@ -175,13 +175,16 @@ class Sweeper:
         self._results: dict[str, tuple[str | None, str]] = {}
         self._lock = threading.Lock()
 
-    def host_of(self, rank: int, reported: str | None = None) -> str:
+    def host_of(self, rank: int, reported: str | None = None, address: str | None = None) -> str:
         """The name the remote shell reaches ``rank``'s host by: the listed host its supervisor
-        named (exactly, or by short name), else the host Open MPI's default mapping (by slot,
-        in list order) put it on; ``"localhost"`` for a job on this machine."""
+        named (exactly, or by short name) or that is the address its lifeline came from, else
+        the host Open MPI's default mapping (by slot, in list order) put it on;
+        ``"localhost"`` for a job on this machine."""
         if not self.hosts:
             return "localhost"
         names = [h.name for h in self.hosts]
+        if address is not None and address in names:
+            return address
         if reported is not None:
             short = reported.split(".")[0]
             for name in names:
@@ -214,7 +217,7 @@ class Sweeper:
         """For :class:`launch.lifeline.LifelineServer`: sweeps the host that fell silent."""
         for link in links:
             if isinstance(link.rank, int):
-                self.start(self.host_of(link.rank, host))
+                self.start(self.host_of(link.rank, host, link.address))
 
     def _sweep(self, host: str) -> None:
         command = sweep_command(self.job_id, self.mpirun_pid)
@@ -242,7 +245,7 @@ class Sweeper:
             if link is None:
                 self.start(self.host_of(rank))  # never connected: where mpirun put it
             elif link.closed is None:  # a closed lifeline is a dead supervisor: its rank died too
-                self.start(self.host_of(rank, link.host))
+                self.start(self.host_of(rank, link.host, link.address))
         deadline = time.monotonic() + self.timeout + 2.0
         with self._lock:
             threads = dict(self._threads)

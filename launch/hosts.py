@@ -31,6 +31,7 @@ __all__ = [
     "check_hosts",
     "host_problems",
     "is_local",
+    "resolve",
     "local_address",
     "job_address",
 ]
@@ -286,12 +287,16 @@ def _loopback(address: str) -> bool:
         return False
 
 
-def _resolve(name: str) -> str | None:
-    """The IPv4 address ``name`` resolves to here; None when it does not resolve."""
+def resolve(name: str) -> str | None:
+    """The IPv4 address ``name`` resolves to here (itself for an address); None when it does
+    not resolve."""
     try:
         return socket.getaddrinfo(name, 9, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
     except (OSError, IndexError):
         return None
+
+
+_resolve = resolve
 
 
 def _route_source(address: str) -> str | None:

@@ -99,6 +99,7 @@ class Link:
         connected: ``time.monotonic()`` when its signed first line arrived.
         last_heard: ``time.monotonic()`` of the last byte from it.
         closed: ``time.monotonic()`` when its connection closed, or None while open.
+        address: The address its connection came from (one of its host's addresses), or None.
     """
 
     rank: int | None
@@ -107,6 +108,7 @@ class Link:
     connected: float
     last_heard: float
     closed: float | None = None
+    address: str | None = None
 
     def silent_for(self, now: float | None = None) -> float:
         """Seconds since the supervisor was last heard from."""
@@ -314,7 +316,12 @@ class LifelineServer:
             self.rejected["malformed"] += 1
             self._drop(selector, conn)
             return
+        try:
+            address = conn.getpeername()[0]
+        except (OSError, IndexError):
+            address = None
         link = Link(hello.get("rank"), hello.get("host"), hello.get("pid"), now, now)
+        link.address = address
         open_links[conn] = link
         with self._lock:
             self._links.append(link)

@@ -31,6 +31,7 @@ removes at least one host for good, so there are never more restarts than hosts.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import subprocess
 import threading
@@ -63,12 +64,15 @@ class Loss:
         why: In words (``no word from hb for 10 s``).
         ranks: The ranks (output labels) that ran there.
         at: ``time.monotonic()`` when the launcher noticed.
+        aliases: The host's other names: the ``-H``/``--hostfile`` entry it was reached by and
+            the addresses its lifelines came from (the same host, however it is listed).
     """
 
     host: str
     why: str
     ranks: tuple[int, ...]
     at: float
+    aliases: tuple[str, ...] = ()
 
 
 def commit_directory(job_id: str) -> str:
@@ -142,7 +146,18 @@ class Watch:
             return  # one stopped supervisor, not a lost host: the stall timeout handles its rank
         seconds = max(link.silent_for(now) for link in links)
         ranks = tuple(sorted(link.rank for link in everyone if isinstance(link.rank, int)))
-        self.lost(Loss(host or "?", f"no word from it for {seconds:.0f} s", ranks, now))
+        why = f"no word from it for {seconds:.0f} s"
+        self.lost(Loss(host or "?", why, ranks, now, self._aliases(everyone)))
+
+    def _aliases(self, links) -> tuple[str, ...]:
+        """Every other name of the host of ``links``: its listed entry, its addresses."""
+        found = set()
+        for link in links:
+            if isinstance(link.rank, int):
+                found.add(self.sweeper.host_of(link.rank, link.host, link.address))
+            if link.address:
+                found.add(link.address)
+        return tuple(sorted(found))
 
     def check_vanished(self, links: Mapping[int, Link]) -> None:
         """After mpirun ended by itself: a host whose supervisors all vanished without a report,
@@ -159,7 +174,8 @@ class Watch:
         for host in vanished_hosts(links, elastic.reported()):
             ranks = tuple(sorted(r for r, link in links.items() if link.host == host))
             why = "its processes vanished without a word, and Open MPI's runtime ended the job"
-            self.lost(Loss(host, why, ranks, time.monotonic()))
+            there = [link for link in links.values() if link.host == host]
+            self.lost(Loss(host, why, ranks, time.monotonic(), self._aliases(there)))
             return
 
     def lost(self, loss: Loss) -> None:
@@ -202,7 +218,7 @@ class Watch:
             self.lifeline.close()
             for link in self.lifeline.links().values():
                 if isinstance(link.rank, int):
-                    self.sweeper.start(self.sweeper.host_of(link.rank, link.host))
+                    self.sweeper.start(self.sweeper.host_of(link.rank, link.host, link.address))
             self._swept = self.sweeper.finish([], {})
         finally:
             self.seconds = time.monotonic() - started
@@ -231,6 +247,7 @@ class Restarts:
         self.say = say
         self.count = 0
         self.lost: list[str] = []  # hosts never used again, in the order they were lost
+        self.lost_aliases: set[str] = set()  # every name and address of those hosts
         self.used_hosts: set[str] = set()  # hosts that ran a rank (their disks hold commits)
         self.changes = 0  # membership changes the ranks made, over every runtime
         self.last: Loss | None = None
@@ -263,9 +280,23 @@ class Restarts:
                 found = [_hosts.Host(name, count) for name, count in slots.items() if count > 0]
         if found is None:
             found = _hosts.listed(self.config.hosts, self.config.hostfile) or []
-        found = [h for h in found if h.name not in self.lost]
+        found = [h for h in found if not self.is_lost(h.name)]
         # Hosts that ran ranks first: mpirun fills hosts in order, and their disks hold commits.
         return sorted(found, key=lambda h: h.name not in self.used_hosts)
+
+    def is_lost(self, name: str) -> bool:
+        """Whether ``name`` is a host this job lost: under the name it gave itself, the entry
+        it was listed by, an address its lifelines came from, or a name that resolves here to
+        one of those addresses."""
+        lost = set(self.lost) | self.lost_aliases
+        if name in lost:
+            return True
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:  # a name: the same host by its short name (hb, hb.cluster)
+            if name.split(".")[0] in {n.split(".")[0] for n in self.lost}:
+                return True
+        return _hosts.resolve(name) in lost
 
     def next_config(self, attempt: LaunchConfig, loss: Loss) -> tuple[LaunchConfig | None, str]:
         """The job's next runtime after ``loss``, or None and why it cannot go on.
@@ -280,6 +311,7 @@ class Restarts:
         self.last = loss
         if loss.host not in self.lost:
             self.lost.append(loss.host)
+        self.lost_aliases |= set(loss.aliases)
         used = self.changes + self.count
         if self.limit and used + 1 > self.limit:
             return None, (

@@ -383,7 +383,7 @@ def run(config: LaunchConfig) -> int:
         if files is not None:
             files.close()
         if commits is not None:  # nothing restarts any more: the commits are garbage
-            hosts = restarts.used_hosts - set(restarts.lost)
+            hosts = {h for h in restarts.used_hosts if not restarts.is_lost(h)}
             left = cleanup.remove_directory(commits, _shell(config), hosts)
             if left:
                 _say(left)
@@ -517,7 +517,9 @@ def _run_once(
             swept = sweeper.finish(verdict.never_reported(), links)
     if restarts is not None and elastic is not None:
         restarts.changes += len(elastic.changes)
-        restarts.used_hosts |= {sweeper.host_of(r, link.host) for r, link in links.items()}
+        restarts.used_hosts |= {
+            sweeper.host_of(r, link.host, link.address) for r, link in links.items()
+        }
     if loss.happened() and not (signals and signals.received):
         return _Ended(loss=loss.loss)
     if timings.trained() and not quiet:

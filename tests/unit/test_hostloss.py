@@ -10,6 +10,7 @@ tests/integration/test_elastic_hostloss.py.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import socket
@@ -315,3 +316,31 @@ def test_elastic_mpirun_leaves_the_finalize_fence_out_unless_told_otherwise():
     assert "async_mpi_finalize" not in run.build_command(config, env)
     plain = run.parse_args(["-np", "2", "python", "train.py"])
     assert "async_mpi_finalize" not in run.build_command(plain, run.build_env(plain, environ={}))
+
+
+def test_a_host_listed_by_address_is_lost_under_every_name(checked):
+    # Issue 35.2: -H by address; the host calls itself sdpB and its lifelines come from
+    # 10.77.0.12. The restart used to go back onto 10.77.0.12 ("without sdpB").
+    config = _config("-np", "4", "-H", "10.77.0.11:2,10.77.0.12:2")
+    restarts = restart.Restarts(config, ["ssh"], print)
+    restarts.used_hosts = {"10.77.0.11", "10.77.0.12"}
+    loss = restart.Loss("sdpB", "no word from it for 10 s", (2, 3), time.monotonic())
+    loss = dataclasses.replace(loss, aliases=("10.77.0.12",))
+    new, line = restarts.next_config(config, loss)
+    assert (new.num_proc, new.hosts) == (2, "10.77.0.11:2")
+    assert line.startswith("restart 1: starting 2 rank(s) on 10.77.0.11:2 without sdpB")
+    assert restarts.is_lost("10.77.0.12") and restarts.is_lost("sdpB.cluster")
+    assert not restarts.is_lost("10.77.0.11") and not restarts.is_lost("sdpA")
+
+
+def test_the_watch_names_a_lost_host_by_its_entry_and_addresses():
+    # The lifelines of the lost host came from its address; the sweeper maps that address to
+    # the -H entry it was listed by.
+    from launch.hosts import Host
+
+    now = time.monotonic()
+    sweeper = cleanup.Sweeper("job", ["ssh"], [Host("10.77.0.11", 2), Host("10.77.0.12", 2)])
+    links = [Link(r, "sdpB", 10 + r, now, now - 20, address="10.77.0.12") for r in (2, 3)]
+    watch = restart.Watch(None, None, sweeper, None, print)
+    assert watch._aliases(links) == ("10.77.0.12",)
+    assert sweeper.host_of(2, "sdpB", "10.77.0.12") == "10.77.0.12"
