@@ -9,14 +9,20 @@ Compares, at each size, in one run with alternating repetitions:
 - ``syncdp tf.function``: the same inside ``tf.function``;
 - ``syncdp fp16``: inside ``tf.function`` with ``Compression.fp16``.
 
-Bandwidth is the message size over the time (OSU's "algorithm bandwidth"). Each TensorFlow
-variant is timed until its call returns with the result computed, without converting the
-result to NumPy (a copy raw MPI does not make). ``--resnet50``
-instead times averaging ResNet-50's trainable-variable gradients (shapes from
+Bandwidth is the message size over the median time (OSU's "algorithm bandwidth"), rank 0's.
+Each TensorFlow variant is timed until its call returns with the result computed, without
+converting the result to NumPy (a copy raw MPI does not make). The last column,
+``syncdp tf.function / raw bandwidth``, is per round of alternating repetitions raw time /
+syncdp time: the median of these paired ratios with a bootstrap 95% interval.
+
+``--resnet50`` instead times averaging ResNet-50's trainable-variable gradients (shapes from
 ``keras.applications.ResNet50(weights=None)``) through ``reduce_gradients``, the function
 ``DistributedGradientTape`` calls, inside ``tf.function``, against one raw mpi4py
-``Allreduce`` of a single buffer of the same bytes, and prints the ratio (raw time / syncdp
-time; above 1 means syncdp is faster).
+``Allreduce`` of a single buffer of the same bytes and a shared-memory bound, the slowest
+rank's time per repetition. It prints each one's time and two ratios, each the median of the
+per-repetition ratios (paired by round) with a bootstrap 95% interval: raw time / syncdp time
+(above 1 means syncdp is faster) and syncdp time / shared-memory bound, each printed as
+``median [low, high]``.
 
 Usage::
 
@@ -34,7 +40,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import alternate, machine, median, plot_lines, say, setup_threads, write_markdown
+from common import (
+    alternate,
+    fmt_interval,
+    interval,
+    machine,
+    median,
+    paired_ratio,
+    plot_lines,
+    say,
+    setup_threads,
+    write_markdown,
+)
 
 __all__ = ["main"]
 
@@ -44,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resnet50", action="store_true", help="the ResNet-50 gradient ratio")
     p.add_argument("--min-kib", type=int, default=4, help="smallest message (KiB)")
     p.add_argument("--max-mib", type=int, default=64, help="largest message (MiB)")
-    p.add_argument("--repeats", type=int, default=0, help="repetitions (default: by size)")
+    p.add_argument(
+        "--repeats", type=int, default=0, help="repetitions (default: by size; 30 for --resnet50)"
+    )
     p.add_argument("--intra-threads", type=int, default=1)
     p.add_argument("--no-write", action="store_true", help="print only, write no results")
     return p
@@ -95,34 +114,42 @@ def _resnet50(args) -> None:
         "shared-memory bound (1 buffer)": _shared_memory_bound(world, MPI, send, recv),
         "syncdp reduce_gradients (tf.function)": run_syncdp,
     }
-    times = alternate(variants, args.repeats or 15, sync=world.Barrier, warmup=2)
+    times = alternate(variants, args.repeats or 30, sync=world.Barrier, warmup=2)
     every = world.gather(times, root=0)
     if syncdp.rank() != 0:
         return
     worst = {k: [max(t[k][i] for t in every) for i in range(len(times[k]))] for k in times}
     med = {k: median(v) for k, v in worst.items()}
-    raw, bound, ours = med.values()
-    rows = [[k, f"{v * 1e3:.1f}", f"{nbytes / v / 1e9:.2f}"] for k, v in med.items()]
-    rows.append(["ratio raw time / syncdp time", f"{raw / ours:.3f}", ""])
-    rows.append(["ratio syncdp time / shared-memory bound", f"{ours / bound:.3f}", ""])
+    raw, bound, ours = worst.values()
+    rows = [
+        [k, fmt_interval(interval([t * 1e3 for t in v]), 1), f"{nbytes / med[k] / 1e9:.2f}"]
+        for k, v in worst.items()
+    ]
+    # Paired by round: load that hits a round hits both sides of its ratio.
+    rows.append(["ratio raw time / syncdp time", fmt_interval(paired_ratio(raw, ours)), ""])
+    rows.append(
+        ["ratio syncdp time / shared-memory bound", fmt_interval(paired_ratio(ours, bound)), ""]
+    )
     cfg = (
         f"ResNet-50 trainable-variable gradients: {len(shapes)} tensors, {nbytes / 1e6:.1f} "
         f"MB float32, Average, np={syncdp.size()}, fusion threshold "
         f"{syncdp.job.runtime.get_config().fusion_threshold >> 20} MiB, chunk "
-        f"{syncdp.job.runtime.get_config().chunk_bytes >> 10} KiB"
+        f"{syncdp.job.runtime.get_config().chunk_bytes >> 10} KiB; {len(raw)} alternating "
+        "repetitions, slowest rank, median [95% interval]"
     )
     mach = machine(f"{args.intra_threads} intra-op thread per rank")
     say(f"allreduce --resnet50: {cfg}\nmachine: {mach}")
-    say(f"{'variant':<42}{'median ms':>12}{'GB/s':>8}")
+    say(f"{'variant':<42}{'ms':>24}{'GB/s':>8}")
     for row in rows:
-        say(f"{row[0]:<42}{row[1]:>12}{row[2]:>8}")
+        say(f"{row[0]:<42}{row[1]:>24}{row[2]:>8}")
     if not args.no_write:
         write_markdown(
             "allreduce_resnet50",
             "ResNet-50 gradients: syncdp against raw MPI",
-            ["variant", "median ms (slowest rank)", "GB/s"],
+            ["variant", "ms (slowest rank)", "GB/s (at the median)"],
             rows,
-            f"{cfg}.\n\nMachine: {mach}.",
+            f"{cfg}. A ratio is the median of the per-repetition ratios (paired by round) with "
+            f"a bootstrap 95% interval in brackets.\n\nMachine: {mach}.",
         )
         plot_lines(
             "allreduce_resnet50",
@@ -176,7 +203,7 @@ def _sweep(args) -> None:
     while nbytes <= args.max_mib * 1024 * 1024:
         sizes.append(nbytes)
         nbytes *= 4
-    table = {}
+    table, ratio = {}, {}
     for nbytes in sizes:
         n = nbytes // 4
         send = np.ones(n, np.float32)
@@ -196,12 +223,15 @@ def _sweep(args) -> None:
             "syncdp tf.function": lambda g=graph, x=x: g(x),
             "syncdp fp16": lambda g=fp16, x=x: g(x),
         }
-        repeats = args.repeats or max(5, min(200, (64 << 20) // nbytes))
+        repeats = args.repeats or max(15, min(200, (64 << 20) // nbytes))
         times = alternate(variants, repeats, sync=world.Barrier, warmup=2)
         table[nbytes] = {k: median(v) for k, v in times.items()}
+        # Raw time / syncdp time, paired by round (load hits both sides of a ratio alike).
+        ratio[nbytes] = paired_ratio(times["raw mpi4py"], times["syncdp tf.function"])
         say(
             f"  {nbytes >> 10:>8} KiB: "
-            + "  ".join(f"{k} {v * 1e6:.0f} us" for k, v in table[nbytes].items())
+            + "  ".join(f"{k} {v * 1e6:.0f} us" for k, v in table[nbytes].items()),
+            rank=world.rank,
         )
     if syncdp.rank() != 0:
         return
@@ -219,13 +249,13 @@ def _sweep(args) -> None:
             [size]
             + [f"{t[k] * 1e6:.0f}" for k in names]
             + [f"{nbytes / t[k] / 1e9:.2f}" for k in names]
-            + [f"{t['raw mpi4py'] / t['syncdp tf.function']:.2f}"]
+            + [fmt_interval(ratio[nbytes], 2)]
         )
     mach = machine(f"np={syncdp.size()}, {args.intra_threads} intra-op thread per rank")
     say(f"allreduce sweep (float32, Average for syncdp, SUM for raw)\nmachine: {mach}")
-    say("  ".join(f"{h:>18}" for h in header[: 1 + len(names)]))
+    say("  ".join(f"{h:>18}" for h in header[: 1 + len(names)]) + f"{'raw / syncdp tf.fn':>24}")
     for row in rows:
-        say("  ".join(f"{c:>18}" for c in row[: 1 + len(names)]))
+        say("  ".join(f"{c:>18}" for c in row[: 1 + len(names)]) + f"{row[-1]:>24}")
     if args.no_write:
         return
     write_markdown(
@@ -233,7 +263,9 @@ def _sweep(args) -> None:
         "Allreduce latency and bandwidth",
         header,
         rows,
-        f"float32 messages, median of alternating repetitions, rank 0's time. "
+        f"float32 messages, median of alternating repetitions, rank 0's time. The last "
+        f"column is the median of the per-repetition ratios raw time / syncdp tf.function "
+        f"time (paired by round) with a bootstrap 95% interval in brackets. "
         f"fp16 sends half the bytes; its bandwidth counts the float32 size. "
         f"'tf.function, no MPI' is a tf.function computing t + 0 and nothing else: the cost "
         f"of calling TensorFlow at all, a floor under both syncdp columns.\n\n"

@@ -10,10 +10,13 @@ programs hits each alike:
   from Python (what a hand-written data-parallel loop would do, without overlap);
 - ``syncdp``: the step with ``DistributedGradientTape`` (buckets reduced during backprop).
 
-Each is reported as throughput relative to ``no communication`` (1.0 = synchronization is
-free). Then a run of syncdp steps alone records where each rank's step time went
-(``syncdp.timing()``): computing, waiting for the slowest rank, moving bytes, and the bandwidth
-achieved.
+A repetition is ``--steps`` steps; its time is the slowest rank's (a synchronous step is as
+slow as its slowest rank). It prints the ``no communication`` step time, and each other
+variant's throughput relative to it (1.0 = synchronization is free): per repetition, the
+``no communication`` time over the variant's time in the same round, reported as the median of
+these paired ratios with a bootstrap 95% interval, ``median [low, high]``. Then a run of
+syncdp steps alone records where each rank's step time went (``syncdp.timing()``): computing,
+waiting for the slowest rank, moving bytes, and the bandwidth achieved.
 
 Usage::
 
@@ -36,11 +39,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import alternate, machine, median, pyplot, say, setup_threads, write_markdown
+from common import (
+    RESULTS,
+    alternate,
+    fmt_interval,
+    interval,
+    machine,
+    paired_ratio,
+    pyplot,
+    say,
+    setup_threads,
+    write_markdown,
+)
 
 __all__ = ["main"]
 
 VARIANTS = ("no communication", "barrier", "naive allreduce", "syncdp")
+BASE, SYNCED = VARIANTS[0], VARIANTS[1:]  # the reference, and the variants set against it
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--np", default="2", help="comma-separated rank counts (each >= 2)")
     p.add_argument("--model", choices=["cnn", "resnet50"], default="cnn")
     p.add_argument("--batch-size", type=int, default=32, help="images per rank per step")
-    p.add_argument("--steps", type=int, default=10, help="steps per timed repetition")
-    p.add_argument("--repeats", type=int, default=6, help="timed repetitions per variant")
+    p.add_argument("--steps", type=int, default=5, help="steps per timed repetition")
+    p.add_argument("--repeats", type=int, default=30, help="timed repetitions per variant")
     p.add_argument("--intra-threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=1200, help="seconds per job")
     p.add_argument("--worker", action="store_true", help="run one size under syncdp-run")
@@ -100,7 +115,7 @@ def _worker(args) -> dict | None:
     times = alternate(variants, args.repeats, sync=world.Barrier)
     # A synchronous step is as slow as the slowest rank: each repetition's maximum over ranks.
     every = world.allgather(times)
-    worst = {k: median([max(t[k][i] for t in every) for i in range(args.repeats)]) for k in times}
+    worst = {k: [max(t[k][i] for t in every) for i in range(args.repeats)] for k in times}
 
     # Where syncdp's step time goes, per rank, over steps that run alone.
     world.Barrier()
@@ -115,8 +130,12 @@ def _worker(args) -> dict | None:
         "model": args.model,
         "mbytes": nbytes / 1e6,
         "batch": args.batch_size,
-        "seconds": worst,
-        "ratio": {k: worst["no communication"] / v for k, v in worst.items()},
+        "steps": args.steps,
+        "repeats": args.repeats,
+        # (median, low, high): a step's milliseconds, and throughput over no communication
+        # paired by round (load that hits a round hits both sides of its ratio).
+        "step_ms": {k: interval([t * 1e3 / args.steps for t in v]) for k, v in worst.items()},
+        "ratio": {k: paired_ratio(worst[BASE], worst[k]) for k in SYNCED},
         "split": split,
         "machine": machine(f"np={size}, {args.intra_threads} intra-op thread(s) per rank"),
     }
@@ -124,11 +143,16 @@ def _worker(args) -> dict | None:
 
 def _print_one(r: dict) -> None:
     say(
-        f"np={r['np']} {r['model']} ({r['mbytes']:.1f} MB of gradients), batch {r['batch']}: "
-        "throughput relative to no communication"
+        f"np={r['np']} {r['model']} ({r['mbytes']:.1f} MB of gradients), batch {r['batch']}, "
+        f"{r['repeats']} alternating repetitions of {r['steps']} steps, slowest rank; "
+        "median [95% interval]"
     )
-    for k in VARIANTS:
-        say(f"  {k:<20}{r['ratio'][k]:>7.3f}   ({r['seconds'][k] * 1e3:.0f} ms per repetition)")
+    say(f"  {BASE:<18} step {fmt_interval(r['step_ms'][BASE], 1)} ms")
+    for k in SYNCED:
+        say(
+            f"  {k:<18} throughput / no communication {fmt_interval(r['ratio'][k])}"
+            f"   (step {fmt_interval(r['step_ms'][k], 1)} ms)"
+        )
     say(f"  {'rank':>4}{'step ms':>9}{'computing':>11}{'waiting':>9}{'moving':>8}{'GB/s':>7}")
     for i, s in enumerate(r["split"]):
         say(
@@ -153,13 +177,20 @@ def _drive(args) -> None:
             results.append(json.loads(Path(out).read_text()))
         _print_one(results[-1])
     if not args.no_write:
-        _write(results, args)
+        _write(results)
 
 
-def _write(results: list[dict], args) -> None:
+def _write(results: list[dict]) -> None:
+    """Writes ``results/breakdown.md`` and ``breakdown.png`` from the figures of each np."""
     rows = []
     for r in results:
-        rows.append([r["np"], *(f"{r['ratio'][k]:.3f}" for k in VARIANTS)])
+        rows.append(
+            [
+                r["np"],
+                fmt_interval(r["step_ms"][BASE], 1),
+                *(fmt_interval(r["ratio"][k]) for k in SYNCED),
+            ]
+        )
     split_rows = []
     for r in results:
         for i, s in enumerate(r["split"]):
@@ -170,31 +201,44 @@ def _write(results: list[dict], args) -> None:
     r0 = results[-1]
     notes = (
         f"{r0['model']}, {r0['mbytes']:.1f} MB of float32 gradients, batch {r0['batch']} per "
-        f"rank, {args.steps} steps per repetition, median of {args.repeats} alternating "
-        f"repetitions of the slowest rank. Each column is throughput relative to the same "
-        f"step with no communication (1.0 = synchronization costs nothing).\n\n"
+        f"rank, {r0['steps']} steps per repetition, {r0['repeats']} alternating repetitions, "
+        f"the slowest rank's time in each. Each variant's column is its throughput relative "
+        f"to the same step with no communication (1.0 = synchronization costs nothing): the "
+        f"median of the per-repetition ratios no-communication time / variant time (paired "
+        f"by round), with a bootstrap 95% interval in brackets.\n\n"
         f"Machine: {r0['machine']}.\n\n"
         "Where syncdp's step time went, per rank (`syncdp.timing()`):\n\n"
         "| np | rank | step ms | computing | waiting | moving | GB/s |\n"
         "|---|---|---|---|---|---|---|\n"
         + "\n".join(split_rows)
-        + "\n\nThroughput relative to no communication:"
+        + "\n\nThroughput relative to no communication, median [95% interval]:"
     )
-    write_markdown(
-        "breakdown", "Where a synchronous step loses time", ["np", *VARIANTS], rows, notes
-    )
+    header = ["np", f"{BASE} ms per step", *SYNCED]
+    write_markdown("breakdown", "Where a synchronous step loses time", header, rows, notes)
+    _plot(results)
+
+
+def _plot(results: list[dict]) -> Path | None:
+    """Draws ``results/breakdown.png``: each variant's throughput ratio with its 95% interval
+    as an error bar, and each rank's split; returns the path, or None without matplotlib."""
     plt = pyplot("breakdown")
     if plt is None:
-        return
+        return None
+    r0 = results[-1]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    width = 0.8 / len(VARIANTS)
-    for j, k in enumerate(VARIANTS):
+    width = 0.8 / len(SYNCED)
+    top = 1.1
+    for j, k in enumerate(SYNCED):
         xs = [i + j * width for i in range(len(results))]
-        left.bar(xs, [r["ratio"][k] for r in results], width, label=k)
+        mid, lo, hi = zip(*(r["ratio"][k] for r in results))
+        errors = [[m - low for m, low in zip(mid, lo)], [h - m for m, h in zip(mid, hi)]]
+        left.bar(xs, mid, width, yerr=errors, capsize=3, label=k)
+        top = max(top, *(h + 0.05 for h in hi))
+    left.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     left.set_xticks([i + 0.4 - width / 2 for i in range(len(results))])
     left.set_xticklabels([f"np={r['np']}" for r in results])
-    left.set_ylabel("throughput / no communication")
-    left.set_ylim(0, 1.1)
+    left.set_ylabel("throughput / no communication (95% interval)")
+    left.set_ylim(0, top)
     left.legend(fontsize=8)
     left.set_title(f"{r0['model']}: synchronization cost")
     labels = []
@@ -213,9 +257,11 @@ def _write(results: list[dict], args) -> None:
     right.legend(fontsize=8)
     right.set_title("where each rank's step went")
     fig.tight_layout()
-    path = Path(__file__).resolve().parent / "results" / "breakdown.png"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "breakdown.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path
 
 
 def main(argv=None) -> None:

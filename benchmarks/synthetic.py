@@ -18,6 +18,14 @@ applications, random weights; ``--image-size`` sets their input, default 64 to s
 CPU). ``--fp16`` sends gradients as float16 (``syncdp.Compression.fp16``). Each rank uses
 ``--intra-threads`` threads per op (default 1, as with 2 ranks on 2 cores).
 
+A repetition is ``--steps`` steps, its time the slowest rank's (a synchronous step is as slow
+as its slowest rank); images per second are the medians over ``--repeats`` repetitions. With
+``--compare-no-comm`` (or ``--overhead``) the variants alternate repetitions, and the row
+``ratio syncdp / no allreduce`` (``/ plain TF``) is syncdp's throughput over the other's: per
+round, the other variant's time over syncdp's, printed as the median of these paired ratios
+with a bootstrap 95% interval, ``median [low, high]``. The scaling efficiency compares
+separate jobs, so it has no paired interval.
+
 Results go to ``benchmarks/results/synthetic*.md`` and ``.png``.
 """
 
@@ -33,7 +41,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import alternate, machine, median, plot_lines, say, setup_threads, write_markdown
+from common import (
+    alternate,
+    fmt_interval,
+    machine,
+    median,
+    paired_ratio,
+    plot_lines,
+    say,
+    setup_threads,
+    write_markdown,
+)
 
 __all__ = ["build_model", "main", "training_setup", "training_step"]
 
@@ -44,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32, help="images per rank per step")
     p.add_argument("--image-size", type=int, default=None, help="default 32 (cnn) or 64")
     p.add_argument("--fp16", action="store_true", help="float16 gradient compression")
-    p.add_argument("--steps", type=int, default=10, help="steps per timed repetition")
-    p.add_argument("--repeats", type=int, default=6, help="timed repetitions per variant")
+    p.add_argument("--steps", type=int, default=5, help="steps per timed repetition")
+    p.add_argument("--repeats", type=int, default=30, help="timed repetitions per variant")
     p.add_argument("--intra-threads", type=int, default=1)
     p.add_argument(
         "--compare-no-comm",
@@ -174,6 +192,9 @@ def _measure(args) -> dict:
     every = MPI.COMM_WORLD.allgather(times)
     worst = {k: [max(t[k][i] for t in every) for i in range(args.repeats)] for k in times}
     per_rank = {k: args.batch_size * args.steps / median(v) for k, v in worst.items()}
+    # Throughput syncdp / other is time other / syncdp, paired by round: load that hits a
+    # round hits both sides of its ratio. (median, low, high).
+    ratio = {k: paired_ratio(v, worst["syncdp"]) for k, v in worst.items() if k != "syncdp"}
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     return {
         "np": size,
@@ -182,7 +203,10 @@ def _measure(args) -> dict:
         "image": image,
         "batch": args.batch_size,
         "fp16": args.fp16,
+        "steps": args.steps,
+        "repeats": args.repeats,
         "per_rank": per_rank,
+        "ratio": ratio,
         "total": {k: v * size for k, v in per_rank.items()},
         "rank": rank,
         "machine": machine(f"np={size}, {args.intra_threads} intra-op thread(s) per rank"),
@@ -192,17 +216,16 @@ def _measure(args) -> dict:
 def _report_one(r: dict, write: bool) -> None:
     cfg = (
         f"{r['model']} ({r['params'] / 1e6:.2f}M params), {r['image']}x{r['image']} images, "
-        f"batch {r['batch']} per rank, fp16 {'on' if r['fp16'] else 'off'}, np={r['np']}"
+        f"batch {r['batch']} per rank, fp16 {'on' if r['fp16'] else 'off'}, np={r['np']}, "
+        f"{r['repeats']} repetitions of {r['steps']} steps, slowest rank"
     )
     rows = [[k, f"{r['per_rank'][k]:.1f}", f"{r['total'][k]:.1f}"] for k in r["per_rank"]]
-    for other in ("no allreduce", "plain TF"):
-        if other in r["per_rank"]:
-            ratio = r["per_rank"]["syncdp"] / r["per_rank"][other]
-            rows.append([f"ratio syncdp / {other}", f"{ratio:.3f}", ""])
+    for other, iv in r["ratio"].items():
+        rows.append([f"ratio syncdp / {other}", fmt_interval(iv), ""])
     say(f"synthetic: {cfg}\nmachine: {r['machine']}")
-    say(f"{'variant':<30}{'img/s per rank':>16}{'img/s total':>14}")
+    say(f"{'variant':<30}{'img/s per rank':>24}{'img/s total':>14}")
     for row in rows:
-        say(f"{row[0]:<30}{row[1]:>16}{row[2]:>14}")
+        say(f"{row[0]:<30}{row[1]:>24}{row[2]:>14}")
     if not write:
         return
     name = f"synthetic_np{r['np']}"
@@ -215,7 +238,9 @@ def _report_one(r: dict, write: bool) -> None:
         "Synthetic training throughput",
         ["variant", "img/s per rank", "img/s total"],
         rows,
-        f"{cfg}.\n\nMachine: {r['machine']}.",
+        f"{cfg}. Images per second: medians over the repetitions. A ratio row: the median of "
+        f"the per-repetition ratios (paired by round of alternating repetitions) with a "
+        f"bootstrap 95% interval in brackets.\n\nMachine: {r['machine']}.",
     )
     series = {k: ([0], [v]) for k, v in r["total"].items()}
     plot_lines(
