@@ -135,11 +135,18 @@ class _Exchange:
                 mac = hmac.new(self._secret, payload, hashlib.sha256).digest()
                 conn.sendall(_HEADER.pack(len(payload), mac) + payload)
                 return
+            try:
+                # The value (or the exception) is pickled apart: one this process cannot read
+                # (a class it cannot import) is that rank's error, not a lost answer.
+                value = pickle.loads(body[-1])
+            except Exception as e:  # noqa: BLE001 - anything unpickling raises, named
+                kind, body = _ERROR, [type(e).__name__, f"its value could not be read here: {e}"]
+                value = None
             with self._lock:
                 if kind == _RESULT:
-                    self.results[rank] = body[0]
+                    self.results[rank] = value
                 elif kind == _ERROR:
-                    self.errors.setdefault(rank, (time.time(), *body))
+                    self.errors.setdefault(rank, (time.time(), body[0], body[1], value))
             _send(conn, self._secret, "ok")
 
     def close(self) -> None:
@@ -361,15 +368,24 @@ def _main() -> int:
         value = func(*args, **kwargs)
     except BaseException as e:
         text = str(e).strip().splitlines()
-        cause: BaseException | None = e
-        try:
-            _pickler().dumps(e)
-        except Exception:  # noqa: BLE001 - an exception that does not pickle: its text only
-            cause = None
-        _talk((_ERROR, _rank(), type(e).__name__, text[-1] if text else "", cause))
+        _talk((_ERROR, _rank(), type(e).__name__, text[-1] if text else "", _dumps(e)))
         raise
-    _talk((_RESULT, _rank(), value))
+    try:
+        value_bytes = _pickler().dumps(value)
+    except Exception as e:
+        what = f"func returned a {type(value).__name__}, which cannot be pickled: {e}"
+        _talk((_ERROR, _rank(), type(e).__name__, what, _dumps(None)))
+        raise
+    _talk((_RESULT, _rank(), value_bytes))
     return 0
+
+
+def _dumps(error: BaseException | None) -> bytes:
+    """``error`` pickled, or None pickled where it does not pickle (its text travels anyway)."""
+    try:
+        return _pickler().dumps(error)
+    except Exception:  # noqa: BLE001 - whatever a foreign exception's pickling raises
+        return _pickler().dumps(None)
 
 
 if __name__ == "__main__":

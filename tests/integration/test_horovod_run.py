@@ -45,6 +45,12 @@ def fails_on(bad_rank):
     return hvd.rank()
 
 
+def returns_a_lock():
+    import threading
+
+    return threading.Lock()
+
+
 assert horovod.run is horovod.runner.run
 mode, n = sys.argv[1], int(sys.argv[2])
 if mode == "values":
@@ -56,7 +62,10 @@ if mode == "values":
     print("RESULT " + json.dumps(got), flush=True)
 else:
     try:
-        horovod.runner.run(fails_on, args=(n - 1,), np=n)
+        if mode == "unpicklable":
+            horovod.run(returns_a_lock, num_proc=n)
+        else:
+            horovod.runner.run(fails_on, args=(n - 1,), np=n)
     except Exception as e:
         cause = e.__cause__
         print("ERROR " + json.dumps([type(e).__name__, str(e), getattr(e, "rank", None),
@@ -104,3 +113,12 @@ def test_a_rank_that_raises_is_named(tmp_path, n):
     assert (kind, rank, cause) == ("RunError", bad, "ValueError")
     assert message == f"horovod.run: rank {bad} failed: ValueError: shard {bad} is empty"
     assert cause_text == f"rank {bad} has no data\nshard {bad} is empty"
+
+
+def test_a_value_that_cannot_travel_is_named_with_its_rank(tmp_path):
+    done = _call(tmp_path, "unpicklable", 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kind, message, rank, cause, _ = _line(done, "ERROR ")
+    assert kind == "RunError" and rank in (0, 1) and cause == "NoneType"
+    assert message.startswith(f"horovod.run: rank {rank} failed: TypeError: func returned a lock")
+    assert "cannot be pickled" in message
