@@ -5,6 +5,7 @@
     steps     every rank's training step, carried inside the first gradient bucket
     reducer   one bucket over all ranks: MPI in place for float32/64 and integers, bytes plus
               NumPy arithmetic for float16/bfloat16; results as views of the buffer
+    joining   join(): a rank out of data stands in for the others' reductions until all join
 
 Pure NumPy over :class:`syncdp.transport.communicator.Communicator`: the TensorFlow face adapts
 tensors to it, and nothing here imports TensorFlow.

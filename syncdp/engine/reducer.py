@@ -160,7 +160,7 @@ class BucketReducer:
         if step_elems:
             start = layout.offsets[-1]
             steps = _steps.decode(buf[start : start + step_elems], n)
-            agreed = _steps.check(steps) if check_step else steps[0]
+            agreed = _steps.check(steps) if check_step else _steps.first_active(steps)
         results = tuple(
             buf[off : off + size].reshape(np.shape(a))
             for off, size, a in zip(layout.offsets, sizes, arrays)
@@ -193,7 +193,7 @@ class BucketReducer:
         agreed = None
         if self.carry_step:
             steps = [int(s) for s in rows[:, :_HEADER].copy().view(np.int64).reshape(-1)]
-            agreed = _steps.check(steps) if check_step else steps[0]
+            agreed = _steps.check(steps) if check_step else _steps.first_active(steps)
         mine = rows[:, _HEADER:].view(dtype)
         out = _POOL.get(f"{self.name}.out", layout.total, dtype)
         if half:

@@ -15,9 +15,13 @@ import numpy as np
 
 from syncdp.base.errors import StepMismatchError
 
-__all__ = ["limbs_for", "encode", "decode", "check"]
+__all__ = ["limbs_for", "encode", "decode", "check", "JOINED_STEP"]
 
 _STEP_BITS = 64
+
+# The step of a rank that has called join() and stands in for a reduction: left out of the
+# check (no training step is negative).
+JOINED_STEP = -(1 << 62)
 
 
 def _limb_bits(dtype: np.dtype) -> int:
@@ -63,16 +67,25 @@ def _ranks(ranks) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
+def first_active(steps: list[int]) -> int:
+    """The first step that is not a joined rank's."""
+    return next((s for s in steps if s != JOINED_STEP), steps[0])
+
+
 def check(steps: list[int]) -> int:
-    """Returns the step every rank reported; raises StepMismatchError naming the odd ones."""
-    first = steps[0]
-    if all(s == first for s in steps):
+    """Returns the step every rank reported; raises StepMismatchError naming the odd ones.
+    Joined ranks (:data:`JOINED_STEP`) are left out."""
+    first = first_active(steps)
+    if all(s == first or s == JOINED_STEP for s in steps):
         return first
     by_step: dict[int, list[int]] = {}
     for r, s in enumerate(steps):
-        by_step.setdefault(s, []).append(r)
+        if s != JOINED_STEP:
+            by_step.setdefault(s, []).append(r)
     majority = max(by_step, key=lambda s: (len(by_step[s]), 0 in by_step[s]))
-    odd = ", ".join(f"rank {r} is at step {s}" for r, s in enumerate(steps) if s != majority)
+    odd = ", ".join(
+        f"rank {r} is at step {s}" for r, s in enumerate(steps) if s not in (majority, JOINED_STEP)
+    )
     raise StepMismatchError(
         "Ranks must reduce gradients of the same step, but they disagree: "
         f"{odd}; {_ranks(by_step[majority])} at step {majority}. A rank skipped or repeated a "

@@ -39,9 +39,13 @@ from syncdp.transport.waiting import wait_politely
 from syncdp.watch import stats as _stats
 from syncdp.watch.watchdog import Watchdog
 
-__all__ = ["Communicator", "OPS", "signature_digest"]
+__all__ = ["Communicator", "OPS", "JOINED", "signature_digest"]
 
 _JOIN_TAG = 7301  # the only point-to-point message on syncdp's private communicator
+
+# What a rank that has called join() sends in an argument check instead of a checksum (which is
+# never negative): it stands in for the collective with an identity contribution.
+JOINED = -1
 
 # The reductions MPI does for syncdp; Average is a sum followed by a division (engine).
 OPS = ("sum", "min", "max", "prod")
@@ -80,6 +84,7 @@ class Communicator:
         self.timeline = timeline
         self.seq = 0
         self._checked_at: float | None = None  # when the last argument check began
+        self._join_notes: list[int] = []  # rank 0 in join(): who arrived after it, in order
         # Set once a rank of this group was found dead: nothing more can run on it.
         self.broken = False
         # Communicators to revoke along with this one (a process set's job communicator).
@@ -194,24 +199,38 @@ class Communicator:
             raise ValueError(f"op must be one of {OPS}; got {op!r}.")
         return getattr(self._MPI, op.upper())
 
-    def agree(self, signature: tuple, *, name: str, digest: int | None = None) -> None:
+    def agree(
+        self, signature: tuple, *, name: str, digest: int | None = None, join=None
+    ) -> tuple[int, ...]:
         """Checks that every rank passed the same ``signature`` to the collective ``name``.
 
         One collective of a single integer (a checksum of the signature) when the ranks agree;
         only when they do not does a second one gather every rank's signature, so the error
         can say what each rank passed.
 
+        Ranks that have called :meth:`join_round` (``join()``) answer the check too: the
+        others then send them ``join()``'s task, a description of the collective for them to
+        run with identity contributions (zeros for a sum); a collective without one cannot
+        run while a rank has joined.
+
         Args:
             signature: ``(field, value)`` pairs that must match, e.g. dtype, shape, op, root.
             name: The collective's name, for the message.
             digest: ``signature_digest(signature)``, when the caller computed it once for
                 every call (a traced step's fixed shapes). Defaults to computing it here.
+            join: A callable returning the task a joined rank runs to stand in for this
+                collective (see :mod:`syncdp.engine.joining`). Defaults to None: this
+                collective cannot run while a rank has joined.
+
+        Returns:
+            The ranks that have joined (they stand in for this collective), usually none.
 
         Raises:
             MismatchError: On every rank, when any two ranks' signatures differ.
+            CollectiveError: A rank has joined and this collective has no ``join`` task.
         """
         if self.size == 1:
-            return
+            return ()
         checked_at = time.perf_counter()
         mine = np.array([signature_digest(signature) if digest is None else digest], dtype=np.int64)
         digests = np.empty(self.size, dtype=np.int64)
@@ -223,7 +242,9 @@ class Communicator:
         )
         if (digests == digests[0]).all():
             self._checked_at = checked_at
-            return
+            return ()
+        if (digests < 0).any():
+            return self._serve_joined(signature, digests, name, join)
         everyone = self.mpi.allgather(signature)
         differ = [
             field
@@ -509,13 +530,97 @@ class Communicator:
                 name, lambda: wait_politely(self.mpi.Ibarrier()), timeout=timeout, phase="wait"
             )
 
-    def join(self, *, name: str = "join") -> int:
-        """Waits for every rank; returns the rank that arrived last, the same on every rank.
+    def _serve_joined(self, signature: tuple, digests, name: str, join) -> tuple[int, ...]:
+        """The active ranks' half of a collective some ranks have joined: every rank learns
+        what the active ranks run, and the joined ranks run it with them (see
+        :meth:`join_round`). Returns the joined ranks."""
+        joined = tuple(int(r) for r in np.flatnonzero(digests < 0))
+        task = join() if join is not None else None
+        everyone = self._run(f"{name}.join", lambda: self.mpi.allgather((signature, task)))
+        active = [e for e in everyone if e is not None]
+        if any(e[0] != active[0][0] for e in active):
+            passed = "; ".join(f"rank {r}: {e[0]}" for r, e in enumerate(everyone) if e)
+            raise MismatchError(
+                f"{name}: ranks passed different arguments ({passed}). Every rank must call "
+                "each collective with the same dtype, shape, op, root rank and name."
+            )
+        if task is None:
+            who = ", ".join(str(r) for r in joined)
+            raise CollectiveError(
+                f"{name}: rank(s) {who} have called join(), and this collective cannot run "
+                "without them. While a rank has joined, the others can run allreduce, "
+                "grouped_allreduce and gradient reductions (the joined ranks add nothing); "
+                "call join() on every rank before any other collective."
+            )
+        return joined
 
-        Arrivals are ordered on one clock, rank 0's: every other rank sends rank 0 a note as it
-        arrives; the notes already waiting when rank 0 arrives came before it, and of the rest
-        the last received is the last to arrive (rank 0 itself, if none was missing). Clocks of
-        different hosts are never compared.
+    def join_round(self, served: int, *, name: str = "join"):
+        """One round of a joined rank's wait in ``join()``: answers the next argument check.
+
+        A rank that has joined takes part in every argument check of the others (sending
+        :data:`JOINED` instead of a checksum) until every rank has joined. It waits without a
+        stall timeout: the others may train for long between collectives.
+
+        Args:
+            served: How many collectives this rank has stood in for since it joined.
+            name: What stall reports call the wait.
+
+        Returns:
+            None once every rank has joined; otherwise the task the active ranks sent (what
+            to run with identity contributions), or False when there is nothing to run (the
+            collective cannot take joined ranks, or its ranks disagree: they raise).
+        """
+        mine = np.array([JOINED], dtype=np.int64)
+        digests = np.empty(self.size, dtype=np.int64)
+
+        def wait():
+            request = self.mpi.Iallgather(mine, digests)
+            if self.rank != 0:
+                return wait_politely(request)
+            while not request.Test():  # rank 0 hears the others arrive meanwhile, in order
+                self._join_notes += self._received_join_notes()
+                time.sleep(100e-6)
+
+        self._run(
+            f"{name} (rank {self.rank} joined, {served} served)",
+            wait,
+            timeout=-1,
+            phase="wait",
+        )
+        if (digests < 0).all():
+            return None
+        everyone = self._run(f"{name}.task", lambda: self.mpi.allgather(None))
+        active = [e for e in everyone if e is not None]
+        if any(e != active[0] for e in active) or active[0][1] is None:
+            return False
+        return active[0][1]
+
+    def join_arrive(self) -> int:
+        """Notes this rank's arrival in ``join()`` on rank 0's clock (not a collective);
+        returns how many other ranks rank 0 had heard arrive before it (0 elsewhere)."""
+        self._join_notes = []
+        if self.size == 1:
+            return 0
+        if self.rank != 0:
+            self.mpi.send(None, dest=0, tag=_JOIN_TAG)
+            return 0
+        return len(self._received_join_notes())
+
+    def _received_join_notes(self) -> list[int]:
+        """The ranks whose arrival notes have reached rank 0, in the order received."""
+        status, sources = self._MPI.Status(), []
+        while self.mpi.iprobe(source=self._MPI.ANY_SOURCE, tag=_JOIN_TAG):
+            self.mpi.recv(source=self._MPI.ANY_SOURCE, tag=_JOIN_TAG, status=status)
+            sources.append(status.Get_source())
+        return sources
+
+    def join_last(self, arrived_before: int, *, name: str = "join") -> int:
+        """Once every rank has joined: the rank that arrived last, the same on every rank.
+
+        Arrivals are ordered on one clock, rank 0's (:meth:`join_arrive`): the notes already
+        waiting when rank 0 arrived came before it; rank 0 receives the rest as they come
+        while it waits in :meth:`join_round`, and the last received is the last to arrive
+        (rank 0 itself, if none was missing). Clocks of different hosts are never compared.
         """
         if self.size == 1:
             return 0
@@ -523,15 +628,11 @@ class Communicator:
 
         def run():
             if self.rank != 0:
-                self.mpi.send(None, dest=0, tag=_JOIN_TAG)
                 return self.mpi.bcast(None, root=0)
             status = MPI.Status()
-            arrived = 0
-            while self.mpi.iprobe(source=MPI.ANY_SOURCE, tag=_JOIN_TAG):
-                self.mpi.recv(source=MPI.ANY_SOURCE, tag=_JOIN_TAG)
-                arrived += 1
-            last = 0
-            for _ in range(self.size - 1 - arrived):
+            heard = self._join_notes
+            last = heard[-1] if heard else 0
+            for _ in range(self.size - 1 - arrived_before - len(heard)):
                 self.mpi.recv(source=MPI.ANY_SOURCE, tag=_JOIN_TAG, status=status)
                 last = status.Get_source()
             return self.mpi.bcast(last, root=0)

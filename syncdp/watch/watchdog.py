@@ -162,7 +162,8 @@ class Watchdog:
         self._thread.start()
 
     def enter(self, seq: int, name: str, timeout: float | None = None) -> None:
-        """Called by the main thread as collective number ``seq`` starts."""
+        """Called by the main thread as collective number ``seq`` starts; ``timeout`` < 0
+        means no warning and no stall timeout (a rank gone is still named)."""
         self.current = (seq, name, time.monotonic(), self.timeout if timeout is None else timeout)
 
     def leave(self, seq: int) -> None:
@@ -279,6 +280,8 @@ class Watchdog:
             if self.gone and not named_gone:
                 named_gone = True
                 self._name_gone(seq, name)
+            if timeout is not None and timeout < 0:  # a wait with no bound (a joined rank)
+                continue
             waited = time.monotonic() - start
             warn_at = min(self.warning, timeout / 2) if timeout else self.warning
             if warn_at and waited > warn_at and warned_for != seq:

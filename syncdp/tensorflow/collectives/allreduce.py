@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from syncdp import engine
+from syncdp.engine import joining
 from syncdp.job import runtime
 from syncdp.job.process_sets import global_process_set
 from syncdp.tensorflow import autotuning as _autotuning
@@ -76,7 +77,12 @@ def _reduce_bucket(
         if signature is None:
             shapes = tuple(np.shape(a) for a in arrays[:k])
             signature = _signature(reducer.name, arrays[0], op=reducer.op, shapes=shapes)
-        comm.agree(signature, name=reducer.name, digest=fixed_digest)
+        comm.agree(
+            signature,
+            name=reducer.name,
+            digest=fixed_digest,
+            join=lambda: joining.task(reducer, [np.size(a) for a in arrays[:j]]),
+        )
         if count_step is not None:
             step = count_step()
         else:

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from syncdp import engine
+from syncdp.engine import joining
 from syncdp.job import runtime
 from syncdp.job.process_sets import global_process_set
 from syncdp.tensorflow.collectives._common import (
@@ -126,7 +127,9 @@ def broadcast_object(
     """
     comm = _comm(process_set)
     root = _root(process_set, root_rank)
-    return comm.broadcast_object(obj, root, name=name or "broadcast_object")
+    name = name or "broadcast_object"
+    _not_while_joined(comm, name)
+    return comm.broadcast_object(obj, root, name=name)
 
 
 def broadcast_object_fn(
@@ -144,28 +147,57 @@ def allgather_object(
     obj, session=None, name: str | None = None, process_set=global_process_set
 ) -> list:
     """Returns a list of every rank's picklable object, in rank order (a collective)."""
-    return _comm(process_set).allgather_object(obj, name=name or "allgather_object")
+    comm = _comm(process_set)
+    name = name or "allgather_object"
+    _not_while_joined(comm, name)
+    return comm.allgather_object(obj, name=name)
+
+
+def _not_while_joined(comm, name: str) -> None:
+    """The argument check of a collective that joined ranks cannot stand in for: it raises
+    on every active rank while a rank has joined (the joined ranks wait on)."""
+    comm.agree((("collective", "object"),), name=name, digest=0)
 
 
 def barrier(process_set=global_process_set) -> None:
-    """Waits until every rank of ``process_set`` has called it (a collective)."""
-    _comm(process_set).barrier()
+    """Waits until every rank of ``process_set`` has called it (a collective).
+
+    Raises:
+        CollectiveError: A rank of the set has called :func:`join` and not every rank has.
+    """
+    _comm(process_set).agree((("collective", "barrier"),), name="barrier", digest=0)
 
 
-def join() -> int:
-    """Waits for every rank and returns the rank that arrived last (a collective).
+def join(device: int = -1, process_set=global_process_set) -> tf.Tensor:
+    """Declares that this rank has no more data; returns once every rank has joined.
 
-    Horovod's join lets a rank that ran out of data stand in with zeros for the others'
-    remaining allreduces. syncdp instead gives every rank the same number of steps
-    (``syncdp.data.tfrecord_dataset``), so here join is a barrier that reports the straggler:
-    arrivals are ordered on rank 0's clock alone, never by comparing hosts' clocks.
+    Horovod's semantics: until every rank of ``process_set`` has joined, a joined rank stands
+    in for the others' reductions (``allreduce``, ``grouped_allreduce``, gradient reductions,
+    any dtype), adding nothing: zeros to a sum or an average (which still divides by the
+    set's size, as Horovod's does), the identity to a min, max or product. So ranks with
+    uneven data can each train on what they have, then join. Other collectives raise on the
+    active ranks while a rank has joined. Arrivals are ordered on rank 0's clock alone,
+    never by comparing hosts' clocks.
+
+    A synchronization point: every rank of the set must call it.
+
+    Args:
+        device: Accepted for Horovod compatibility.
+        process_set: The ranks that join together. Defaults to the whole job.
 
     Returns:
-        The rank that arrived last, the same on every rank: an int eagerly; inside
-        ``tf.function`` or a TF1 graph an int32 tensor, computed when the graph runs.
+        The rank that joined last, as an int32 scalar tensor, the same on every rank (inside
+        ``tf.function`` or a TF1 graph, computed when the graph runs).
+
+    Example:
+        >>> for batch in my_uneven_share:
+        ...     train_step(batch)
+        >>> syncdp.join()
     """
+
+    def run():
+        return np.int32(joining.join(_comm(process_set)))
+
     if tf.executing_eagerly():
-        return runtime.communicator().join()
-    return ordered_call(
-        lambda: (np.int32(runtime.communicator().join()),), [], [tf.int32], [[]], "join"
-    )[0]
+        return tf.constant(run(), tf.int32)
+    return ordered_call(lambda: (run(),), [], [tf.int32], [[]], "join")[0]

@@ -1,0 +1,84 @@
+"""Horovod's ``join()``: a rank out of data stands in for the others' reductions until all join.
+
+A rank that calls ``join()`` (:func:`join`) leaves its training loop but keeps answering the
+argument check that starts every reduction of the others (:meth:`Communicator.join_round`).
+When an active rank's reduction finds joined ranks there, the active ranks send them a
+:func:`task`: what the bucket is (dtype, op, its members' sizes, whether it carries the step).
+Each joined rank then runs the same :class:`~syncdp.engine.reducer.BucketReducer` on arrays of
+that reduction's identity (zeros for a sum or an average, so the joined rank adds nothing; the
+largest value for a min, the smallest for a max, ones for a product), so every rank runs the
+same collectives in the same order. An average still divides by every rank of the group, as
+Horovod's does. A joined rank's step is :data:`~syncdp.engine.steps.JOINED_STEP`, which the
+step check leaves out.
+
+Once every rank has joined, ``join()`` returns on every rank the rank that joined last.
+Collectives other than reductions cannot run while a rank has joined: they raise on the active
+ranks, and the joined ranks wait on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from syncdp.engine import steps as _steps
+from syncdp.engine.reducer import BucketReducer
+
+__all__ = ["task", "join"]
+
+
+def task(reducer: BucketReducer, sizes) -> dict:
+    """What a joined rank needs to stand in for ``reducer`` on members of ``sizes`` elements."""
+    return {
+        "dtype": reducer.dtype.name,
+        "op": reducer.op,
+        "sizes": tuple(int(n) for n in sizes),
+        "carry_step": reducer.carry_step,
+        "name": reducer.name,
+    }
+
+
+def _identity(dtype: np.dtype, op: str):
+    if op in ("sum", "average"):
+        return 0
+    if op == "product":
+        return 1
+    if dtype.kind == "f" or dtype.name == "bfloat16":
+        return np.inf if op == "min" else -np.inf
+    info = np.iinfo(dtype)
+    return info.max if op == "min" else info.min
+
+
+def _dtype(spec: dict) -> np.dtype:
+    if spec["dtype"] == "bfloat16":  # not a dtype NumPy knows by name
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(spec["dtype"])
+
+
+def stand_in(comm, spec: dict) -> None:
+    """Runs the reduction ``spec`` (a :func:`task`) with this rank's identity contribution."""
+    dtype = _dtype(spec)
+    reducer = BucketReducer(dtype, spec["op"], name=spec["name"], carry_step=spec["carry_step"])
+    fill = _identity(dtype, spec["op"])
+    arrays = [np.full(n, fill, dtype) for n in spec["sizes"]]
+    step = _steps.JOINED_STEP if spec["carry_step"] else None
+    reducer(comm, arrays, step, check_step=False)
+
+
+def join(comm) -> int:
+    """This rank's ``join()``: stands in for the others' reductions until every rank of
+    ``comm`` has joined; returns the rank that joined last, the same on every rank.
+
+    A synchronization point: every rank of the group must call it once it has no more data.
+    """
+    arrived_before = comm.join_arrive()
+    served = 0
+    while comm.size > 1:
+        spec = comm.join_round(served)
+        if spec is None:
+            break
+        if spec:
+            stand_in(comm, spec)
+            served += 1
+    return comm.join_last(arrived_before)

@@ -1,0 +1,141 @@
+"""join(): a rank out of data stands in for the others' reductions until every rank joins.
+
+Horovod's specification (its docstring and test_horovod_join_allreduce): a joined rank adds
+zeros to the others' allreduces, an average still divides by every rank, and join() returns
+the rank that joined last, as an int32 tensor, the same on every rank. Expected values come
+from the ranks' own numbers: every rank holds the same tensor here, so a sum over the n - 1
+active ranks is the tensor times n - 1.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from syncdp.base.errors import CollectiveError
+from syncdp.tensorflow import tape as tape_mod
+
+DTYPES = [tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32, tf.float64]
+
+
+def _first_joiners(n):
+    return [0] if n == 1 else [0, n - 1]
+
+
+def _tensor(dtype, shape):
+    values = np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape) % 23 - 11
+    return tf.cast(tf.constant(values), dtype)
+
+
+def _average(total, n, dtype):
+    if dtype.is_integer:  # truncated toward zero, as C (and Horovod) divide
+        return np.trunc(total / n)
+    return total / n
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_joined_rank_adds_zeros_and_join_returns_the_last(hvd, dtype, graph):
+    n, r = hvd.size(), hvd.rank()
+    a, b = _tensor(dtype, [5, 3]), _tensor(dtype, [17])
+
+    def reduce():
+        summed = hvd.allreduce(b, op=hvd.Sum)
+        averaged = hvd.grouped_allreduce([a, b], op=hvd.Average)  # two members: one bucket
+        return summed, averaged
+
+    reduce_fn = tf.function(reduce) if graph else reduce
+    join_fn = tf.function(hvd.join) if graph else hvd.join
+    for first in _first_joiners(n):
+        if r == first:
+            last = join_fn()
+        else:
+            summed, (avg_a, avg_b) = reduce_fn()
+            last = join_fn()
+            wide = lambda t: np.asarray(tf.cast(t, tf.float64))  # noqa: E731
+            np.testing.assert_array_equal(wide(summed), wide(b) * (n - 1))
+            want_a = _average(wide(a) * (n - 1), n, dtype)
+            want_b = _average(wide(b) * (n - 1), n, dtype)
+            tol = {tf.float16: 1e-2, tf.bfloat16: 1e-2, tf.float32: 1e-6}.get(dtype, 1e-12)
+            np.testing.assert_allclose(wide(avg_a), want_a, rtol=tol, atol=tol)
+            np.testing.assert_allclose(wide(avg_b), want_b, rtol=tol, atol=tol)
+        assert last.dtype == tf.int32 and last.shape == []
+        everyone = hvd.allgather_object(int(last))
+        assert len(set(everyone)) == 1, everyone
+        # The rank that joined first is never the last, unless it is alone.
+        assert (int(last) != first) or n == 1
+
+
+def test_ranks_with_uneven_data_train_then_join(hvd, monkeypatch):
+    """Rank r has 2 + (r + 1) % n batches; each trains on what it has, then joins. Every
+    step averages the active ranks' gradients over all n ranks (joined ranks add zeros), so
+    the weights follow a closed recurrence every rank can compute for all."""
+    n, r = hvd.size(), hvd.rank()
+    monkeypatch.setattr(tape_mod, "_counters", {})  # this test's steps count from 0
+    batches = [2 + (q + 1) % n for q in range(n)]
+    rng = np.random.default_rng(5)
+    data = [rng.normal(size=(batches[q], 4, 3)).astype(np.float32) for q in range(n)]
+    w = tf.Variable(np.ones(3, np.float32))
+    opt = keras.optimizers.SGD(0.1)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(tf.linalg.matvec(x, w))) / 4.0
+        grads = hvd.DistributedGradientTape(tape).gradient(loss, [w])
+        opt.apply_gradients(zip(grads, [w]))
+
+    for x in data[r]:
+        step(tf.constant(x))
+    last = int(hvd.join())
+
+    want = [np.ones(3, np.float64)]  # the weights after each step
+    for t in range(max(batches)):
+        total = np.zeros(3)
+        for q in range(n):
+            if t < batches[q]:
+                x = data[q][t].astype(np.float64)
+                total += 2.0 * x.T @ (x @ want[-1]) / 4.0
+        want.append(want[-1] - 0.1 * total / n)
+    # A rank stops updating when it joins; the ranks that trained to the end hold the result.
+    np.testing.assert_allclose(w.numpy(), want[batches[r]], rtol=1e-5)
+    assert batches[last] == max(batches)
+    hvd.broadcast_variables([w], root_rank=last)  # Horovod's idiom after join()
+    np.testing.assert_allclose(w.numpy(), want[-1], rtol=1e-5)
+    everyone = hvd.allgather_object(w.numpy().tobytes())
+    assert len(set(everyone)) == 1  # bit-identical replicas
+
+
+def test_join_within_a_process_set(hvd):
+    """Rank 1 of the set {0, 1} joins; rank 0's allreduce on the set gets only its own
+    values; a rank outside the set takes no part."""
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        pytest.skip("needs 2 ranks")
+    ps = hvd.add_process_set([0, 1])
+    try:
+        x = tf.constant([1.0, 2.0]) * (r + 1)
+        if r == 1:
+            last = hvd.join(process_set=ps)
+            assert int(last) == 0
+        elif r == 0:
+            out = hvd.allreduce(x, op=hvd.Sum, process_set=ps)
+            np.testing.assert_array_equal(out.numpy(), [1.0, 2.0])
+            assert int(hvd.join(process_set=ps)) == 0
+    finally:
+        hvd.remove_process_set(ps)
+
+
+def test_a_collective_that_cannot_stand_in_raises_while_a_rank_has_joined(hvd):
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        pytest.skip("needs 2 ranks")
+    if r == 0:
+        hvd.join()
+    else:
+        with pytest.raises(CollectiveError, match=r"rank\(s\) 0 have called join\(\)"):
+            hvd.barrier()
+        with pytest.raises(CollectiveError, match="join"):
+            hvd.broadcast_object("x", root_rank=1)
+        hvd.join()
+    hvd.barrier()  # everyone has joined: collectives run again
