@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from syncdp.engine import steps as _steps
-from syncdp.engine.buffers import BufferPool, Layout
+from syncdp.engine.buffers import BufferPool, Layout, aligned_empty
 from syncdp.watch import stats as _stats
 
 __all__ = ["OPS", "HALF_DTYPES", "GATHER_BYTES", "BucketReducer", "broadcast_bucket", "is_half"]
@@ -114,6 +114,7 @@ class BucketReducer:
         self.carry_step = carry_step
         self.floating = self.dtype.kind == "f" or is_half(self.dtype)
         self._layouts: dict[tuple, Layout] = {}
+        self._gather_plans: dict[tuple, _GatherPlan] = {}
 
     def __call__(
         self,
@@ -171,51 +172,33 @@ class BucketReducer:
         """A small bucket: every rank's row (its step, then its packed members) gathered by
         every rank in one collective and reduced locally, in rank order. Same semantics as
         the other paths: the prescale on each rank's values, the average's division and the
-        postscale after the reduction."""
-        n, dtype = comm.size, self.dtype
-        layout = self._layout(tuple(f.size for f in flats))
-        row_bytes = _HEADER + layout.total * dtype.itemsize
-        send = _POOL.get(f"{self.name}.row", row_bytes, np.uint8)
-        send[:_HEADER].view(np.int64)[0] = 0 if step is None else int(step)
-        half = is_half(dtype)
-        pre, post, divide = self._scales(n)
-        values = send[_HEADER:].view(dtype)
-        for off, src in zip(layout.offsets, flats):
+        postscale after the reduction. Everything but the values is worked out once per
+        bucket shape (:class:`_GatherPlan`): this path exists for its small fixed cost."""
+        n = comm.size
+        sizes = tuple(f.size for f in flats)
+        plan = self._gather_plans.get((sizes, n))
+        if plan is None:
+            plan = self._gather_plans[(sizes, n)] = _GatherPlan(self, sizes, n)
+        plan.header[0] = 0 if step is None else step
+        values, pre = plan.values, plan.pre
+        for off, src in zip(plan.offsets, flats):
             dst = values[off : off + src.size]
-            if half or pre == 1.0:  # half: _combine scales, in float32
+            if pre == 1.0:
                 np.copyto(dst, src)
             elif self.floating:
                 np.multiply(src, pre, out=dst)
             else:
-                dst[...] = (src * pre).astype(dtype)
-        rows = _POOL.get(f"{self.name}.rows", n * row_bytes, np.uint8).reshape(n, row_bytes)
-        comm.allgather_equal(send, name=self.name, out=rows, info=self.info)
+                dst[...] = (src * pre).astype(self.dtype)
+        comm.allgather_bytes(plan.send, plan.rows, name=self.name, info=self.info)
         agreed = None
         if self.carry_step:
-            steps = [int(s) for s in rows[:, :_HEADER].copy().view(np.int64).reshape(-1)]
+            steps = plan.steps.tolist()
             agreed = _steps.check(steps) if check_step else _steps.first_active(steps)
-        mine = rows[:, _HEADER:].view(dtype)
-        out = _POOL.get(f"{self.name}.out", layout.total, dtype)
-        if half:
-            np.copyto(out, self._combine(mine, layout.total, n))
-        else:
-            ufunc = _UFUNC[self.op]
-            ufunc(mine[0], mine[1], out=out)
-            for r in range(2, n):
-                ufunc(out, mine[r], out=out)
-            if divide is not None:
-                if self.floating:
-                    np.divide(out, divide, out=out)
-                else:
-                    _truncating_divide(out, divide)
-            if post != 1.0:
-                if self.floating:
-                    np.multiply(out, post, out=out)
-                else:
-                    out[...] = (out * post).astype(dtype)
+        out = _POOL.get(plan.out_key, plan.total, self.dtype)
+        plan.reduce(out)
         results = tuple(
             out[off : off + f.size].reshape(np.shape(a))
-            for off, f, a in zip(layout.offsets, flats, arrays)
+            for off, f, a in zip(plan.offsets, flats, arrays)
         )
         return results, agreed
 
@@ -384,6 +367,53 @@ class BucketReducer:
             out = out.astype(self.dtype).astype(np.float32)
             out[:scaled] *= np.float32(factor)
         return out.astype(self.dtype)
+
+
+class _GatherPlan:
+    """A small bucket's gathered path for one shape and group size, worked out once: the row
+    this rank sends (its step, then its packed members) and the rows it receives, as typed
+    views, and the reduction of the rows in rank order."""
+
+    def __init__(self, reducer: BucketReducer, sizes: tuple, n: int):
+        dtype = reducer.dtype
+        layout = reducer._layout(sizes)
+        self.offsets, self.total = layout.offsets, layout.total
+        row_bytes = _HEADER + layout.total * dtype.itemsize
+        # Private buffers: no view of them outlives a call (results are copied out of the rows).
+        self.send = aligned_empty(row_bytes, np.uint8)
+        self.send[...] = 0  # padding stays zero
+        self.rows = aligned_empty(n * row_bytes, np.uint8).reshape(n, row_bytes)
+        self.header = self.send[:_HEADER].view(np.int64)
+        self.values = self.send[_HEADER:].view(dtype)
+        self.steps = self.rows[:, :_HEADER].view(np.int64).reshape(n)
+        self.members = self.rows[:, _HEADER:].view(dtype)
+        self.out_key = f"{reducer.name}.out"
+        self.half = is_half(dtype)
+        pre, self.post, self.divide = reducer._scales(n)
+        self.pre = 1.0 if self.half else pre  # half: _combine scales, in float32
+        self.ufunc = _UFUNC[reducer.op]
+        self.floating, self.dtype, self.n = reducer.floating, dtype, n
+        self._combine = reducer._combine
+
+    def reduce(self, out: np.ndarray) -> None:
+        """Writes the reduction of the gathered rows into ``out``."""
+        rows, n = self.members, self.n
+        if self.half:
+            np.copyto(out, self._combine(rows, self.total, n))
+            return
+        self.ufunc(rows[0], rows[1], out=out)
+        for r in range(2, n):
+            self.ufunc(out, rows[r], out=out)
+        if self.divide is not None:
+            if self.floating:
+                np.divide(out, self.divide, out=out)
+            else:
+                _truncating_divide(out, self.divide)
+        if self.post != 1.0:
+            if self.floating:
+                np.multiply(out, self.post, out=out)
+            else:
+                out[...] = (out * self.post).astype(self.dtype)
 
 
 def _truncating_divide(values: np.ndarray, divisor: int) -> None:

@@ -512,6 +512,18 @@ class Communicator:
             return out
         return self._move_bytes(name, self.mpi.Allgather, array, out, info)
 
+    def allgather_bytes(self, send: np.ndarray, out: np.ndarray, *, name: str, info=None):
+        """:meth:`allgather_equal` of raw bytes, for callers that keep their buffers: ``send``
+        is a contiguous uint8 array, ``out`` a contiguous one ``size`` times larger."""
+        self._run(
+            name,
+            lambda: self.mpi.Allgather(send, out),
+            nbytes=send.nbytes,
+            dtype="uint8",
+            info=info,
+        )
+        return out
+
     def _move_bytes(self, name: str, collective, array: np.ndarray, out: np.ndarray, info):
         """Runs ``collective(send, recv)`` (e.g. ``Alltoall``) on both arrays' raw bytes."""
         self._run(

@@ -69,6 +69,9 @@ class _Comm:
             out[r] = everyone[r][self.rank]
         return out
 
+    def allgather_bytes(self, send, out, *, name, info=None):
+        return self.allgather_equal(send, name=name, out=out)
+
     def allgather_equal(self, array, *, name, out, info=None):
         everyone = self.job.exchange(self.rank, array.copy())
         out = out.reshape((self.size,) + array.shape)
