@@ -9,8 +9,9 @@ syncdp-run -np 2 python benchmarks/allreduce.py
 syncdp-run -np 2 python benchmarks/allreduce.py --resnet50
 syncdp-run -np 2 python benchmarks/overlap.py
 python benchmarks/breakdown.py --np 2
+syncdp-run -np 2 python benchmarks/step_cost.py
 syncdp-run -np 2 python benchmarks/collectives.py
-syncdp-run -np 2 python benchmarks/synthetic.py --compare-no-comm --repeats 12
+syncdp-run -np 2 python benchmarks/synthetic.py --compare-no-comm
 syncdp-run -np 1 python benchmarks/synthetic.py --overhead --repeats 30
 python benchmarks/synthetic.py --scaling 1,2
 python benchmarks/compare.py
