@@ -189,6 +189,10 @@ class ElasticLog:
         self._spares_lost = 0
         self._released: set = set()  # labels of spares killed for not answering their release
         self._spares_ending = False  # the last rank has exited: spares left get killed
+        self._hushed = False  # the runtime is being ended after a lost host (hush())
+        self.trained = False  # rank 0 reported that training finished ("trained")
+        # Labels of ranks on hosts lost after training had finished (lost_after_training()).
+        self._excused: dict[int, str] = {}
 
     def _unjoined_exit(self, report: dict) -> bool:
         """Takes the exit of a replacement that has not joined (yet); False for other exits.
@@ -325,7 +329,13 @@ class ElasticLog:
             threading.Thread(target=_kill, args=(*where, self._shell), daemon=True).start()
 
     def _say(self, text: str) -> None:
-        print(f"syncdp-run: elastic: {text}", file=self.out, flush=True)
+        if not self._hushed:
+            print(f"syncdp-run: elastic: {text}", file=self.out, flush=True)
+
+    def hush(self) -> None:
+        """Says nothing more: the launcher is ending this runtime (a lost host) and gives its
+        own account; the ranks it ends are no losses to report one by one."""
+        self._hushed = True
 
     def handle(self, report: dict) -> bool:
         """Takes the reports elastic mode treats differently; False for the others."""
@@ -358,6 +368,10 @@ class ElasticLog:
         if kind == "exit":
             with self._lock:
                 self._reported.add(report.get("rank"))
+        if kind == "trained":  # rank 0: every rank finished training (elastic.run returned)
+            with self._lock:
+                self.trained = True
+            return True
         if kind == "resumed":
             text = f"{report.get('message')} at size {report.get('size')}"
             if self.restarted is not None:
@@ -421,6 +435,11 @@ class ElasticLog:
             f"{report.get('seconds', 0):.2f} s."
         )
 
+    def waiting_spares(self) -> set:
+        """The output labels of the spares still waiting (none of them trains)."""
+        with self._lock:
+            return set(self._spares)
+
     def reported(self) -> set:
         """The output labels whose supervisors reported how their program ended."""
         with self._lock:
@@ -451,21 +470,39 @@ class ElasticLog:
 
     def unfinished(self, num_proc: int) -> dict[int, dict | None]:
         """The members of the final membership that did not exit 0, by output label: the exit
-        report of each that reported another end, None for each that never reported."""
+        report of each that reported another end, None for each that never reported (a rank
+        on a host lost after training had finished is not one, rank 0 excepted)."""
         members = self.members(num_proc)
         with self._lock:
             exits = {label: self._exits.get(label) for label in members}
+            excused = set(self._excused) - {min(members, default=None)}
         return {
             label: report
             for label, report in exits.items()
-            if report is None or report.get("code") or report.get("signal")
+            if (report is None and label not in excused)
+            or (report is not None and (report.get("code") or report.get("signal")))
         }
+
+    def lost_after_training(self, host: str, labels) -> None:
+        """``host`` was lost after rank 0 reported that training had finished: its ranks'
+        programs may not have ended, but the job's training did, so they do not make the job
+        fail; rank 0 does (its end, saving the model say, may not have run)."""
+        with self._lock:
+            self._excused.update({label: host for label in labels if isinstance(label, int)})
 
     def summary(self) -> str:
         """One line on what elastic mode did, for the end of a successful job."""
         with self._lock:
             lost = self._spares_lost
+            excused = dict(self._excused)
         spares = f" {lost} spare(s) died while waiting." if lost else ""
+        if excused:
+            hosts = ", ".join(sorted(set(excused.values())))
+            labels = ", ".join(f"[{label}]" for label in sorted(excused))
+            spares += (
+                f" Host {hosts} was lost after training had finished ({labels} ran there and "
+                "did not report how their program ended); no restart was needed."
+            )
         if not self.changes:
             return "no rank was lost." + spares
         last = self.changes[-1]

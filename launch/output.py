@@ -31,6 +31,14 @@ syncdp's own last line says (a rank called ``MPI_Abort``, exited non-zero or was
 folded into one line, their first sentence; ``--log-level DEBUG`` (``full_banners``) prints
 them whole. Other banners (Open MPI's advice on what it cannot do) pass unchanged.
 
+In elastic mode the lines in which ranks and Open MPI describe a recovery (the ranks' notes on
+the collective a failure abandoned, ``NBC_Progress`` errors and the empty line after each,
+"N more processes have sent help message help-mpi-ft", a supervisor's word on its lost rank,
+and ULFM's banner on components "not tested for post-failure operation" at every start) are left
+off the console, with one line saying so: the launcher's own account of each recovery (lost
+whom, why, how long, the new size) says it. ``--log-level DEBUG`` prints them, and
+``--output-filename`` files keep the ranks' lines.
+
 TensorFlow's start-up chatter on every rank (absl's note on early log messages, oneDNN's notice,
 the CPU-instructions notice, "Could not find cuda drivers" and, on a rank that said that, the
 cuInit failure that follows from it) is left off the console, with one line saying so;
@@ -46,6 +54,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import BinaryIO
 
 __all__ = ["CONTINUED", "PIECE_BYTES", "RankFiles", "copy_output"]
@@ -170,6 +179,51 @@ def _fold(block: list[bytes]) -> bytes | None:
     return b"syncdp-run: Open MPI: " + first + b" (in full at --log-level DEBUG)\n"
 
 
+# Elastic mode: the lines in which the ranks and Open MPI describe a recovery the launcher gives
+# its own account of (ranks' lines, after their tag; mpirun's own lines).
+_RECOVERY_RANK_LINES = re.compile(
+    rb"NBC_Progress: an error \d+ was found during schedule"
+    rb"|syncdp: rank \d+: .*: a rank of the job failed \(MPI_ERR_[A-Z_]+:.*Recovering from the "
+    rb"last commit\."
+    rb"|syncdp: elastic recovery attempt \d+ failed \(.*\); retrying\."
+)
+_RECOVERY_MPIRUN_LINES = re.compile(
+    rb"\d+ more process(?:es)? (?:has|have) sent help message help-mpi-ft"
+    rb"|Set MCA parameter \"orte_base_help_aggregate\" to 0"
+    # A supervisor's word on its rank, which the elastic log already gives as a loss.
+    rb"|syncdp-run: rank \d+ \(pid \d+ on \S+\) (?:was killed by signal|exited with code)"
+)
+# ULFM's warnings on components it has not tested after a failure, at every elastic start:
+# syncdp rebuilds every communicator and window after a recovery (syncdp.job.runtime).
+_ULFM_UNTESTED = re.compile(rb".*is (?:not|insuficiently) tested (?:for|in) post-failure")
+_RECOVERY_NOTE = (
+    b"syncdp-run: the ranks' and Open MPI's notes on the recovery (MPI_ERR_REVOKED, "
+    b"NBC_Progress) are not shown; --log-level DEBUG shows them, --output-filename keeps them\n"
+)
+
+
+class _Recovery:
+    """Which lines describe an elastic recovery the launcher gives its own account of."""
+
+    def __init__(self):
+        self.noted = False
+
+    def rank_line(self, raw: bytes, tag) -> bool:
+        line = raw[tag.end() :]
+        if not line.strip():  # Open MPI's empty line after its NBC note
+            return tag[2] == b"stderr"
+        return _RECOVERY_RANK_LINES.match(line) is not None
+
+    @staticmethod
+    def mpirun_line(raw: bytes) -> bool:
+        return _RECOVERY_MPIRUN_LINES.match(raw) is not None
+
+    @staticmethod
+    def banner(block: list[bytes]) -> bool:
+        words = b" ".join(b" ".join(line.split()) for line in block[1:-1])
+        return _ULFM_UNTESTED.match(words) is not None
+
+
 class _Chatter:
     """Which of the ranks' lines are TensorFlow's start-up chatter (the module's docstring)."""
 
@@ -195,6 +249,8 @@ def _pump(
     files: RankFiles | None,
     full_banners: bool = False,
     quiet: _Chatter | None = None,
+    on_banner: Callable[[str], None] | None = None,
+    recovery: _Recovery | None = None,
 ) -> None:
     pending: dict[bytes, list[bytes]] = {}  # a rank's tag -> pieces of its unfinished line
     banner: list[bytes] | None = None  # mpirun's lines since a rule, while it may be a banner
@@ -207,6 +263,14 @@ def _pump(
         if quiet and not is_chatter.noted:
             is_chatter.noted = True
             sink.write(_CHATTER_NOTE)
+        if not quiet and recovery is not None:
+            if tag is None:
+                quiet = recovery.mpirun_line(raw)
+            elif recovery.rank_line(raw, tag):
+                quiet = True
+                if not recovery.noted and raw[tag.end() :].strip():
+                    recovery.noted = True
+                    sink.write(_RECOVERY_NOTE)
         if not quiet:
             sink.write(stamp + _text(raw))
         sink.flush()
@@ -215,8 +279,12 @@ def _pump(
 
     def end_banner(closed: bool) -> None:
         nonlocal banner
+        if on_banner is not None:
+            on_banner(" ".join(_text(b" ".join(banner)).decode().split()))
         folded = _fold(banner) if closed and not full_banners else None
-        if folded is not None:
+        if recovery is not None and closed and recovery.banner(banner):
+            pass  # --log-level DEBUG (no recovery filter) prints it
+        elif folded is not None:
             emit(folded)
         else:
             for line in banner:
@@ -260,6 +328,8 @@ def copy_output(
     files: RankFiles | None = None,
     full_banners: bool = False,
     chatter: bool = False,
+    on_banner: Callable[[str], None] | None = None,
+    recovery_notes: bool = True,
 ) -> list[threading.Thread]:
     """Starts copying mpirun's stdout and stderr to the launcher's; returns the two threads.
 
@@ -271,13 +341,26 @@ def copy_output(
             line each (``--log-level DEBUG``). Defaults to False.
         chatter: Print TensorFlow's start-up chatter too (``--log-level DEBUG``). Defaults to
             False.
+        on_banner: Called with the words of each of Open MPI's banners (one line), whatever
+            is printed of it, or None. Defaults to None.
+        recovery_notes: Print the ranks' and Open MPI's notes on an elastic recovery too;
+            False in elastic mode below ``--log-level DEBUG``, where the launcher gives its own
+            account. Defaults to True.
     """
     quiet = None if chatter else _Chatter()  # one for both streams: one note in all
+    recovery = None if recovery_notes else _Recovery()
     pumps = [
         threading.Thread(
             target=_pump,
             args=(stream, sink),
-            kwargs=dict(timestamps=timestamps, files=files, full_banners=full_banners, quiet=quiet),
+            kwargs=dict(
+                timestamps=timestamps,
+                files=files,
+                full_banners=full_banners,
+                quiet=quiet,
+                on_banner=on_banner,
+                recovery=recovery,
+            ),
             daemon=True,
         )
         for stream, sink in (

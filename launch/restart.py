@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import re
 import subprocess
 import threading
 import time
@@ -44,7 +45,15 @@ from launch.cli import LaunchConfig
 from launch.lifeline import ELASTIC_LOST_SECONDS, Link
 from syncdp.membership import membership
 
-__all__ = ["HOST_LOST_SECONDS", "Loss", "Watch", "Restarts", "commit_directory", "vanished_hosts"]
+__all__ = [
+    "HOST_LOST_SECONDS",
+    "Loss",
+    "Watch",
+    "Restarts",
+    "commit_directory",
+    "daemon_host",
+    "vanished_hosts",
+]
 
 # Silence on every lifeline of a host after which an elastic job restarts without it; the
 # supervisors there give up on the launcher after as long.
@@ -81,6 +90,22 @@ def commit_directory(job_id: str) -> str:
     ``/var/tmp``, not ``/tmp``: the FHS's place for temporary files kept on disk, where ``/tmp``
     is often memory (a large model's commit would take RAM from training)."""
     return os.path.join("/var/tmp", f"syncdp-{os.getuid()}", job_id)
+
+
+# mpirun's banners that name a host whose daemon did not start or was lost (PRRTE 3.0).
+_DAEMON_BANNERS = (
+    re.compile(r"A daemon failed to report back.*?Remote host: *(\S+)"),
+    re.compile(r"lost communication with a remote daemon.*?Remote daemon: *\S+ on node (\S+)"),
+)
+
+
+def daemon_host(words: str) -> str | None:
+    """The host an Open MPI banner (its words, one line) says a daemon failed on, or None."""
+    for pattern in _DAEMON_BANNERS:
+        found = pattern.search(words)
+        if found is not None:
+            return found[1]
+    return None
 
 
 def vanished_hosts(links: Mapping[int, Link], reported: Collection[int]) -> list[str]:
@@ -133,6 +158,10 @@ class Watch:
         self._ended = threading.Event()
         self._swept: str | None = None
         self.seconds = 0.0  # how long ending the runtime took
+        # Hosts whose Open MPI daemon could not start or was lost, as mpirun's banners name
+        # them (the host as the runtime was given it).
+        self.daemons_lost: list[str] = []
+        self._finished_losses: set[str | None] = set()
 
     def happened(self) -> bool:
         """Whether a host was lost (the runtime is being, or was, ended)."""
@@ -147,7 +176,47 @@ class Watch:
         seconds = max(link.silent_for(now) for link in links)
         ranks = tuple(sorted(link.rank for link in everyone if isinstance(link.rank, int)))
         why = f"no word from it for {seconds:.0f} s"
+        if self._finished_without(ranks):
+            self._after_training(host or "?", why, ranks, now)
+            return
         self.lost(Loss(host or "?", why, ranks, now, self._aliases(everyone)))
+
+    def _after_training(self, host: str, why: str, ranks: tuple[int, ...], now: float) -> None:
+        """``host`` was lost once training had finished: nothing to start again. Its ranks need
+        not report how their program ended (rank 0 excepted, :meth:`ElasticLog.unfinished`),
+        and mpirun, which may wait for the lost daemon, is stopped once the others have
+        (supervision's grace)."""
+        with self._lock:
+            if host in self._finished_losses:
+                return
+            self._finished_losses.add(host)
+        self.verdict.elastic.lost_after_training(host, ranks)
+        who = self._who(Loss(host, why, ranks, now))
+        self.say(
+            f"elastic: host {host} was lost ({why}; {who}) after training had finished; "
+            "nothing to start again."
+        )
+
+    def _finished_without(self, there: tuple[int, ...]) -> bool:
+        """Whether the job is done but for the ranks ``there`` (output labels): training
+        finished, and every other rank of the final membership exited 0.
+
+        Not when others still run their program's end: Open MPI's runtime ends every rank once
+        it loses a daemon, and their MPI_Finalize cannot complete while a host is unreachable,
+        so only a restart lets them finish (it redoes the steps since the last commit)."""
+        elastic = self.verdict.elastic if self.verdict is not None else None
+        if elastic is None or not self.verdict.num_proc:
+            return False
+        unfinished = elastic.unfinished(self.verdict.num_proc)
+        others = [label for label in unfinished if label not in there]
+        return (elastic.trained or not unfinished) and not others
+
+    def on_banner(self, words: str) -> None:
+        """For :func:`launch.output.copy_output`: notes a host whose daemon mpirun says it
+        could not start or lost."""
+        host = daemon_host(words)
+        if host is not None and host not in self.daemons_lost:
+            self.daemons_lost.append(host)
 
     def _aliases(self, links) -> tuple[str, ...]:
         """Every other name of the host of ``links``: its listed entry, its addresses."""
@@ -166,26 +235,59 @@ class Watch:
         if self.restarts is None or elastic is None or self.verdict.num_proc == 0:
             return
         first = self.verdict.first_failure()
-        if (
-            not elastic.unfinished(self.verdict.num_proc)
-            or (first or {}).get("kind") == "exception"
-        ):
-            return  # finished, or a program error that a restart would only repeat
+        if (first or {}).get("kind") == "exception":
+            return  # a program error that a restart would only repeat
+        now = time.monotonic()
+        finished = False
         for host in vanished_hosts(links, elastic.reported()):
             ranks = tuple(sorted(r for r, link in links.items() if link.host == host))
-            why = "its processes vanished without a word, and Open MPI's runtime ended the job"
             there = [link for link in links.values() if link.host == host]
-            self.lost(Loss(host, why, ranks, time.monotonic(), self._aliases(there)))
+            finished = self._finished_without(ranks)
+            silent = [link for link in there if link.closed is None]
+            if silent:  # a cut link: the supervisors there may well be alive
+                seconds = max(link.silent_for(now) for link in silent)
+                why = (
+                    f"no word from it for {seconds:.0f} s, and Open MPI's runtime lost its "
+                    "daemon there and ended the job"
+                )
+            else:
+                why = "its processes vanished without a word, and Open MPI's runtime ended the job"
+            if finished:
+                self._after_training(host, why, ranks, now)
+                continue
+            self.lost(Loss(host, why, ranks, now, self._aliases(there)))
             return
+        if finished or self._finished_without(()):
+            return
+        for host in self.daemons_lost:
+            # No rank ran there (a daemon that cannot start stops the runtime before any rank
+            # starts), so no lifeline names the host: mpirun's own words do.
+            start = "could not start" if not links else "was lost"
+            why = f"Open MPI's daemon there {start}: mpirun says it did not report back"
+            self.lost(Loss(host, why, (), now, (host,)))
+            return
+
+    def _who(self, loss: Loss) -> str:
+        """Who was on the lost host, in words: its ranks, and its spares (which train nothing)."""
+        elastic = self.verdict.elastic if self.verdict is not None else None
+        waiting = elastic.waiting_spares() if elastic is not None else set()
+        ranks = [r for r in loss.ranks if r not in waiting]
+        spares = [r for r in loss.ranks if r in waiting]
+        said = []
+        if ranks:
+            said.append(("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks)))
+            said[-1] += " ran there"
+        if spares:
+            labels = ", ".join(f"[{r}]" for r in spares)
+            said.append(f"{'spare' if len(spares) == 1 else 'spares'} {labels} waited there")
+        return "; ".join(said) or "no rank ran there"
 
     def lost(self, loss: Loss) -> None:
         """Records ``loss`` and ends the runtime (the first loss only; others are logged)."""
-        on = "no rank"
-        if loss.ranks:
-            on = ("rank " if len(loss.ranks) == 1 else "ranks ") + ", ".join(map(str, loss.ranks))
+        on = self._who(loss)
         if self.restarts is None:
             message = (
-                f"host {loss.host} was lost ({loss.why}; {on} ran there); Open MPI's runtime "
+                f"host {loss.host} was lost ({loss.why}; {on}); Open MPI's runtime "
                 "cannot go on without it, and this job has no other hosts to start again on "
                 "(list several with -H or --hostfile, or give --host-discovery-script)"
             )
@@ -197,11 +299,18 @@ class Watch:
             if first:
                 self.loss = loss
         if not first:
-            self.say(f"elastic: host {loss.host} was lost too ({loss.why}).")
-            self.restarts.lost.append(loss.host)
+            if loss.host != self.loss.host:
+                self.say(f"elastic: host {loss.host} was lost too ({loss.why}).")
+            if loss.host not in self.restarts.lost:
+                self.restarts.lost.append(loss.host)
+            self.restarts.lost_aliases |= set(loss.aliases)
             return
+        if self.verdict is not None and self.verdict.elastic is not None:
+            # The ranks ended with this runtime are not losses to recover from: the restart
+            # is the launcher's account of them.
+            self.verdict.elastic.hush()
         self.say(
-            f"elastic: host {loss.host} was lost ({loss.why}; {on} ran there). Open MPI's "
+            f"elastic: host {loss.host} was lost ({loss.why}; {on}). Open MPI's "
             "runtime cannot go on without it: ending it to start the job again without "
             f"{loss.host}."
         )
@@ -219,6 +328,8 @@ class Watch:
             for link in self.lifeline.links().values():
                 if isinstance(link.rank, int):
                     self.sweeper.start(self.sweeper.host_of(link.rank, link.host, link.address))
+            # Hosts without ranks hold a daemon too, which no supervisor there can end.
+            self.sweeper.start_all()
             self._swept = self.sweeper.finish([], {})
         finally:
             self.seconds = time.monotonic() - started
@@ -283,6 +394,10 @@ class Restarts:
         found = [h for h in found if not self.is_lost(h.name)]
         # Hosts that ran ranks first: mpirun fills hosts in order, and their disks hold commits.
         return sorted(found, key=lambda h: h.name not in self.used_hosts)
+
+    def lost_names(self) -> set[str]:
+        """Every name and address of the hosts lost so far."""
+        return set(self.lost) | self.lost_aliases
 
     def is_lost(self, name: str) -> bool:
         """Whether ``name`` is a host this job lost: under the name it gave itself, the entry

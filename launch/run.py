@@ -83,7 +83,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from launch import cleanup, output, restart, supervision
 from launch import hosts as _hosts
@@ -96,7 +96,7 @@ from launch.summary import TimingBoard
 from launch.verdict import Verdict
 from syncdp.base import settings
 from syncdp.base.errors import ConfigError
-from syncdp.membership import jobenv, spares
+from syncdp.membership import jobenv, membership, spares
 from syncdp.membership.commits import COMMIT_DIR_VAR
 from syncdp.watch import report
 
@@ -130,6 +130,7 @@ def build_env(
     lifeline_addr: str | None = None,
     job: report.Job | None = None,
     commit_dir: str | None = None,
+    lost_hosts: Collection[str] = (),
 ) -> dict[str, str]:
     """The environment every rank gets: the caller's, plus one SYNCDP_* variable per flag.
 
@@ -144,6 +145,8 @@ def build_env(
             to set neither. Defaults to None.
         commit_dir: Where each host keeps the job's commits (``SYNCDP_COMMIT_DIR``), or None
             to set none. Defaults to None.
+        lost_hosts: Every name of the hosts earlier runtimes of the job lost
+            (``SYNCDP_LOST_HOSTS``: the ranks never grow onto them). Defaults to none.
 
     Returns:
         The environment, a new dict.
@@ -160,6 +163,9 @@ def build_env(
         env.update(job.env())
     if commit_dir is not None:
         env[COMMIT_DIR_VAR] = commit_dir
+    env.pop(membership.LOST_HOSTS_VAR, None)
+    if lost_hosts:
+        env[membership.LOST_HOSTS_VAR] = ",".join(sorted(lost_hosts))
     env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
     env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
@@ -431,6 +437,7 @@ def _run_once(
         lifeline_addr=lifeline.address,
         job=job,
         commit_dir=commits,
+        lost_hosts=restarts.lost_names() if restarts is not None else (),
     )
     try:
         ranks_config = settings.from_env(env)
@@ -487,7 +494,16 @@ def _run_once(
     process = supervision.start_mpirun(cmd, env)
     sweeper.mpirun_pid = process.pid
     loss.process = process
-    pumps = output.copy_output(process, timestamps=config.timestamps, files=files)
+    chatty = config.log_level in _CHATTY
+    pumps = output.copy_output(
+        process,
+        timestamps=config.timestamps,
+        files=files,
+        full_banners=chatty,
+        chatter=chatty,
+        on_banner=loss.on_banner,
+        recovery_notes=chatty or not config.elastic,
+    )
     hung = False
     signals = None
     try:
@@ -496,6 +512,8 @@ def _run_once(
             if hung:  # a daemon that cannot finish (on a stopped host?) may be left anywhere
                 sweeper.start_all()
             if not loss.happened() and not signals.received:
+                for p in pumps:  # mpirun's last banner may name a host whose daemon failed
+                    p.join(timeout=1.0 / len(pumps))
                 loss.check_vanished(lifeline.links())
             if not loss.happened():
                 _await_last_reports(verdict, lifeline)

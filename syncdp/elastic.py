@@ -352,6 +352,8 @@ def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
                 # Every rank must know that every rank finished: a rank lost at the very end
                 # would otherwise leave some survivors recovering while the others exit.
                 runtime.communicator().all_agree(1, name="elastic.done")
+                if runtime.rank() == 0:  # a host lost from now on needs no restart
+                    report.send("trained", 0, "every rank finished training")
                 return result
             except Exception as error:  # noqa: BLE001 - re-raised unless it is a failure
                 event = _failure(error)

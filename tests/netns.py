@@ -36,8 +36,19 @@ host="$1"; shift
 # A host may be given by its address, as users write -H 10.0.0.12:4: reach it by either.
 case "$host" in
 {aliases}esac
-# A host whose link is cut cannot be reached: wait, as ssh does until its connect timeout.
-[ -e "{marks}/cut-$host" ] && exec sleep {unreachable}
+# A host whose link is cut cannot be reached: wait, as ssh does until its connect timeout,
+# and fail as it does (exit 255).
+if [ -e "{marks}/cut-$host" ]; then
+    sleep {unreachable}
+    echo "ssh: connect to host $host port 22: Connection timed out" >&2
+    exit 255
+fi
+# A host whose daemon cannot start (NamespaceHosts.break_daemon): the remote shell works, Open
+# MPI's daemon fails there at once.
+case "$*" in *prted*) if [ -e "{marks}/nodaemon-$host" ]; then
+    echo "prted: error while loading shared libraries: cannot open shared object file" >&2
+    exit 127
+fi ;; esac
 # What ssh gives a remote command: a bare environment (PATH, HOME and this machine's own
 # settings, as the host's shell profile would set them), nothing of the launcher's.
 exec env -i PATH="$PATH" HOME="$HOME" USER="$(id -un)" LOGNAME="$(id -un)" SHELL=/bin/sh \\
@@ -180,6 +191,11 @@ class NamespaceHosts:
         ssh to an unreachable host does)."""
         _ip("link", "set", self.outside_link(name), "down")
         (self.workdir / f"cut-{name}").touch()
+
+    def break_daemon(self, name: str) -> None:
+        """From now on Open MPI's daemon cannot start on ``name`` (it fails at once, as one
+        missing a library would), while the remote shell still reaches the host."""
+        (self.workdir / f"nodaemon-{name}").touch()
 
     def limit(self, rate: str) -> None:
         """Limits every host's link to ``rate`` (e.g. ``"1gbit"``) each way, with tbf."""

@@ -442,6 +442,8 @@ def _variable_value(s: Setting, typed: Any, unit: int) -> Any:
 #                       (syncdp.membership.commits)
 #   SYNCDP_CARRIED      the variables every process of the job carries, spawned ones included
 #                       (syncdp.membership.jobenv)
+#   SYNCDP_LOST_HOSTS   hosts an earlier runtime of the job lost, under all their names: never
+#                       grown onto again (syncdp.membership.membership.lost_hosts)
 #   SYNCDP_RUN_FUNC_ADDR, SYNCDP_RUN_FUNC_SECRET  horovod.run: where each rank fetches the
 #                       function and sends its value back, and the key both are signed with
 #                       (launch.run_func)
@@ -457,6 +459,7 @@ INTERNAL_VARS = frozenset(
         "SYNCDP_NEW_SPARE",
         "SYNCDP_COMMIT_DIR",
         "SYNCDP_CARRIED",
+        "SYNCDP_LOST_HOSTS",
         "SYNCDP_RUN_FUNC_ADDR",
         "SYNCDP_RUN_FUNC_SECRET",
     }

@@ -11,9 +11,9 @@ spawned it, and would train alone as a second rank 0.
 So the launcher names what it exports in ``SYNCDP_CARRIED`` (:func:`carried_names`), and a rank
 that spawns passes those variables on with its own values (:func:`spawn_parts`):
 
-- the job's id and secret through the spawn's MPI info (``PMIX_ENVAR``: Open MPI sets them in
-  the new process's environment), never on a command line, where any user of the host could read
-  them; Open MPI bounds an info value to 255 characters, which these two fit;
+- the job's id and secrets (every ``*_SECRET``) through the spawn's MPI info (``PMIX_ENVAR``:
+  Open MPI sets them in the new process's environment), never on a command line, where any user
+  of the host could read them; Open MPI bounds an info value to 255 characters, which they fit;
 - everything else (settings, addresses, ``SYNCDP_CARRIED`` itself, the user's ``TF_*`` and
   ``-x`` variables) as one JSON argument of :mod:`launch.worker` (``--job-env``), which the
   supervisor puts into its environment before it reads any setting.
@@ -49,7 +49,7 @@ JOB_ENV_FLAG = "--job-env"
 _LIFELINE_VAR = "SYNCDP_LIFELINE_ADDR"
 # Set by the supervisor for its own process only: never carried to another.
 _PER_PROCESS = frozenset({"SYNCDP_REPLACEMENT", "SYNCDP_NEW_SPARE"})
-# Through the spawn's MPI info, never on a command line.
+# Through the spawn's MPI info, never on a command line: these and every *_SECRET.
 _SECRET = (report.JOB_VAR, report.SECRET_VAR)
 # Open MPI's bound on an MPI info value (MPI_MAX_INFO_VAL, 256 with its terminating NUL).
 _INFO_VALUE_CHARS = 255
@@ -103,7 +103,7 @@ def spawn_parts(environ: Mapping[str, str] | None = None) -> tuple[list[str], st
         ValueError: The id and secret do not fit an MPI info value (never with the launcher's).
     """
     env = carried(environ)
-    secret = {n: env.pop(n) for n in _SECRET if n in env}
+    secret = {n: env.pop(n) for n in sorted(env) if n in _SECRET or n.endswith("_SECRET")}
     envar = "\n".join(f"{n}={v}" for n, v in secret.items())
     if len(envar) > _INFO_VALUE_CHARS or any("\n" in v for v in secret.values()):
         raise ValueError(

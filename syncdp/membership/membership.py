@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 REPLACEMENT_VAR = "SYNCDP_REPLACEMENT"
+LOST_HOSTS_VAR = "SYNCDP_LOST_HOSTS"
 # Recovery attempts in a row before the job ends instead (each one follows a new failure).
 RECOVERY_ATTEMPTS = 5
 # A host discovery script that does not answer within this long is treated as listing nothing.
@@ -122,8 +123,16 @@ def first_plan(config, size: int, waiting: tuple[Member, ...] = ()) -> Plan:
         spare_target=len(waiting),
         reset_limit=config.reset_limit,
         script=config.host_discovery_script,
+        vanished=lost_hosts(),
         command=(sys.executable, *sys.orig_argv[1:]),
     )
+
+
+def lost_hosts(environ=None) -> tuple[str, ...]:
+    """The hosts an earlier runtime of this job lost, under every name the launcher knows them
+    by (``SYNCDP_LOST_HOSTS``): never grown onto again, whatever the discovery script lists."""
+    text = (os.environ if environ is None else environ).get(LOST_HOSTS_VAR, "")
+    return tuple(sorted({h for h in text.split(",") if h}))
 
 
 def join_parent():

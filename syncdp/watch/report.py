@@ -17,6 +17,8 @@ Its ``kind`` says what happened; the launcher reads the fields and never parses 
     start_timeout  not every rank reached ``init()`` in time; ``ranks`` lists the ones that
                    did not, when this rank can tell (empty otherwise)
     exit_early     the rank finished its program while ``ranks`` wait for it in a collective
+    trained        rank 0, elastic mode: every rank finished training (``elastic.run``
+                   returned), so a host lost from now on needs no restart
     exit           written by the rank's supervisor (``launch.worker``): the program ended;
                    ``code`` (exit status) or ``signal`` (number); ``requested`` is true when
                    it was stopped because the job was ending

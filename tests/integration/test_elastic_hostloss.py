@@ -221,3 +221,87 @@ def test_a_lost_host_restarts_the_job_on_the_host_left_from_the_last_commit(
     print("\n".join(line for line in err.splitlines() if line.startswith("syncdp-run: ")))
     left = _nothing_left(cluster, max(5.0, cut_at + 25 - time.monotonic()))
     assert not left, f"processes left on hosts {left}\n{log}"
+
+
+@pytest.fixture
+def three_hosts(tmp_path):
+    try:
+        with NamespaceHosts(tmp_path, ["ha", "hb", "hc"], subnet="10.213.25", tag="shm") as hosts:
+            yield hosts
+    except Unavailable as e:
+        pytest.skip(str(e))
+
+
+def test_a_restart_whose_daemon_cannot_start_leaves_that_host_out_and_tries_again(
+    three_hosts, tmp_path
+):
+    # Issue 35.3. Ranks on ha and hb, only Open MPI's daemon on hc. After epoch 0 hb's link is
+    # cut and, from then on, no daemon can start on hc (the remote shell still reaches it, so
+    # the host check passes). Restart 1 (ha, hc) fails at once ("A daemon failed to report
+    # back"); the launcher must leave hc out and try again on ha alone (--min-np 1), and the
+    # first runtime's daemon on hc, which held no rank, must be swept too.
+    cluster = three_hosts
+    program = python_script(tmp_path, JOB, "horovod_elastic.py")
+    flags = (
+        "--min-np",
+        "1",
+        "-H",
+        "ha:1,hb:1,hc:1",
+        "--network-interface",
+        cluster.subnet,
+        "--mpi-args",
+        f"--mca plm_rsh_agent {cluster.agent} --mca mpi_yield_when_idle 1",
+    )
+    began = time.monotonic()
+    proc = start(2, "python", program, launcher_args=flags)
+    out: list[str] = []
+    errs: list[str] = []
+    readers = [
+        threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True),
+        threading.Thread(target=lambda: errs.extend(proc.stderr), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = began + 120
+        while not any("EPOCH 0 SIZE 2" in line for line in out):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(errs)[-3000:]
+            time.sleep(0.1)
+        assert cluster.pids("hc"), "Open MPI started no daemon on hc"
+        cluster.break_daemon("hc")
+        cluster.cut("hb")
+        try:
+            proc.wait(timeout=max(1.0, began + LIMIT - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"the job did not end\n{''.join(errs)[-5000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    ended = time.monotonic()
+    for reader in readers:
+        reader.join(timeout=10)
+    stdout, err = "".join(out), "".join(errs)
+    log = f"--- stdout ---\n{stdout[-4000:]}\n--- stderr ---\n{err[-6000:]}"
+    assert proc.returncode == 0, log
+    sizes = {int(e): int(s) for e, s in re.findall(r"<stdout>:EPOCH (\d+) SIZE (\d+)", stdout)}
+    assert sorted(sizes) == list(range(EPOCHS)) and sizes[EPOCHS - 1] == 1, log
+    finals = [json.loads(m) for m in re.findall(r"<stdout>:FINAL (\{.*\})", stdout)]
+    after = [f for f in finals if f["size"] == 1]
+    assert len(after) == 1 and after[0]["rank"] == 0, log
+    got = np.array(after[0]["values"])
+    assert hashlib.sha256(got.tobytes()).hexdigest() == after[0]["digest"]
+    np.testing.assert_allclose(got, _expected(), rtol=1e-9, atol=1e-12)
+    assert re.search(r"elastic: host hb was lost \(no word from it for \d+ s; rank 1 ran", err), log
+    assert "elastic: restart 1: starting 2 rank(s) on ha:1,hc:1 without hb;" in err, log
+    assert re.search(r"elastic: host hc was lost \(Open MPI's daemon there could not start", err)
+    assert "elastic: restart 2: starting 1 rank(s) on ha:1 without hb, hc;" in err, log
+    assert "2 restart(s) after a lost host (hb, hc)" in err.strip().splitlines()[-1], log
+    print("\n".join(line for line in err.splitlines() if line.startswith("syncdp-run: ")))
+    # Nothing left 15 s after the job on the hosts that can be reached, and the cut host's
+    # supervisors ended everything there themselves.
+    deadline = ended + 15
+    while time.monotonic() < deadline and any(cluster.pids(h) for h in ("ha", "hb", "hc")):
+        time.sleep(0.5)
+    left = {h: cluster.pids(h) for h in ("ha", "hb", "hc") if cluster.pids(h)}
+    assert not left, f"processes left on hosts {left}\n{log}"

@@ -22,7 +22,7 @@ import pytest
 
 from launch import cleanup, elastic, restart, run
 from launch.lifeline import Link
-from syncdp.membership import commits
+from syncdp.membership import commits, jobenv
 
 # --- The commits on each host's disk. ---
 
@@ -344,3 +344,129 @@ def test_the_watch_names_a_lost_host_by_its_entry_and_addresses():
     watch = restart.Watch(None, None, sweeper, None, print)
     assert watch._aliases(links) == ("10.77.0.12",)
     assert sweeper.host_of(2, "sdpB", "10.77.0.12") == "10.77.0.12"
+
+
+def test_mpiruns_banners_name_the_host_whose_daemon_failed():
+    # PRRTE 3.0's banners, as copy_output hands their words over (one line).
+    assert (
+        restart.daemon_host(
+            "------ A daemon failed to report back after being spawned. This could be due to "
+            "several factors ... Local host: vm Remote host: hc Daemon exit status: 255 ------"
+        )
+        == "hc"
+    )
+    assert (
+        restart.daemon_host(
+            "PRTE has lost communication with a remote daemon. HNP daemon : "
+            "[prterun-vm-24308@0,0] on node vm Remote daemon: [prterun-vm-24308@0,1] on node "
+            "10.77.0.12 This is usually due to ..."
+        )
+        == "10.77.0.12"
+    )
+    assert restart.daemon_host("MPI_ABORT was invoked on rank 0") is None
+
+
+def _watch(num_proc=4, spares=()):
+    """A Watch over a fake runtime of ranks 0..num_proc-1 (and spares), that can restart."""
+    from launch.cleanup import Sweeper
+    from launch.hosts import Host
+    from launch.verdict import Verdict
+
+    said = []
+    log = elastic.ElasticLog(out=io.StringIO(), spares=spares, ranks=num_proc)
+    verdict = Verdict(num_proc, start_timeout=30, stall_timeout=60, elastic=log)
+    config = _config("-np", str(num_proc), "-H", "ha:2,hb:2")
+    restarts = restart.Restarts(config, ["ssh"], said.append)
+    sweeper = Sweeper("job", ["ssh"], [Host("ha", 2), Host("hb", 2)])
+    lifeline = types.SimpleNamespace(links=dict, close=lambda: None)
+    watch = restart.Watch(restarts, lifeline, sweeper, verdict, said.append)
+    watch._end_runtime = lambda: None  # nothing to end here
+    return watch, verdict, said
+
+
+def _exit(label, code=0):
+    return {"kind": "exit", "rank": label, "code": code, "host": "ha", "pid": 100 + label}
+
+
+def test_a_host_lost_once_the_others_are_done_restarts_nothing():
+    # Issue 35.5: training finished (rank 0's "trained") and ranks 0, 1 exited 0; hb, with
+    # ranks 2 and 3 still ending their program, is lost: nothing to start again, and the job
+    # is a success that says so.
+    watch, verdict, said = _watch()
+    verdict.add({"kind": "trained", "rank": 0})
+    verdict.add(_exit(0))
+    verdict.add(_exit(1))
+    now = time.monotonic()
+    links = {r: Link(r, "hb", 10 + r, now, now - 20) for r in (2, 3)}
+    watch.check_vanished(links)
+    assert not watch.happened()
+    assert said == [
+        "elastic: host hb was lost (no word from it for 20 s, and Open MPI's runtime lost its "
+        "daemon there and ended the job; ranks 2, 3 ran there) after training had finished; "
+        "nothing to start again."
+    ]
+    outcome = verdict.decide({}, mpirun_code=1)
+    assert outcome.code == 0, outcome.lines
+    assert "Host hb was lost after training had finished ([2], [3] ran there" in outcome.lines[-1]
+
+
+def test_a_host_lost_while_others_still_run_is_restarted_and_rank_0_is_never_excused():
+    watch, verdict, said = _watch()
+    verdict.add({"kind": "trained", "rank": 0})
+    verdict.add(_exit(1))  # rank 0 still runs its end: a restart lets it finish
+    now = time.monotonic()
+    links = {r: Link(r, "hb", 10 + r, now, now - 20) for r in (2, 3)}
+    watch.check_vanished(links)
+    assert watch.happened() and watch.loss.host == "hb"
+    # Rank 0's end (the chief's: saving the model, say) is never taken as done unseen.
+    log = verdict.elastic
+    log.lost_after_training("ha", [0, 1])
+    assert 0 in log.unfinished(4) and 1 not in log.unfinished(4)
+
+
+def test_the_log_says_spares_waited_where_they_did():
+    watch, verdict, said = _watch(num_proc=2, spares=(2, 3))
+    loss = restart.Loss("hb", "no word from it for 10 s", (2, 3), time.monotonic())
+    assert watch._who(loss) == "spares [2], [3] waited there"
+    loss = restart.Loss("hb", "no word from it for 10 s", (1, 2), time.monotonic())
+    assert watch._who(loss) == "rank 1 ran there; spare [2] waited there"
+    assert watch._who(dataclasses.replace(loss, ranks=())) == "no rank ran there"
+
+
+def test_a_daemon_that_could_not_start_is_a_lost_host_to_leave_out():
+    # Issue 35.3: no rank started (the runtime stops before any does), and mpirun named hc.
+    watch, verdict, said = _watch()
+    watch.on_banner("A daemon failed to report back after being spawned. Remote host: hb")
+    watch.check_vanished({})
+    assert watch.happened() and watch.loss.host == "hb" and watch.loss.aliases == ("hb",)
+    assert said[0].startswith(
+        "elastic: host hb was lost (Open MPI's daemon there could not start: mpirun says it "
+        "did not report back; no rank ran there)."
+    )
+
+
+def test_a_restarted_job_never_grows_onto_a_lost_host_the_script_still_lists(tmp_path, monkeypatch):
+    # Issue 35.4: the launcher tells the restarted ranks every name of the hosts lost so far
+    # (SYNCDP_LOST_HOSTS); the ranks' plan holds them as vanished, so free slots the discovery
+    # script still lists there are never used (growing onto hb failed in membership.grow).
+    from syncdp.base import settings
+    from syncdp.membership import membership
+
+    config = _config("-np", "4", "-H", "10.77.0.11:2,10.77.0.12:2")
+    restarts = restart.Restarts(config, ["ssh"], print)
+    restarts.lost, restarts.lost_aliases = ["sdpB"], {"10.77.0.12"}
+    env = run.build_env(config, environ={}, lost_hosts=restarts.lost_names())
+    assert env[membership.LOST_HOSTS_VAR] == "10.77.0.12,sdpB"
+    assert membership.LOST_HOSTS_VAR in env[jobenv.CARRIED_VAR].split(",")  # spawns too
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\nprintf '10.77.0.11:2\\n10.77.0.12:2\\n'\n")
+    script.chmod(0o755)
+    monkeypatch.setenv(membership.LOST_HOSTS_VAR, env[membership.LOST_HOSTS_VAR])
+    plan = membership.first_plan(
+        settings.from_env({"SYNCDP_HOST_DISCOVERY_SCRIPT": str(script)}), 2
+    )
+    assert plan.vanished == ("10.77.0.12", "sdpB")
+    alive = [membership.Member("10.77.0.11", 1, 0), membership.Member("10.77.0.11", 2, 1)]
+    assert membership.free_slots(plan, alive) == (0, [])
+    # A job that lost nothing passes nothing.
+    assert membership.LOST_HOSTS_VAR not in run.build_env(config, environ={})

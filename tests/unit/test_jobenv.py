@@ -66,6 +66,12 @@ def test_a_spawn_passes_the_secret_by_info_and_the_rest_as_an_argument():
     assert _JOB.secret not in args[1] and "SYNCDP_REPORT_SECRET" not in carried
     assert envar == f"SYNCDP_JOB_ID={_JOB.id}\nSYNCDP_REPORT_SECRET={_JOB.secret}"
     assert len(envar) < 256  # Open MPI's bound on an MPI info value
+    # horovod.run's key too (every *_SECRET), and all of them still fit.
+    run_func = {**env, "SYNCDP_RUN_FUNC_SECRET": "cd" * 32}
+    run_func[jobenv.CARRIED_VAR] += ",SYNCDP_RUN_FUNC_SECRET"
+    args, envar = jobenv.spawn_parts(run_func)
+    assert "cd" * 32 not in args[1] and envar.endswith("SYNCDP_RUN_FUNC_SECRET=" + "cd" * 32)
+    assert len(envar) < 256
     # The process's own label and Open MPI's per-process variables stay behind.
     assert "SYNCDP_REPLACEMENT" not in carried and "OMPI_COMM_WORLD_RANK" not in carried
     assert carried["SYNCDP_MIN_NP"] == "1" and carried["SYNCDP_COMMIT_DIR"].endswith("/job")
