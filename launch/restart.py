@@ -209,7 +209,9 @@ class Watch:
             return False
         unfinished = elastic.unfinished(self.verdict.num_proc)
         others = [label for label in unfinished if label not in there]
-        return (elastic.trained or not unfinished) and not others
+        # Rank 0's end (the chief's: saving the model, say) is never taken as done unseen.
+        rank0 = min(elastic.members(self.verdict.num_proc), default=None)
+        return (elastic.trained or not unfinished) and not others and rank0 not in unfinished
 
     def on_banner(self, words: str) -> None:
         """For :func:`launch.output.copy_output`: notes a host whose daemon mpirun says it

@@ -261,6 +261,20 @@ def test_hosts_given_by_address_a_replacement_on_a_remote_host_joins_the_job(clu
     ]
     assert _where(result.stdout).get(4) in ("ha", "hb"), result.stdout[-3000:]
     assert "lacks the job's settings" not in result.stderr
+    # Issue 35.6: the recovery reads as one. The launcher's account is there; the ranks' and
+    # Open MPI's notes on it are not (they are in --log-level DEBUG and the rank files).
+    assert re.search(r"size 4 -> 4, recovered in [0-9.]+ s\.", result.stderr)
+    said = [line for line in result.stderr.splitlines() if "notes on the recovery" not in line]
+    assert len(said) == len(result.stderr.splitlines()) - 1  # one line says what is left out
+    for noise in (
+        "NBC_Progress",
+        "MPI_ERR_REVOKED",
+        "Recovering from the last commit",
+        "more processes have sent help message",
+        "not tested for post-failure",
+    ):
+        assert noise not in "\n".join(said), (noise, result.stderr[-3000:])
+    assert not re.search(r"^\[\d+\]<stderr>:\s*$", result.stderr, re.M), result.stderr[-3000:]
     _assert_nothing_left(cluster)
 
 

@@ -418,7 +418,15 @@ def test_a_host_lost_while_others_still_run_is_restarted_and_rank_0_is_never_exc
     links = {r: Link(r, "hb", 10 + r, now, now - 20) for r in (2, 3)}
     watch.check_vanished(links)
     assert watch.happened() and watch.loss.host == "hb"
-    # Rank 0's end (the chief's: saving the model, say) is never taken as done unseen.
+    # Rank 0's end (the chief's: saving the model, say) is never taken as done unseen: a host
+    # lost with rank 0 on it restarts the job even when every other rank is done.
+    watch, verdict, said = _watch()
+    verdict.add({"kind": "trained", "rank": 0})
+    for label in (2, 3):
+        verdict.add(_exit(label))
+    links = {r: Link(r, "ha", 10 + r, now, now - 20) for r in (0, 1)}
+    watch.check_vanished(links)
+    assert watch.happened() and watch.loss.host == "ha"
     log = verdict.elastic
     log.lost_after_training("ha", [0, 1])
     assert 0 in log.unfinished(4) and 1 not in log.unfinished(4)
