@@ -32,7 +32,8 @@ folded into one line, their first sentence; ``--log-level DEBUG`` (``full_banner
 them whole. Other banners (Open MPI's advice on what it cannot do) pass unchanged.
 
 In elastic mode the lines in which ranks and Open MPI describe a recovery (the ranks' notes on
-the collective a failure abandoned, ``NBC_Progress`` errors and the empty line after each,
+the collective a failure abandoned, TensorFlow's warnings of the ``RankFailureError`` a host call
+raised with the traceback each carries, ``NBC_Progress`` errors and the empty line after each,
 "N more processes have sent help message help-mpi-ft", a supervisor's word on its lost rank,
 and ULFM's banner on components "not tested for post-failure operation" at every start) are left
 off the console, with one line saying so: the launcher's own account of each recovery (lost
@@ -193,6 +194,13 @@ _RECOVERY_MPIRUN_LINES = re.compile(
     # A supervisor's word on its rank, which the elastic log already gives as a loss.
     rb"|syncdp-run: rank \d+ \(pid \d+ on \S+\) (?:was killed by signal|exited with code)"
 )
+# TensorFlow's record of a RankFailureError raised in a host call (op_kernel.cc, then
+# local_rendezvous.cc), and the lines that continue such a record: the Python traceback it
+# carries, the error's own line, empty lines and the node it names.
+_TF_RANK_FAILURE = re.compile(rb"[WE]\d{4} [\d:.]+ +\d+ \w+\.cc:\d+\] .*RankFailureError")
+_TF_CONTINUED = re.compile(
+    rb"\s|$|Traceback \(most recent call last\):|[\w.]*RankFailureError: |HorovodInternalError"
+)
 # ULFM's warnings on components it has not tested after a failure, at every elastic start:
 # syncdp rebuilds every communicator and window after a recovery (syncdp.job.runtime).
 _ULFM_UNTESTED = re.compile(rb".*is (?:not|insuficiently) tested (?:for|in) post-failure")
@@ -207,9 +215,17 @@ class _Recovery:
 
     def __init__(self):
         self.noted = False
+        self._in_record: set[bytes] = set()  # rank tags inside TensorFlow's failure record
 
     def rank_line(self, raw: bytes, tag) -> bool:
         line = raw[tag.end() :]
+        if tag[0] in self._in_record:
+            if _TF_CONTINUED.match(line):
+                return True
+            self._in_record.discard(tag[0])
+        if tag[2] == b"stderr" and _TF_RANK_FAILURE.match(line):
+            self._in_record.add(tag[0])
+            return True
         if not line.strip():  # Open MPI's empty line after its NBC note
             return tag[2] == b"stderr"
         return _RECOVERY_RANK_LINES.match(line) is not None

@@ -159,3 +159,50 @@ def test_an_elastic_recovery_reads_as_one_and_the_rank_files_keep_every_line(tmp
     assert "NBC_Progress: an error 75" in kept and "MPI_ERR_PROC_FAILED" in kept
     # Without the filter (--log-level DEBUG, or not elastic) every line passes.
     assert _launcher(UNTESTED_BANNER + RECOVERY, full_banners=True) == UNTESTED_BANNER + RECOVERY
+
+
+# TensorFlow's records of the RankFailureError a Keras step's host call raised on rank 2, as a
+# 3-rank job printed them when rank 1 was killed (examples/elastic_train.py, shortened).
+_FAILED = (
+    b"RankFailureError: distributed_sgd.bucket0.check: a rank of the job failed "
+    b"(MPI_ERR_PROC_FAILED: Process Failure); the collective was abandoned on every rank.\n"
+)
+TF_RECORDS = (
+    b"[2]<stderr>:W0000 00:00:1795701229.802001   27673 op_kernel.cc:1845] UNKNOWN: "
+    + _FAILED
+    + b"[2]<stderr>:Traceback (most recent call last):\n"
+    b"[2]<stderr>:\n"
+    b'[2]<stderr>:  File "/site-packages/tensorflow/python/ops/script_ops.py", line 269, in '
+    b"__call__\n"
+    b"[2]<stderr>:    ret = func(*args)\n"
+    b"[2]<stderr>:          ^^^^^^^^^^^\n"
+    b"[1]<stdout>:between the two, another rank's line\n"
+    b'[2]<stderr>:  File "/work/main/syncdp/transport/communicator.py", line 188, in _run\n'
+    b"[2]<stderr>:    raise failure from None\n"
+    b"[2]<stderr>:\n"
+    b"[2]<stderr>:syncdp.base.errors." + _FAILED + b"[2]<stderr>:\n"
+    b"[2]<stderr>:\n"
+    b"[2]<stderr>:W0000 00:00:1795701229.802082   27673 local_rendezvous.cc:412] Local rendezvous "
+    b"is aborting with status: UNKNOWN: "
+    + _FAILED
+    + b"[2]<stderr>:Traceback (most recent call last):\n"
+    b"[2]<stderr>:syncdp.base.errors." + _FAILED + b"[2]<stderr>:\n"
+    b"[2]<stderr>:\t [[{{function_node __inference_one_step_on_data_840}}"
+    b"{{node syncdp_bucket0/distributed_sgd_bucket0}}]]\n"
+    b"[2]<stderr>:UserWarning: the program's own warning\n"
+    b"[2]<stderr>:  with its own indented line\n"
+)
+
+
+def test_tensorflows_records_of_a_rank_failure_are_left_to_the_rank_files(tmp_path):
+    files = output.RankFiles(str(tmp_path / "out"), 3)
+    shown = _launcher(TF_RECORDS, files=files, recovery=output._Recovery()).decode()
+    files.close()
+    assert shown.splitlines()[1:] == [
+        "[1]<stdout>:between the two, another rank's line",
+        "[2]<stderr>:UserWarning: the program's own warning",
+        "[2]<stderr>:  with its own indented line",
+    ]
+    assert shown.splitlines()[0].startswith("syncdp-run: the ranks' and Open MPI's notes")
+    kept = (tmp_path / "out" / "rank.2" / "stderr").read_text()
+    assert kept.count("RankFailureError") == 4 and "raise failure from None" in kept
