@@ -189,7 +189,14 @@ class BucketReducer:
                 np.multiply(src, pre, out=dst)
             else:
                 dst[...] = (src * pre).astype(self.dtype)
-        comm.allgather_bytes(plan.send, plan.rows, name=self.name, info=self.info)
+        comm.allgather_bytes(
+            plan.send,
+            plan.rows,
+            name=self.name,
+            info=self.info,
+            nbytes=sum(sizes) * self.dtype.itemsize,
+            dtype=self.dtype.name,
+        )
         agreed = None
         if self.carry_step:
             steps = plan.steps.tolist()

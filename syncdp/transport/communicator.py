@@ -512,14 +512,25 @@ class Communicator:
             return out
         return self._move_bytes(name, self.mpi.Allgather, array, out, info)
 
-    def allgather_bytes(self, send: np.ndarray, out: np.ndarray, *, name: str, info=None):
+    def allgather_bytes(
+        self,
+        send: np.ndarray,
+        out: np.ndarray,
+        *,
+        name: str,
+        info=None,
+        nbytes: int | None = None,
+        dtype: str = "uint8",
+    ):
         """:meth:`allgather_equal` of raw bytes, for callers that keep their buffers: ``send``
-        is a contiguous uint8 array, ``out`` a contiguous one ``size`` times larger."""
+        is a contiguous uint8 array, ``out`` a contiguous one ``size`` times larger.
+        ``nbytes`` and ``dtype`` say what the timeline reports (the caller's payload);
+        defaults: all of ``send``, as bytes."""
         self._run(
             name,
             lambda: self.mpi.Allgather(send, out),
-            nbytes=send.nbytes,
-            dtype="uint8",
+            nbytes=send.nbytes if nbytes is None else nbytes,
+            dtype=dtype,
             info=info,
         )
         return out

@@ -69,7 +69,7 @@ class _Comm:
             out[r] = everyone[r][self.rank]
         return out
 
-    def allgather_bytes(self, send, out, *, name, info=None):
+    def allgather_bytes(self, send, out, *, name, info=None, **kw):
         return self.allgather_equal(send, name=name, out=out)
 
     def allgather_equal(self, array, *, name, out, info=None):
