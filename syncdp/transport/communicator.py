@@ -200,7 +200,13 @@ class Communicator:
         return getattr(self._MPI, op.upper())
 
     def agree(
-        self, signature: tuple, *, name: str, digest: int | None = None, join=None
+        self,
+        signature: tuple,
+        *,
+        name: str,
+        digest: int | None = None,
+        join=None,
+        label: str | None = None,
     ) -> tuple[int, ...]:
         """Checks that every rank passed the same ``signature`` to the collective ``name``.
 
@@ -221,6 +227,9 @@ class Communicator:
             join: A callable returning the task a joined rank runs to stand in for this
                 collective (see :mod:`syncdp.engine.joining`). Defaults to None: this
                 collective cannot run while a rank has joined.
+            label: What stall reports and the timeline call the check when it is the whole
+                collective (a barrier). Defaults to None: ``NAME.check``, left out of the
+                timeline (it belongs to the collective after it).
 
         Returns:
             The ranks that have joined (they stand in for this collective), usually none.
@@ -235,13 +244,14 @@ class Communicator:
         mine = np.array([signature_digest(signature) if digest is None else digest], dtype=np.int64)
         digests = np.empty(self.size, dtype=np.int64)
         self._run(
-            f"{name}.check",
+            label or f"{name}.check",
             lambda: wait_politely(self.mpi.Iallgather(mine, digests)),
-            record=False,
+            record=label is not None,
             phase="wait",
         )
         if (digests == digests[0]).all():
-            self._checked_at = checked_at
+            if label is None:
+                self._checked_at = checked_at
             return ()
         if (digests < 0).any():
             return self._serve_joined(signature, digests, name, join)

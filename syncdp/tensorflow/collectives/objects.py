@@ -165,7 +165,9 @@ def barrier(process_set=global_process_set) -> None:
     Raises:
         CollectiveError: A rank of the set has called :func:`join` and not every rank has.
     """
-    _comm(process_set).agree((("collective", "barrier"),), name="barrier", digest=0)
+    _comm(process_set).agree(
+        (("collective", "barrier"),), name="barrier", digest=0, label="barrier"
+    )
 
 
 def join(device: int = -1, process_set=global_process_set) -> tf.Tensor:
