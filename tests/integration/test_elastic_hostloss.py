@@ -118,6 +118,66 @@ def cluster(tmp_path, request):
         pytest.skip(str(e))
 
 
+def _run(n: int, program: str, flags: tuple, ready: str, act) -> dict:
+    """Runs the job; calls ``act()`` once a line holding ``ready`` is printed; waits for the end
+    within LIMIT (killing the job and failing the test past it). Returns what happened:
+    returncode, stdout, stderr, the log for messages, and when it began, acted and ended."""
+    began = time.monotonic()
+    proc = start(n, "python", program, launcher_args=flags)
+    out: list[str] = []
+    errs: list[str] = []
+    readers = [
+        threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True),
+        threading.Thread(target=lambda: errs.extend(proc.stderr), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = began + 120
+        while not any(ready in line for line in out):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(errs)[-3000:]
+            time.sleep(0.1)
+        act()
+        acted = time.monotonic()
+        try:
+            proc.wait(timeout=max(1.0, began + LIMIT - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"the job did not end after {act.__doc__}\n{''.join(errs)[-5000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    ended = time.monotonic()
+    for reader in readers:
+        reader.join(timeout=10)
+    stdout, err = "".join(out), "".join(errs)
+    log = f"--- stdout ---\n{stdout[-4000:]}\n--- stderr ---\n{err[-6000:]}"
+    return dict(
+        returncode=proc.returncode,
+        stdout=stdout,
+        err=err,
+        log=log,
+        began=began,
+        acted=acted,
+        ended=ended,
+    )
+
+
+def _check_final_weights(stdout: str, size: int, log: str) -> dict:
+    """The epochs' sizes; asserts every rank of the final size printed the same weights, and
+    that they are one process's on the whole data."""
+    sizes = {int(e): int(s) for e, s in re.findall(r"<stdout>:EPOCH (\d+) SIZE (\d+)", stdout)}
+    assert sorted(sizes) == list(range(EPOCHS)), log
+    finals = [json.loads(m) for m in re.findall(r"<stdout>:FINAL (\{.*\})", stdout)]
+    after = [f for f in finals if f["size"] == size]
+    assert sorted(f["rank"] for f in after) == list(range(size)), log
+    assert len({f["digest"] for f in after}) == 1, log
+    got = np.array(after[0]["values"])
+    assert hashlib.sha256(got.tobytes()).hexdigest() == after[0]["digest"]
+    np.testing.assert_allclose(got, _expected(), rtol=1e-9, atol=1e-12)
+    return sizes
+
+
 def _nothing_left(cluster, seconds: float) -> dict:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(cluster.pids(h) for h in HOSTS):
@@ -155,49 +215,17 @@ def test_a_lost_host_restarts_the_job_on_the_host_left_from_the_last_commit(
         "--mpi-args",
         f"--mca plm_rsh_agent {cluster.agent} --mca mpi_yield_when_idle 1",
     )
-    began = time.monotonic()
-    proc = start(4, "python", program, launcher_args=flags)
-    out: list[str] = []
-    errs: list[str] = []
-    readers = [
-        threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True),
-        threading.Thread(target=lambda: errs.extend(proc.stderr), daemon=True),
-    ]
-    for reader in readers:
-        reader.start()
-    try:
-        deadline = began + 120
-        while not any("EPOCH 0 SIZE 4" in line for line in out):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(out)[-3000:]
-            time.sleep(0.1)
-        cluster.cut(lost)
-        cut_at = time.monotonic()
-        try:
-            proc.wait(timeout=max(1.0, began + LIMIT - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"the job did not end after {lost} was lost\n{''.join(errs)[-5000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    for reader in readers:
-        reader.join(timeout=10)
-    took = time.monotonic() - began
-    stdout, err = "".join(out), "".join(errs)
-    log = f"--- stdout ---\n{stdout[-4000:]}\n--- stderr ---\n{err[-6000:]}"
-    assert proc.returncode == 0, log
-    assert took < LIMIT, log
 
-    sizes = {int(e): int(s) for e, s in re.findall(r"<stdout>:EPOCH (\d+) SIZE (\d+)", stdout)}
-    assert sorted(sizes) == list(range(EPOCHS)), log
+    def cut():
+        """the lost host's link was cut"""
+        cluster.cut(lost)
+
+    job = _run(4, program, flags, "EPOCH 0 SIZE 4", cut)
+    err, log = job["err"], job["log"]
+    assert job["returncode"] == 0, log
+    assert job["ended"] - job["began"] < LIMIT, log
+    sizes = _check_final_weights(job["stdout"], 2, log)
     assert all(s >= 2 for s in sizes.values()), log
-    finals = [json.loads(m) for m in re.findall(r"<stdout>:FINAL (\{.*\})", stdout)]
-    after = [f for f in finals if f["size"] == 2]
-    assert len(after) == 2 and sorted(f["rank"] for f in after) == [0, 1], log
-    assert len({f["digest"] for f in after}) == 1, log
-    got = np.array(after[0]["values"])
-    assert hashlib.sha256(got.tobytes()).hexdigest() == after[0]["digest"]
-    np.testing.assert_allclose(got, _expected(), rtol=1e-9, atol=1e-12)
 
     assert re.search(rf"syncdp-run: elastic: host {lost} was lost \(no word from it", err), log
     kept = next(h for h in HOSTS if h != lost)
@@ -219,7 +247,7 @@ def test_a_lost_host_restarts_the_job_on_the_host_left_from_the_last_commit(
         assert list(cluster.disk(lost).glob("syncdp-*/*/commit-*.pkl")), log
     # With -s: the launcher's own log, for the record.
     print("\n".join(line for line in err.splitlines() if line.startswith("syncdp-run: ")))
-    left = _nothing_left(cluster, max(5.0, cut_at + 25 - time.monotonic()))
+    left = _nothing_left(cluster, max(5.0, job["acted"] + 25 - time.monotonic()))
     assert not left, f"processes left on hosts {left}\n{log}"
 
 
@@ -252,46 +280,18 @@ def test_a_restart_whose_daemon_cannot_start_leaves_that_host_out_and_tries_agai
         "--mpi-args",
         f"--mca plm_rsh_agent {cluster.agent} --mca mpi_yield_when_idle 1",
     )
-    began = time.monotonic()
-    proc = start(2, "python", program, launcher_args=flags)
-    out: list[str] = []
-    errs: list[str] = []
-    readers = [
-        threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True),
-        threading.Thread(target=lambda: errs.extend(proc.stderr), daemon=True),
-    ]
-    for reader in readers:
-        reader.start()
-    try:
-        deadline = began + 120
-        while not any("EPOCH 0 SIZE 2" in line for line in out):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(errs)[-3000:]
-            time.sleep(0.1)
+
+    def break_and_cut():
+        """hc's daemon was broken and hb's link cut"""
         assert cluster.pids("hc"), "Open MPI started no daemon on hc"
         cluster.break_daemon("hc")
         cluster.cut("hb")
-        try:
-            proc.wait(timeout=max(1.0, began + LIMIT - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"the job did not end\n{''.join(errs)[-5000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    ended = time.monotonic()
-    for reader in readers:
-        reader.join(timeout=10)
-    stdout, err = "".join(out), "".join(errs)
-    log = f"--- stdout ---\n{stdout[-4000:]}\n--- stderr ---\n{err[-6000:]}"
-    assert proc.returncode == 0, log
-    sizes = {int(e): int(s) for e, s in re.findall(r"<stdout>:EPOCH (\d+) SIZE (\d+)", stdout)}
-    assert sorted(sizes) == list(range(EPOCHS)) and sizes[EPOCHS - 1] == 1, log
-    finals = [json.loads(m) for m in re.findall(r"<stdout>:FINAL (\{.*\})", stdout)]
-    after = [f for f in finals if f["size"] == 1]
-    assert len(after) == 1 and after[0]["rank"] == 0, log
-    got = np.array(after[0]["values"])
-    assert hashlib.sha256(got.tobytes()).hexdigest() == after[0]["digest"]
-    np.testing.assert_allclose(got, _expected(), rtol=1e-9, atol=1e-12)
+
+    job = _run(2, program, flags, "EPOCH 0 SIZE 2", break_and_cut)
+    err, log = job["err"], job["log"]
+    assert job["returncode"] == 0, log
+    sizes = _check_final_weights(job["stdout"], 1, log)
+    assert sizes[EPOCHS - 1] == 1, log
     assert re.search(r"elastic: host hb was lost \(no word from it for \d+ s; rank 1 ran", err), log
     assert "elastic: restart 1: starting 2 rank(s) on ha:1,hc:1 without hb;" in err, log
     assert re.search(r"elastic: host hc was lost \(Open MPI's daemon there could not start", err)
@@ -300,7 +300,7 @@ def test_a_restart_whose_daemon_cannot_start_leaves_that_host_out_and_tries_agai
     print("\n".join(line for line in err.splitlines() if line.startswith("syncdp-run: ")))
     # Nothing left 15 s after the job on the hosts that can be reached, and the cut host's
     # supervisors ended everything there themselves.
-    deadline = ended + 15
+    deadline = job["ended"] + 15
     while time.monotonic() < deadline and any(cluster.pids(h) for h in ("ha", "hb", "hc")):
         time.sleep(0.5)
     left = {h: cluster.pids(h) for h in ("ha", "hb", "hc") if cluster.pids(h)}
