@@ -168,9 +168,8 @@ print("RESULT", json.dumps(out), flush=True)
 
 HAS_TF_KERAS = importlib.util.find_spec("tf_keras") is not None
 
-
-@pytest.mark.parametrize("np", [1, 2, 3])
-@pytest.mark.parametrize(
+# Runs a test under Keras 3 and, where tf-keras is installed, under Keras 2 (keras2=True).
+UNDER_BOTH_KERASES = pytest.mark.parametrize(
     "keras2",
     [
         False,
@@ -181,6 +180,10 @@ HAS_TF_KERAS = importlib.util.find_spec("tf_keras") is not None
     ],
     ids=["keras3", "keras2"],
 )
+
+
+@pytest.mark.parametrize("np", [1, 2, 3])
+@UNDER_BOTH_KERASES
 def test_a_horovod_program_runs_unchanged_under_horovodrun(tmp_path, np, keras2):
     env = {"TF_USE_LEGACY_KERAS": "1"} if keras2 else {"TF_USE_LEGACY_KERAS": "0"}
     script = python_script(tmp_path, PROGRAM)
@@ -281,17 +284,7 @@ print("RESULT " + json.dumps(result), flush=True)
 """
 
 
-@pytest.mark.parametrize(
-    "keras2",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.skipif(not HAS_TF_KERAS, reason="tf-keras is not installed"),
-        ),
-    ],
-    ids=["keras3", "keras2"],
-)
+@UNDER_BOTH_KERASES
 def test_horovods_elastic_keras_example_survives_a_kill_under_horovodrun(tmp_path, keras2):
     env = {"TF_USE_LEGACY_KERAS": "1" if keras2 else "0"}
     script = python_script(tmp_path, ELASTIC_PROGRAM)
@@ -362,17 +355,7 @@ print("DONE", hvd.rank(), flush=True)
 """
 
 
-@pytest.mark.parametrize(
-    "keras2",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.skipif(not HAS_TF_KERAS, reason="tf-keras is not installed"),
-        ),
-    ],
-    ids=["keras3", "keras2"],
-)
+@UNDER_BOTH_KERASES
 def test_horovods_tf2_example_says_to_run_under_keras_2_where_keras_3_fails(tmp_path, keras2):
     env = {"TF_USE_LEGACY_KERAS": "1" if keras2 else "0"}
     script = python_script(tmp_path, MNIST_STEP_PROGRAM)
