@@ -62,8 +62,10 @@ def test_joined_rank_adds_zeros_and_join_returns_the_last(hvd, dtype, graph):
         assert last.dtype == tf.int32 and last.shape == []
         everyone = hvd.allgather_object(int(last))
         assert len(set(everyone)) == 1, everyone
-        # The rank that joined first is never the last, unless it is alone.
-        assert (int(last) != first) or n == 1
+        # The rank that joined first is never the last, unless it is alone; of two, the other.
+        assert int(last) != first or n == 1
+        if n == 2:
+            assert int(last) == 1 - first
 
 
 def test_ranks_with_uneven_data_train_then_join(hvd, monkeypatch):
