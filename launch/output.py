@@ -35,8 +35,9 @@ In elastic mode the lines in which ranks and Open MPI describe a recovery (the r
 the collective a failure abandoned, TensorFlow's warnings of the ``RankFailureError`` a host call
 raised with the traceback each carries, ``NBC_Progress`` errors and the empty line after each,
 "N more processes have sent help message help-mpi-ft", a supervisor's word on its lost rank,
-and ULFM's banner on components "not tested for post-failure operation" at every start) are left
-off the console, with one line saying so: the launcher's own account of each recovery (lost
+mpirun's banner on a daemon that failed to report back or was lost, whose host the launcher
+names, and ULFM's banner on components "not tested for post-failure operation" at every start)
+are left off the console, with one line saying so: the launcher's own account of each recovery (lost
 whom, why, how long, the new size) says it. ``--log-level DEBUG`` prints them, and
 ``--output-filename`` files keep the ranks' lines.
 
@@ -204,6 +205,11 @@ _TF_CONTINUED = re.compile(
 # ULFM's warnings on components it has not tested after a failure, at every elastic start:
 # syncdp rebuilds every communicator and window after a recovery (syncdp.job.runtime).
 _ULFM_UNTESTED = re.compile(rb".*is (?:not|insuficiently) tested (?:for|in) post-failure")
+# mpirun's banners on a daemon that did not start or was lost: the launcher names that host
+# (launch.restart) and says whether the job starts again without it.
+_DAEMON_LOST = re.compile(
+    rb"A daemon failed to report back|\S+ has lost communication with a remote daemon"
+)
 _RECOVERY_NOTE = (
     b"syncdp-run: the ranks' and Open MPI's notes on the recovery (MPI_ERR_REVOKED, "
     b"NBC_Progress) are not shown; --log-level DEBUG shows them, --output-filename keeps them\n"
@@ -237,7 +243,7 @@ class _Recovery:
     @staticmethod
     def banner(block: list[bytes]) -> bool:
         words = b" ".join(b" ".join(line.split()) for line in block[1:-1])
-        return _ULFM_UNTESTED.match(words) is not None
+        return _ULFM_UNTESTED.match(words) is not None or _DAEMON_LOST.match(words) is not None
 
 
 class _Chatter:

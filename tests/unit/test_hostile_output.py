@@ -161,6 +161,34 @@ def test_an_elastic_recovery_reads_as_one_and_the_rank_files_keep_every_line(tmp
     assert _launcher(UNTESTED_BANNER + RECOVERY, full_banners=True) == UNTESTED_BANNER + RECOVERY
 
 
+# mpirun's banner when a restart's daemon could not start on hc (issue 35.6), as CI printed it.
+DAEMON_BANNER = (
+    b"--------------------------------------------------------------------------\n"
+    b"A daemon failed to report back after being spawned. This could\n"
+    b"be due to several factors, including inability to find the\n"
+    b"daemon executable.\n"
+    b"\n"
+    b"  Local host:    vm\n"
+    b"  Remote host:   hc\n"
+    b"  Daemon exit status: 127\n"
+    b"--------------------------------------------------------------------------\n"
+)
+
+
+def test_in_elastic_mode_the_banner_on_a_lost_daemon_is_left_to_the_launchers_account():
+    named = []
+    shown = _launcher(
+        DAEMON_BANNER + b"[0]<stdout>:EPOCH 1 SIZE 1\n",
+        recovery=output._Recovery(),
+        on_banner=named.append,
+    )
+    assert shown == b"[0]<stdout>:EPOCH 1 SIZE 1\n"
+    # The launcher still hears of it, and so names hc as lost.
+    assert len(named) == 1 and "Remote host: hc" in named[0]
+    # Outside elastic mode (or at --log-level DEBUG) it passes whole.
+    assert _launcher(DAEMON_BANNER) == DAEMON_BANNER
+
+
 # TensorFlow's records of the RankFailureError a Keras step's host call raised on rank 2, as a
 # 3-rank job printed them when rank 1 was killed (examples/elastic_train.py, shortened).
 _FAILED = (
