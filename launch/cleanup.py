@@ -29,13 +29,22 @@ killed (a lost rank, a spare that died) leaves its segment there for good. While
 :class:`ShmLeftovers` learns from the job's processes on the launcher's host which segments are
 theirs (the upper half of the job id is mpirun's, shared by the processes a recovery spawns),
 and when the job ends it removes the job's segments that no process maps or holds open.
+
+And Open MPI's session directories: mpirun keeps its PMIx rendezvous files in ``ompi.PID``
+under the temporary directory (``$TMPDIR``, else ``/tmp``) and removes it when it exits; a
+killed mpirun leaves it. Process ids come round again, and a later mpirun that gets the same id
+finds that directory and stops at once ("The PMIx server's listener thread failed to start",
+exit 213). Before it starts mpirun, the launcher removes such directories whose process is gone
+(:func:`remove_stale_session_dirs`).
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,7 +59,14 @@ from launch.hosts import Host, is_local
 if TYPE_CHECKING:
     from launch.lifeline import Link
 
-__all__ = ["SWEEP_SECONDS", "Sweeper", "ShmLeftovers", "sweep_command", "remove_directory"]
+__all__ = [
+    "SWEEP_SECONDS",
+    "Sweeper",
+    "ShmLeftovers",
+    "sweep_command",
+    "remove_directory",
+    "remove_stale_session_dirs",
+]
 
 # The most a sweep of one host takes, remote shell included.
 SWEEP_SECONDS = 5.0
@@ -300,6 +316,48 @@ def remove_directory(directory: str, shell: Sequence[str], hosts: Iterable[str])
         return None
     where = "; ".join(f"{h} ({why})" for h, why in failed.items())
     return f"the job's commits could not be removed from {directory} on {where}"
+
+
+_SESSION_DIR = re.compile(r"ompi\.(\d+)")
+
+
+def _temporary_base(env: Mapping[str, str]) -> str:
+    """Where Open MPI puts its session directories, given mpirun's environment ``env``: the
+    first of ``$TMPDIR``, ``$TEMP`` and ``$TMP`` that is set, else ``/tmp``."""
+    for name in ("TMPDIR", "TEMP", "TMP"):
+        if env.get(name):
+            return env[name]
+    return "/tmp"
+
+
+def remove_stale_session_dirs(env: Mapping[str, str] | None = None) -> list[str]:
+    """Removes this user's Open MPI session directories (``ompi.PID``) whose process is gone.
+
+    Args:
+        env: mpirun's environment, which says where they are. Defaults to this process's.
+
+    Returns:
+        The names removed.
+    """
+    base = _temporary_base(os.environ if env is None else env)
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        found = _SESSION_DIR.fullmatch(name)
+        if found is None or os.path.exists(f"/proc/{found[1]}"):
+            continue
+        path = os.path.join(base, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid() or os.path.islink(path):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(name)
+    return removed
 
 
 class ShmLeftovers:

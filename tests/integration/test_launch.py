@@ -104,6 +104,27 @@ syncdp.barrier()
     )
 
 
+def test_a_killed_mpiruns_session_directory_does_not_stop_a_later_job(tmp_path):
+    # A killed mpirun leaves ompi.PID with its PMIx rendezvous file under $TMPDIR; an mpirun
+    # that later gets the same process id stopped at once ("The PMIx server's listener thread
+    # failed to start", exit 213). Such directories for the next few hundred process ids
+    # (mpirun gets one of them) must not stop the job, and are removed.
+    base = tmp_path / "tmp"
+    base.mkdir()
+    with open("/proc/sys/kernel/ns_last_pid") as f:
+        last = int(f.read())
+    stale = range(last + 1, last + 400)
+    for pid in stale:
+        (base / f"ompi.{pid}").mkdir()
+        (base / f"ompi.{pid}" / f"pmix.{os.uname().nodename}.tool.{pid}").write_text("stale\n")
+    result = launch(1, sys.executable, "-c", "print('ran')", env={"TMPDIR": str(base)}, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ran" in result.stdout, result.stdout
+    # Gone, but for those of processes that were running when mpirun started (the launcher's).
+    left = [p.name for p in base.iterdir() if p.name.startswith("ompi.")]
+    assert len(left) < 20, left
+
+
 def test_sigterm_stops_every_rank(tmp_path):
     marker = f"syncdp-sigterm-{os.getpid()}"
     script = python_script(

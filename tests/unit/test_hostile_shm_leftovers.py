@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+from launch import cleanup
 from launch.cleanup import ShmLeftovers
 
 _HOLD = """
@@ -39,3 +40,34 @@ def test_the_jobs_segments_that_nothing_holds_are_removed(tmp_path):
         rank.kill()
         rank.wait()
     assert leftovers.remove() == [names[1]]  # its rank is gone now
+
+
+def _stale_session_dir(base, pid: int) -> None:
+    """What a killed mpirun leaves: ``ompi.PID`` with its PMIx rendezvous file."""
+    path = base / f"ompi.{pid}"
+    path.mkdir()
+    (path / f"pmix.vm.tool.{pid}").write_text("pmix-server.1;tcp4://127.0.0.1:1\n")
+
+
+def test_session_directories_of_processes_that_are_gone_are_removed(tmp_path):
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead = int(gone.stdout)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _stale_session_dir(tmp_path, dead)
+        _stale_session_dir(tmp_path, alive.pid)  # a running mpirun's: kept
+        (tmp_path / "ompi.notapid").mkdir()  # not a session directory
+        (tmp_path / "other").mkdir()
+        removed = cleanup.remove_stale_session_dirs({"TMPDIR": str(tmp_path)})
+    finally:
+        alive.kill()
+        alive.wait()
+    assert removed == [f"ompi.{dead}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"ompi.{alive.pid}", "ompi.notapid", "other"]
+    )
