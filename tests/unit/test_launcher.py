@@ -188,6 +188,14 @@ def test_open_mpi_yields_the_core_when_idle_unless_the_caller_says_otherwise():
     assert run.build_env(c, environ={})["OMPI_MCA_mpi_yield_when_idle"] == "1"
     env = run.build_env(c, environ={"OMPI_MCA_mpi_yield_when_idle": "0"})
     assert env["OMPI_MCA_mpi_yield_when_idle"] == "0"
+    # Small messages between ranks of one host go in one piece, unless the caller says else.
+    assert run.build_env(c, environ={})["OMPI_MCA_btl_sm_eager_limit"] == "32768"
+    assert (
+        run.build_env(c, environ={"OMPI_MCA_btl_sm_eager_limit": "4096"})[
+            "OMPI_MCA_btl_sm_eager_limit"
+        ]
+        == "4096"
+    )
 
 
 def test_flag_wins_over_the_callers_variable():
