@@ -122,6 +122,8 @@ class BucketReducer:
         arrays: Sequence[np.ndarray],
         step: int | None = None,
         check_step: bool = True,
+        *,
+        check=None,
     ):
         """Reduces ``arrays`` over every rank of ``comm``.
 
@@ -134,6 +136,11 @@ class BucketReducer:
             check_step: Whether the ranks' steps must agree. False (the caller must pass the
                 same on every rank): the step is still carried, and the agreed step is rank
                 0's. Defaults to True.
+            check: The argument check that must come first, or None when the caller made it:
+                ``check(label)`` runs :meth:`Communicator.agree` (``label`` as there) and
+                returns the ranks that have joined. A bucket whose packed members fit in
+                ``comm.inline_bytes`` rides in the check's own records: the check and the
+                reduction are one collective. Defaults to None.
 
         Returns:
             ``(results, agreed_step)``: the reduced members (aligned views of a pooled
@@ -149,6 +156,15 @@ class BucketReducer:
         flats = [np.asarray(a).reshape(-1) for a in arrays]
         sizes = tuple(f.size for f in flats)
         n = comm.size
+        if check is not None:
+            if n > 1 and self._layout(sizes).total * self.dtype.itemsize <= comm.inline_bytes:
+                plan = self._plan(comm, sizes, inline=True)
+                plan.fill(flats, step)
+                if not check(self.name):  # the check is the reduction: named as it
+                    return self._finish_gathered(plan, flats, arrays, check_step)
+                # A rank has joined: it runs this bucket's task, through the usual path.
+            else:
+                check(None)
         if n > 1 and n * (_HEADER + sum(sizes) * self.dtype.itemsize) <= GATHER_BYTES:
             return self._reduce_gathered(comm, flats, arrays, step, check_step)
         step_elems = comm.size * _steps.limbs_for(self.dtype) if self.carry_step else 0
@@ -174,21 +190,9 @@ class BucketReducer:
         the other paths: the prescale on each rank's values, the average's division and the
         postscale after the reduction. Everything but the values is worked out once per
         bucket shape (:class:`_GatherPlan`): this path exists for its small fixed cost."""
-        n = comm.size
         sizes = tuple(f.size for f in flats)
-        plan = self._gather_plans.get((sizes, n))
-        if plan is None:
-            plan = self._gather_plans[(sizes, n)] = _GatherPlan(self, sizes, n)
-        plan.header[0] = 0 if step is None else step
-        values, pre = plan.values, plan.pre
-        for off, src in zip(plan.offsets, flats):
-            dst = values[off : off + src.size]
-            if pre == 1.0:
-                np.copyto(dst, src)
-            elif self.floating:
-                np.multiply(src, pre, out=dst)
-            else:
-                dst[...] = (src * pre).astype(self.dtype)
+        plan = self._plan(comm, sizes, inline=False)
+        plan.fill(flats, step)
         comm.allgather_bytes(
             plan.send,
             plan.rows,
@@ -197,6 +201,19 @@ class BucketReducer:
             nbytes=sum(sizes) * self.dtype.itemsize,
             dtype=self.dtype.name,
         )
+        return self._finish_gathered(plan, flats, arrays, check_step)
+
+    def _plan(self, comm, sizes: tuple, *, inline: bool) -> _GatherPlan:
+        """The gathered path's plan for ``sizes`` on ``comm``: rows of its own, or (inline)
+        the rows of ``comm``'s argument-check records."""
+        key = (sizes, comm.size, inline)
+        plan = self._gather_plans.get(key)
+        if plan is None or (inline and plan.send is not comm.record):  # a new communicator
+            plan = self._gather_plans[key] = _GatherPlan(self, sizes, comm, inline=inline)
+        return plan
+
+    def _finish_gathered(self, plan, flats, arrays, check_step: bool = True):
+        """The gathered rows reduced: ``(results, agreed step)``."""
         agreed = None
         if self.carry_step:
             steps = plan.steps.tolist()
@@ -377,23 +394,37 @@ class BucketReducer:
 
 
 class _GatherPlan:
-    """A small bucket's gathered path for one shape and group size, worked out once: the row
-    this rank sends (its step, then its packed members) and the rows it receives, as typed
-    views, and the reduction of the rows in rank order."""
+    """A small bucket's gathered path for one shape and group, worked out once: the row this
+    rank sends (its step, then its packed members) and the rows it receives, as typed views,
+    and the reduction of the rows in rank order.
 
-    def __init__(self, reducer: BucketReducer, sizes: tuple, n: int):
-        dtype = reducer.dtype
+    The rows are the plan's own, or (``inline``) the communicator's argument-check records,
+    which carry the step and the members after the checksum."""
+
+    def __init__(self, reducer: BucketReducer, sizes: tuple, comm, *, inline: bool = False):
+        dtype, n = reducer.dtype, comm.size
         layout = reducer._layout(sizes)
         self.offsets, self.total = layout.offsets, layout.total
-        row_bytes = _HEADER + layout.total * dtype.itemsize
-        # Private buffers: no view of them outlives a call (results are copied out of the rows).
-        self.send = aligned_empty(row_bytes, np.uint8)
-        self.send[...] = 0  # padding stays zero
-        self.rows = aligned_empty(n * row_bytes, np.uint8).reshape(n, row_bytes)
-        self.header = self.send[:_HEADER].view(np.int64)
-        self.values = self.send[_HEADER:].view(dtype)
-        self.steps = self.rows[:, :_HEADER].view(np.int64).reshape(n)
-        self.members = self.rows[:, _HEADER:].view(dtype)
+        payload = layout.total * dtype.itemsize
+        if inline:
+            start = 8  # after the checksum
+            self.send, self.rows = comm.record, comm.records
+        else:
+            # Private buffers: no view of them outlives a call (results are copied out).
+            start = 0
+            self.send = aligned_empty(_HEADER + payload, np.uint8)
+            self.send[...] = 0  # padding stays zero
+            self.rows = aligned_empty(n * self.send.size, np.uint8).reshape(n, -1)
+        values = start + _HEADER
+        self.header = self.send[start:values].view(np.int64)
+        self.values = self.send[values : values + payload].view(dtype)
+        self.steps = self.rows[:, start:values].view(np.int64).reshape(n)
+        self.members = self.rows[:, values : values + payload].view(dtype)
+        # The padding between members: zeroed at every fill when the records are shared
+        # (another bucket's bytes may be there), once otherwise.
+        ends = [o + size for o, size in zip(self.offsets, sizes)]
+        self.gaps = [(e, o) for e, o in zip(ends, [*self.offsets[1:], self.total]) if o > e]
+        self.inline = inline
         self.out_key = f"{reducer.name}.out"
         self.half = is_half(dtype)
         pre, self.post, self.divide = reducer._scales(n)
@@ -401,6 +432,22 @@ class _GatherPlan:
         self.ufunc = _UFUNC[reducer.op]
         self.floating, self.dtype, self.n = reducer.floating, dtype, n
         self._combine = reducer._combine
+
+    def fill(self, flats: Sequence[np.ndarray], step: int | None) -> None:
+        """Writes this rank's row: its step, then its members, prescaled."""
+        self.header[0] = 0 if step is None else step
+        values, pre = self.values, self.pre
+        if self.inline:
+            for lo, hi in self.gaps:
+                values[lo:hi] = 0
+        for off, src in zip(self.offsets, flats):
+            dst = values[off : off + src.size]
+            if pre == 1.0:
+                np.copyto(dst, src)
+            elif self.floating:
+                np.multiply(src, pre, out=dst)
+            else:
+                dst[...] = (src * pre).astype(self.dtype)
 
     def reduce(self, out: np.ndarray) -> None:
         """Writes the reduction of the gathered rows into ``out``."""

@@ -47,6 +47,15 @@ _JOIN_TAG = 7301  # the only point-to-point message on syncdp's private communic
 # never negative): it stands in for the collective with an identity contribution.
 JOINED = -1
 
+# Every argument check moves one record per rank: the checksum, then a step and up to
+# ``Communicator.inline_bytes`` of a small reduction's own bytes (so that the check and the
+# reduction are one collective). Every check of a group has records of one size, whatever the
+# collective, so ranks that call different collectives still exchange matching messages and
+# learn that they differ. Among ranks of one host the records of all ranks together take about
+# this many bytes; across hosts a record holds no payload.
+CHECK_BYTES = 32 << 10
+_RECORD_HEADER = 16  # int64 checksum, int64 step
+
 # The reductions MPI does for syncdp; Average is a sum followed by a division (engine).
 OPS = ("sum", "min", "max", "prod")
 _UFUNC = {"sum": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
@@ -98,6 +107,25 @@ class Communicator:
         # topology-aware path); None when this group cannot have that one.
         self._planes: dict[str, _shm.SharedPlane | None] = {}
         self.watchdog = Watchdog(self.mpi, config, job_comm) if self.size > 1 else None
+        # The argument check's records (CHECK_BYTES): this rank's, and every rank's as
+        # gathered by the last check.
+        self.inline_bytes = self._inline_capacity()
+        self.record = np.zeros(_RECORD_HEADER + self.inline_bytes, np.uint8)
+        self.records = np.zeros((self.size, self.record.size), np.uint8)
+        self._digest = self.record[:8].view(np.int64)
+        self._digests = self.records[:, :8].view(np.int64).reshape(self.size)
+
+    def _inline_capacity(self) -> int:
+        """Bytes of payload a record carries: a share of CHECK_BYTES, in 64-byte units, when
+        every rank of the group shares one host (a collective); 0 across hosts or alone."""
+        if self.size < 2:
+            return 0
+        local = self.mpi.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank)
+        one_host = local.Get_size() == self.size
+        local.Free()
+        if not one_host:
+            return 0
+        return max(0, (CHECK_BYTES // self.size - _RECORD_HEADER) // 64 * 64)
 
     def close(self) -> None:
         """Stops the watchdog and frees the MPI communicator (not a collective).
@@ -241,15 +269,16 @@ class Communicator:
         if self.size == 1:
             return ()
         checked_at = time.perf_counter()
-        mine = np.array([signature_digest(signature) if digest is None else digest], dtype=np.int64)
-        digests = np.empty(self.size, dtype=np.int64)
+        self._digest[0] = signature_digest(signature) if digest is None else digest
         self._run(
             label or f"{name}.check",
-            lambda: wait_politely(self.mpi.Iallgather(mine, digests)),
+            lambda: wait_politely(self.mpi.Iallgather(self.record, self.records)),
             record=label is not None,
             phase="wait",
         )
-        if (digests == digests[0]).all():
+        digests = self._digests
+        first = digests[0]
+        if all(d == first for d in digests.tolist()):
             if label is None:
                 self._checked_at = checked_at
             return ()
@@ -603,11 +632,11 @@ class Communicator:
             to run with identity contributions), or False when there is nothing to run (the
             collective cannot take joined ranks, or its ranks disagree: they raise).
         """
-        mine = np.array([JOINED], dtype=np.int64)
-        digests = np.empty(self.size, dtype=np.int64)
+        self._digest[0] = JOINED
+        digests = self._digests
 
         def wait():
-            request = self.mpi.Iallgather(mine, digests)
+            request = self.mpi.Iallgather(self.record, self.records)
             if self.rank != 0:
                 return wait_politely(request)
             while not request.Test():  # rank 0 hears the others arrive meanwhile, in order

@@ -72,3 +72,32 @@ def test_host_calls_do_not_grow_with_the_number_of_variables(hvd, build):
     # step and agreement included. Alone, nothing crosses to the host at all.
     expected = 0 if hvd.size() == 1 else 1
     assert counts == {3: expected, 60: expected}
+
+
+def test_a_small_bucket_and_its_check_are_one_collective(hvd):
+    # A bucket that fits the argument check's record rides in it: one collective per step, not
+    # a check and then a gather. The reduction is still the average over the ranks.
+    from syncdp.job import runtime
+
+    r, n = hvd.rank(), hvd.size()
+    variables = [tf.Variable(tf.fill([5, 4], float(i + 1))) for i in range(8)]
+    opt = keras.optimizers.SGD(0.1)
+    opt.build(variables)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * v) for v in variables]) * float(r + 1)
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, variables)
+        opt.apply_gradients(zip(grads, variables))
+
+    step()
+    comm = runtime.communicator()
+    before = comm.seq
+    step()
+    assert comm.seq - before == (0 if n == 1 else 1)
+    # Rank r's gradient is 2v(r+1): the average is 2v(n+1)/2 = v(n+1), and two SGD(0.1) steps
+    # scale v by (1 - 0.1(n+1)) each.
+    factor = (1 - 0.1 * (n + 1)) ** 2
+    np.testing.assert_allclose(variables[-1].numpy(), np.full([5, 4], 8 * factor), rtol=1e-5)

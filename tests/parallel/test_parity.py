@@ -252,6 +252,10 @@ def test_mismatched_arguments_raise_failed_precondition_on_every_rank(hvd, mode)
         "trailing shape": lambda: hvd.allgather(tf.ones([2, 1 + r])),
         "name": lambda: hvd.allreduce(tf.ones([2]), name=f"tensor{r}"),
         "op": lambda: hvd.allreduce(tf.ones([2]), op=hvd.Sum if r else hvd.Max),
+        # A bucket small enough to ride in the argument check against one that is not (the
+        # second is 400 KB): both checks still move records of one size.
+        "size across the inline bound": lambda: hvd.allreduce(tf.ones([4 if r else 100_000])),
+        "collective": lambda: hvd.allreduce(tf.ones([2])) if r else hvd.allgather(tf.ones([2])),
     }
     for what, build in cases.items():
         if mode == "eager":

@@ -82,17 +82,23 @@ def _reduce_bucket(
         if signature is None:
             shapes = tuple(np.shape(a) for a in arrays[:k])
             signature = _signature(reducer.name, arrays[0], op=reducer.op, shapes=shapes)
-        comm.agree(
-            signature,
-            name=reducer.name,
-            digest=fixed_digest,
-            join=lambda: joining.task(reducer, [np.size(a) for a in arrays[:j]]),
-        )
         if count_step is not None:
             step = count_step()
         else:
             step = arrays[j] if j < len(arrays) else None
-        results, agreed = reducer(comm, arrays[:j], step, check_step=runtime.steps_agree())
+
+        def check(label):  # first, inside the reducer: a small bucket rides in it
+            return comm.agree(
+                signature,
+                name=reducer.name,
+                digest=fixed_digest,
+                join=lambda: joining.task(reducer, [np.size(a) for a in arrays[:j]]),
+                label=label,
+            )
+
+        results, agreed = reducer(
+            comm, arrays[:j], step, check_step=runtime.steps_agree(), check=check
+        )
         return results if not carries else (*results, np.int64(agreed))
 
     carries = step is not None and output_step
