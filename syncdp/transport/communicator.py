@@ -235,6 +235,8 @@ class Communicator:
         digest: int | None = None,
         join=None,
         label: str | None = None,
+        info: dict | None = None,
+        nbytes: int = 0,
     ) -> tuple[int, ...]:
         """Checks that every rank passed the same ``signature`` to the collective ``name``.
 
@@ -256,8 +258,11 @@ class Communicator:
                 collective (see :mod:`syncdp.engine.joining`). Defaults to None: this
                 collective cannot run while a rank has joined.
             label: What stall reports and the timeline call the check when it is the whole
-                collective (a barrier). Defaults to None: ``NAME.check``, left out of the
-                timeline (it belongs to the collective after it).
+                collective (a barrier, a small bucket riding in the records). Defaults to
+                None: ``NAME.check``, left out of the timeline (it belongs to the collective
+                after it).
+            info: Extra fields of the timeline event, with ``label``. Defaults to None.
+            nbytes: The payload bytes the timeline reports, with ``label``. Defaults to 0.
 
         Returns:
             The ranks that have joined (they stand in for this collective), usually none.
@@ -275,6 +280,8 @@ class Communicator:
             lambda: wait_politely(self.mpi.Iallgather(self.record, self.records)),
             record=label is not None,
             phase="wait",
+            info=info,
+            nbytes=nbytes,
         )
         digests = self._digests
         first = digests[0]

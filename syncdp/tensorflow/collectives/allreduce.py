@@ -94,6 +94,8 @@ def _reduce_bucket(
                 digest=fixed_digest,
                 join=lambda: joining.task(reducer, [np.size(a) for a in arrays[:j]]),
                 label=label,
+                info=reducer.info,
+                nbytes=sum(a.nbytes for a in arrays[:j]),
             )
 
         results, agreed = reducer(
