@@ -237,6 +237,7 @@ class Communicator:
         label: str | None = None,
         info: dict | None = None,
         nbytes: int = 0,
+        dtype: str = "",
     ) -> tuple[int, ...]:
         """Checks that every rank passed the same ``signature`` to the collective ``name``.
 
@@ -263,6 +264,7 @@ class Communicator:
                 after it).
             info: Extra fields of the timeline event, with ``label``. Defaults to None.
             nbytes: The payload bytes the timeline reports, with ``label``. Defaults to 0.
+            dtype: The payload's dtype the timeline reports, with ``label``. Defaults to "".
 
         Returns:
             The ranks that have joined (they stand in for this collective), usually none.
@@ -282,6 +284,7 @@ class Communicator:
             phase="wait",
             info=info,
             nbytes=nbytes,
+            dtype=dtype,
         )
         digests = self._digests
         first = digests[0]

@@ -96,6 +96,7 @@ def _reduce_bucket(
                 label=label,
                 info=reducer.info,
                 nbytes=sum(a.nbytes for a in arrays[:j]),
+                dtype=reducer.dtype.name,
             )
 
         results, agreed = reducer(
