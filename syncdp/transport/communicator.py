@@ -80,6 +80,11 @@ class Communicator:
         config: Settings: chunk size, stall timeouts.
         timeline: Optional object with ``record(name, nbytes, dtype, start, end)``, told about
             every collective.
+
+    Attributes:
+        inline_bytes: Payload bytes an argument-check record carries (CHECK_BYTES).
+        record: This rank's record for the next check: checksum, step, payload.
+        records: Every rank's record, as the last check gathered them (``size`` rows).
     """
 
     def __init__(self, mpi_comm, config: Config, timeline=None, *, job_comm=None, revoke_with=()):
@@ -118,12 +123,7 @@ class Communicator:
     def _inline_capacity(self) -> int:
         """Bytes of payload a record carries: a share of CHECK_BYTES, in 64-byte units, when
         every rank of the group shares one host (a collective); 0 across hosts or alone."""
-        if self.size < 2:
-            return 0
-        local = self.mpi.Split_type(self._MPI.COMM_TYPE_SHARED, key=self.rank)
-        one_host = local.Get_size() == self.size
-        local.Free()
-        if not one_host:
+        if self.size < 2 or not _shm.shares_one_host(self.mpi):
             return 0
         return max(0, (CHECK_BYTES // self.size - _RECORD_HEADER) // 64 * 64)
 
@@ -241,9 +241,11 @@ class Communicator:
     ) -> tuple[int, ...]:
         """Checks that every rank passed the same ``signature`` to the collective ``name``.
 
-        One collective of a single integer (a checksum of the signature) when the ranks agree;
-        only when they do not does a second one gather every rank's signature, so the error
-        can say what each rank passed.
+        One collective of a fixed-size record per rank (:data:`CHECK_BYTES`), which starts with
+        a checksum of the signature, when the ranks agree; only when they do not does a second
+        one gather every rank's signature, so the error can say what each rank passed. A caller
+        may put a small reduction's step and bytes in :attr:`record` first: the check then
+        gathers them too (:class:`~syncdp.engine.reducer.BucketReducer`).
 
         Ranks that have called :meth:`join_round` (``join()``) answer the check too: the
         others then send them ``join()``'s task, a description of the collective for them to

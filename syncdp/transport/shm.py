@@ -49,7 +49,7 @@ import numpy as np
 from syncdp.base import mpi as _mpi
 from syncdp.transport.waiting import wait_politely
 
-__all__ = ["SharedPlane", "SEGMENT_BYTES", "open_plane"]
+__all__ = ["SharedPlane", "SEGMENT_BYTES", "open_plane", "shares_one_host"]
 
 # Bytes of one segment in one slot. Small enough that a segment of every rank stays in the
 # cache hierarchy while it is reduced, large enough that the barrier per segment
@@ -72,6 +72,16 @@ _MADV_POPULATE_WRITE = 23
 def backing_dir() -> str:
     """The directory Open MPI puts shared windows' files in (its ``osc_sm_backing_directory``)."""
     return os.environ.get("OMPI_MCA_osc_sm_backing_directory") or "/dev/shm"
+
+
+def shares_one_host(mpi_comm) -> bool:
+    """Whether every rank of ``mpi_comm`` runs on one host (a collective; every rank gets the
+    same answer)."""
+    MPI = _mpi.load()
+    local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
+    one_host = local.Get_size() == mpi_comm.Get_size()
+    local.Free()
+    return one_host
 
 
 def open_plane(
@@ -105,9 +115,7 @@ def open_plane(
     size = mpi_comm.Get_size()
     if agree_comm.Get_size() < 2:
         return None
-    local = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
-    one_host = local.Get_size() == size
-    local.Free()
+    one_host = shares_one_host(mpi_comm)
     need = _SETS * segment_bytes * size
     room = _free_bytes(shm_dir)
     fits = room is None or room >= 4 * need

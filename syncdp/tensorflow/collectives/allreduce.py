@@ -67,11 +67,9 @@ def _reduce_bucket(
         shapes = tuple(tuple(m.shape.as_list()) for m in members)
         fixed = _signature(reducer.name, like, op=reducer.op, shapes=shapes)
         fixed_digest = signature_digest(fixed)
-    packed = (
-        k > 1
-        and fixed is not None
-        and sum(m.shape.num_elements() * m.dtype.size for m in members) <= PACK_MEAN_BYTES * k
-    )
+    # The bucket's bytes, once traced (the timeline reports them of a bucket riding in its check).
+    payload = sum(m.shape.num_elements() * m.dtype.size for m in members) if fixed else None
+    packed = k > 1 and payload is not None and payload <= PACK_MEAN_BYTES * k
     count_step = step if callable(step) else None
     sent = [tf.concat([_flat(m) for m in members], 0)] if packed else list(members)
     j = len(sent)
@@ -95,7 +93,7 @@ def _reduce_bucket(
                 join=lambda: joining.task(reducer, [np.size(a) for a in arrays[:j]]),
                 label=label,
                 info=reducer.info,
-                nbytes=sum(a.nbytes for a in arrays[:j]),
+                nbytes=payload if payload is not None else sum(a.nbytes for a in arrays[:j]),
                 dtype=reducer.dtype.name,
             )
 
