@@ -32,9 +32,10 @@ and when the job ends it removes the job's segments that no process maps or hold
 
 And Open MPI's session directories: mpirun keeps its PMIx rendezvous files in ``ompi.PID``
 under the temporary directory (``$TMPDIR``, else ``/tmp``) and removes it when it exits; a
-killed mpirun leaves it. Process ids come round again, and a later mpirun that gets the same id
-finds that directory and stops at once ("The PMIx server's listener thread failed to start",
-exit 213). Before it starts mpirun, the launcher removes such directories whose process is gone
+killed mpirun leaves it, and a killed Open MPI daemon its ``prted.PID``. Process ids come round
+again, and a later mpirun or daemon that gets the same id finds that directory and stops at once
+("The PMIx server's listener thread failed to start", exit 213). Before it starts mpirun, the
+launcher removes such directories on this host whose process is gone
 (:func:`remove_stale_session_dirs`).
 """
 
@@ -318,7 +319,7 @@ def remove_directory(directory: str, shell: Sequence[str], hosts: Iterable[str])
     return f"the job's commits could not be removed from {directory} on {where}"
 
 
-_SESSION_DIR = re.compile(r"ompi\.(\d+)")
+_SESSION_DIR = re.compile(r"(?:ompi|prted)\.(\d+)")  # mpirun's, and each Open MPI daemon's
 
 
 def _temporary_base(env: Mapping[str, str]) -> str:
@@ -331,7 +332,8 @@ def _temporary_base(env: Mapping[str, str]) -> str:
 
 
 def remove_stale_session_dirs(env: Mapping[str, str] | None = None) -> list[str]:
-    """Removes this user's Open MPI session directories (``ompi.PID``) whose process is gone.
+    """Removes this user's Open MPI session directories (``ompi.PID``, a daemon's
+    ``prted.PID``) whose process is gone.
 
     Args:
         env: mpirun's environment, which says where they are. Defaults to this process's.

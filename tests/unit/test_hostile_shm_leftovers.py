@@ -60,6 +60,7 @@ def test_session_directories_of_processes_that_are_gone_are_removed(tmp_path):
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         _stale_session_dir(tmp_path, dead)
+        (tmp_path / f"prted.{dead}").mkdir()  # a killed daemon's: gone too
         _stale_session_dir(tmp_path, alive.pid)  # a running mpirun's: kept
         (tmp_path / "ompi.notapid").mkdir()  # not a session directory
         (tmp_path / "other").mkdir()
@@ -67,7 +68,7 @@ def test_session_directories_of_processes_that_are_gone_are_removed(tmp_path):
     finally:
         alive.kill()
         alive.wait()
-    assert removed == [f"ompi.{dead}"]
+    assert sorted(removed) == [f"ompi.{dead}", f"prted.{dead}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"ompi.{alive.pid}", "ompi.notapid", "other"]
     )
