@@ -30,7 +30,7 @@ from common import fmt_interval, interval, paired_ratio  # noqa: E402
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=10, help="steps per repetition")
+    p.add_argument("--steps", type=int, default=5, help="steps per repetition")
     p.add_argument("--repeats", type=int, default=20, help="repetitions of each kind")
     p.add_argument("--batch-size", type=int, default=32, help="images per rank per step")
     p.add_argument("--port", type=int, default=29811, help="Gloo rendezvous port")

@@ -2,7 +2,8 @@
 # Issue 34's figures on the 16-core machine, with intervals: the CNN step (syncdp, naive, barrier
 # / no communication) beside PyTorch DDP / no_sync, and the tiny model's fixed cost per step.
 # Run from the project root after ../shared/manycore/setup.sh; logs to $OUT/intervals.log.
-# NPS and REPEATS shrink it for a dry run on a small machine (NPS="2" REPEATS=3).
+# NPS and REPEATS shrink it for a dry run on a small machine (NPS="2" REPEATS=3). With
+# REPEATS=16 on 16 cores one pass takes about 6 minutes: more than half of a lease.
 set -u
 NPS=${NPS:-"4 8 16"}
 R=${REPEATS:-16}
@@ -17,7 +18,7 @@ log "cores $(nproc); $(lscpu | grep 'Model name' | head -1); load $(cut -d' ' -f
 for pass in 1 2; do
   run 200 python benchmarks/breakdown.py --np "${NPS// /,}" --no-write --repeats "$R"
   for n in $NPS; do
-    run 60 mpirun -np "$n" --bind-to none python benchmarks/manycore/ddp_cnn.py --repeats "$R"
+    run 150 mpirun -np "$n" --bind-to none python benchmarks/manycore/ddp_cnn.py --repeats "$R"
   done
   [ "$pass" = 2 ] && break
   for n in 2 $NPS; do
