@@ -43,7 +43,9 @@ whom, why, how long, the new size) says it. ``--log-level DEBUG`` prints them, a
 
 TensorFlow's start-up chatter on every rank (absl's note on early log messages, oneDNN's notice,
 the CPU-instructions notice, "Could not find cuda drivers" and, on a rank that said that, the
-cuInit failure that follows from it) is left off the console, with one line saying so;
+cuInit failure that follows from it), and Open MPI's error that its UCX one-sided component's
+query failed (a host with an RDMA device it cannot use; the empty line after it too), are left
+off the console, with one line saying so;
 ``--log-level DEBUG`` (``chatter``) prints it, and ``--output-filename`` files keep it. Nothing
 else is hidden: any other warning or error of TensorFlow passes.
 """
@@ -92,9 +94,14 @@ _CHATTER = re.compile(
 )
 _NO_DRIVER = re.compile(_ABSL + rb"cudart_stub\.cc:\d+\] Could not find cuda drivers")
 _CUINIT = re.compile(rb"E\d{4} [\d:.]+ +\d+ cuda_platform\.cc:\d+\] failed call to cuInit")
+# Open MPI's UCX one-sided component, on a host with an RDMA device it cannot use, says once per
+# rank that its query failed (another component serves the windows), then prints an empty line.
+_OSC_UCX_QUERY = re.compile(
+    rb"\[\S+\] \S*osc_ucx_component\.c:\d+ +Error: OSC UCX component priority"
+)
 _CHATTER_NOTE = (
-    b"syncdp-run: TensorFlow's start-up messages (oneDNN, CPU instructions, no CUDA driver) "
-    b"are not shown; --log-level DEBUG shows them\n"
+    b"syncdp-run: start-up messages (TensorFlow's oneDNN, CPU instructions and no CUDA driver; "
+    b"Open MPI's UCX query) are not shown; --log-level DEBUG shows them\n"
 )
 
 
@@ -251,10 +258,18 @@ class _Chatter:
 
     def __init__(self):
         self.no_driver: set[bytes] = set()  # ranks (their number) that found no CUDA driver
+        self.after_ucx: set[bytes] = set()  # ranks whose last line was the UCX query's error
         self.noted = False
 
     def __call__(self, raw: bytes, tag) -> bool:
         line = raw[tag.end() :]
+        if tag[1] in self.after_ucx:
+            self.after_ucx.discard(tag[1])
+            if not line.strip():
+                return True
+        if _OSC_UCX_QUERY.match(line):
+            self.after_ucx.add(tag[1])
+            return True
         if _NO_DRIVER.match(line):
             self.no_driver.add(tag[1])
             return True

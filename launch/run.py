@@ -184,9 +184,11 @@ def build_env(
     # its turn late: the step of a model with 8.7 KB of gradients was 16 us faster, and a
     # polite 8.7 KB Iallreduce inside a traced step 41 us (docs/performance.md).
     env.setdefault("OMPI_MCA_btl_sm_eager_limit", "32768")
-    if not config.multihost and not os.path.isdir("/sys/class/infiniband"):
-        # No RDMA device: Open MPI's UCX one-sided component would print an error for every
-        # shared-memory window (syncdp's data plane makes one per group); sm serves instead.
+    if not config.multihost:
+        # One host: shared memory serves every window (syncdp's data plane makes one per group).
+        # Open MPI's UCX one-sided component would only print errors: for every window where the
+        # host has no RDMA device, and once per rank where it has one it cannot use (seen on the
+        # 16-core measuring machine).
         env.setdefault("OMPI_MCA_osc", "^ucx")
     # What a process spawned later (a replacement, a new spare) must carry too, on any host:
     # mpirun's -x reaches only the processes it starts (syncdp.membership.jobenv).

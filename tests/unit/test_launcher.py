@@ -6,6 +6,7 @@ no rank starts (the real launcher is run for those, and must answer within secon
 channel, the verdict and the lifeline have their own test modules.
 """
 
+import os
 import subprocess
 import sys
 import time
@@ -260,3 +261,14 @@ def test_hostfile_is_passed_to_mpirun(tmp_path):
     c = run.parse_args(["-np", "2", "--hostfile", str(hosts), "python"])
     cmd = run.build_command(c, run.build_env(c, environ={}))
     assert cmd[cmd.index("--hostfile") + 1] == str(hosts)
+
+
+def test_a_one_host_job_leaves_out_ucx_windows_whatever_the_host_has(monkeypatch):
+    # An RDMA device Open MPI cannot use made every rank print the UCX query's error; on one
+    # host shared memory serves the windows. The caller's setting wins; multi-host jobs keep UCX.
+    monkeypatch.setattr(os.path, "isdir", lambda p: True)  # as if /sys/class/infiniband existed
+    one = run.parse_args(["-np", "2", "python"])
+    assert run.build_env(one, environ={})["OMPI_MCA_osc"] == "^ucx"
+    assert run.build_env(one, environ={"OMPI_MCA_osc": "ucx"})["OMPI_MCA_osc"] == "ucx"
+    two = run.parse_args(["-np", "2", "-H", "a:1,b:1", "python"])
+    assert "OMPI_MCA_osc" not in run.build_env(two, environ={})

@@ -70,7 +70,7 @@ def test_tensorflows_startup_chatter_is_one_line_unless_debug(tmp_path):
     output._pump(io.BytesIO(STARTUP), sink, timestamps=False, files=files, quiet=output._Chatter())
     files.close()
     lines = sink.getvalue().splitlines()
-    assert lines[0].startswith(b"syncdp-run: TensorFlow's start-up messages")
+    assert lines[0].startswith(b"syncdp-run: start-up messages (TensorFlow's")
     assert b"--log-level DEBUG" in lines[0]
     # Kept: errors that are news (rank 1 has a driver, so its cuInit failure is), warnings and
     # the program's output.
@@ -81,3 +81,29 @@ def test_tensorflows_startup_chatter_is_one_line_unless_debug(tmp_path):
     sink = io.BytesIO()
     output._pump(io.BytesIO(STARTUP), sink, timestamps=False, files=None)
     assert sink.getvalue() == STARTUP
+
+
+# What each rank of a job printed first on the 16-core measuring machine (it has an RDMA device
+# that Open MPI's UCX one-sided component could not use): the query's error, then an empty line.
+UCX_LINES = [
+    b"[1]<stderr>:[vm:05056] /openmpi-5.0.11/ompi/mca/osc/ucx/osc_ucx_component.c:375  Error: "
+    b"OSC UCX component priority set inside component query failed ",
+    b"[0]<stderr>:[vm:05068] /openmpi-5.0.11/ompi/mca/osc/ucx/osc_ucx_component.c:375  Error: "
+    b"OSC UCX component priority set inside component query failed ",
+    b"[1]<stderr>: ",
+    b"[0]<stderr>: ",
+    b"[0]<stderr>:",  # an empty line of the program's own is kept
+    b"[1]<stdout>:step 1",
+]
+
+
+def test_open_mpis_ucx_query_error_and_its_empty_line_are_start_up_chatter(tmp_path):
+    sink = io.BytesIO()
+    files = output.RankFiles(str(tmp_path), 2)
+    raw = b"\n".join(UCX_LINES) + b"\n"
+    output._pump(io.BytesIO(raw), sink, timestamps=False, files=files, quiet=output._Chatter())
+    files.close()
+    lines = sink.getvalue().splitlines()
+    assert lines[0].startswith(b"syncdp-run: start-up messages")
+    assert lines[1:] == UCX_LINES[4:]
+    assert b"UCX" in (tmp_path / "rank.1" / "stderr").read_bytes()  # the rank's file keeps it
