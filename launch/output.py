@@ -227,7 +227,6 @@ class _Recovery:
     """Which lines describe an elastic recovery the launcher gives its own account of."""
 
     def __init__(self):
-        self.noted = False
         self._in_record: set[bytes] = set()  # rank tags inside TensorFlow's failure record
 
     def rank_line(self, raw: bytes, tag) -> bool:
@@ -259,7 +258,6 @@ class _Chatter:
     def __init__(self):
         self.no_driver: set[bytes] = set()  # ranks (their number) that found no CUDA driver
         self.after_ucx: set[bytes] = set()  # ranks whose last line was the UCX query's error
-        self.noted = False
 
     def __call__(self, raw: bytes, tag) -> bool:
         line = raw[tag.end() :]
@@ -288,7 +286,9 @@ def _pump(
     quiet: _Chatter | None = None,
     on_banner: Callable[[str], None] | None = None,
     recovery: _Recovery | None = None,
+    said: set[bytes] | None = None,
 ) -> None:
+    said = set() if said is None else said  # the notes printed so far (each once per job)
     pending: dict[bytes, list[bytes]] = {}  # a rank's tag -> pieces of its unfinished line
     banner: list[bytes] | None = None  # mpirun's lines since a rule, while it may be a banner
     marked = CONTINUED + b"\n"
@@ -297,16 +297,16 @@ def _pump(
     def emit(raw: bytes, tag=None) -> None:
         stamp = _stamp() if timestamps else b""
         quiet = tag is not None and is_chatter is not None and is_chatter(raw, tag)
-        if quiet and not is_chatter.noted:
-            is_chatter.noted = True
+        if quiet and _CHATTER_NOTE not in said:
+            said.add(_CHATTER_NOTE)
             sink.write(_CHATTER_NOTE)
         if not quiet and recovery is not None:
             if tag is None:
                 quiet = recovery.mpirun_line(raw)
             elif recovery.rank_line(raw, tag):
                 quiet = True
-                if not recovery.noted and raw[tag.end() :].strip():
-                    recovery.noted = True
+                if _RECOVERY_NOTE not in said and raw[tag.end() :].strip():
+                    said.add(_RECOVERY_NOTE)
                     sink.write(_RECOVERY_NOTE)
         if not quiet:
             sink.write(stamp + _text(raw))
@@ -367,6 +367,7 @@ def copy_output(
     chatter: bool = False,
     on_banner: Callable[[str], None] | None = None,
     recovery_notes: bool = True,
+    said: set[bytes] | None = None,
 ) -> list[threading.Thread]:
     """Starts copying mpirun's stdout and stderr to the launcher's; returns the two threads.
 
@@ -383,8 +384,12 @@ def copy_output(
         recovery_notes: Print the ranks' and Open MPI's notes on an elastic recovery too;
             False in elastic mode below ``--log-level DEBUG``, where the launcher gives its own
             account. Defaults to True.
+        said: The notes on lines left off (start-up chatter, a recovery) printed so far;
+            each is printed once, and added here. Pass the same set to every runtime of one
+            job, so that a job started again does not say them again. Defaults to a new set.
     """
-    quiet = None if chatter else _Chatter()  # one for both streams: one note in all
+    said = set() if said is None else said  # one for both streams: one note in all
+    quiet = None if chatter else _Chatter()
     recovery = None if recovery_notes else _Recovery()
     pumps = [
         threading.Thread(
@@ -397,6 +402,7 @@ def copy_output(
                 quiet=quiet,
                 on_banner=on_banner,
                 recovery=recovery,
+                said=said,
             ),
             daemon=True,
         )

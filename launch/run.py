@@ -378,9 +378,10 @@ def run(config: LaunchConfig) -> int:
     first = report.Job.new()
     commits = restart.commit_directory(first.id) if restarts is not None else None
     attempt, job = config, first
+    said: set[bytes] = set()  # the launcher's notes on lines it leaves off: once per job
     try:
         while True:
-            ended = _run_once(attempt, mpirun, address, job, files, restarts, commits)
+            ended = _run_once(attempt, mpirun, address, job, files, restarts, commits, said)
             if ended.loss is None:
                 return ended.code
             assert restarts is not None  # only a job that can restart reports a loss
@@ -428,8 +429,12 @@ def _run_once(
     files: output.RankFiles | None,
     restarts: Restarts | None,
     commits: str | None,
+    said: set[bytes],
 ) -> _Ended:
-    """Runs the job once under one mpirun (one Open MPI runtime) and judges how it ended."""
+    """Runs the job once under one mpirun (one Open MPI runtime) and judges how it ended.
+
+    ``said`` holds the notes the output copier printed in earlier runtimes (each once per job).
+    """
     quiet = config.log_level in _QUIET
     host, advertise = address
     server = ReportServer(
@@ -511,6 +516,7 @@ def _run_once(
         chatter=chatty,
         on_banner=loss.on_banner,
         recovery_notes=chatty or not config.elastic,
+        said=said,
     )
     hung = False
     signals = None
@@ -573,11 +579,11 @@ def _run_once(
     assert outcome is not None  # a lost host either restarts or was stopped by a signal
     lines = list(outcome.lines)
     if restarts is not None and restarts.count:
-        said = f"{restarts.count} restart(s) after a lost host ({', '.join(restarts.lost)})"
+        restarted = f"{restarts.count} restart(s) after a lost host ({', '.join(restarts.lost)})"
         if outcome.code == 0 and lines and lines[-1].startswith("elastic: "):
-            lines[-1] = f"elastic: {said}; since then, {lines[-1].removeprefix('elastic: ')}"
+            lines[-1] = f"elastic: {restarted}; since then, {lines[-1].removeprefix('elastic: ')}"
         else:
-            lines.insert(0, f"elastic: {said}.")
+            lines.insert(0, f"elastic: {restarted}.")
     for line in lines:
         _say(line)
     return _Ended(outcome.code)

@@ -107,3 +107,26 @@ def test_open_mpis_ucx_query_error_and_its_empty_line_are_start_up_chatter(tmp_p
     assert lines[0].startswith(b"syncdp-run: start-up messages")
     assert lines[1:] == UCX_LINES[4:]
     assert b"UCX" in (tmp_path / "rank.1" / "stderr").read_bytes()  # the rank's file keeps it
+
+
+def test_a_job_started_again_says_each_note_once(tmp_path):
+    # An elastic job that restarted after a lost host printed the start-up and recovery notes
+    # once per runtime; they are said once per job (the same set goes to every runtime).
+    said: set[bytes] = set()
+    printed = b""
+    recovering = b"[1]<stderr>:NBC_Progress: an error 75 was found during schedule 3\n"
+    for _ in range(2):  # two runtimes of one job
+        sink = io.BytesIO()
+        output._pump(
+            io.BytesIO(STARTUP + recovering),
+            sink,
+            timestamps=False,
+            files=None,
+            quiet=output._Chatter(),
+            recovery=output._Recovery(),
+            said=said,
+        )
+        printed += sink.getvalue()
+    assert printed.count(b"syncdp-run: start-up messages") == 1
+    assert printed.count(b"notes on the recovery") == 1
+    assert printed.count(b"hello from rank 0") == 2  # the program's own lines, every time
