@@ -75,6 +75,9 @@ class Loss:
         at: ``time.monotonic()`` when the launcher noticed.
         aliases: The host's other names: the ``-H``/``--hostfile`` entry it was reached by and
             the addresses its lifelines came from (the same host, however it is listed).
+        answers: Only Open MPI's daemon there was lost: a supervisor there was still heard
+            from when mpirun ended, so the host itself answers (a restart may use it again,
+            once: :meth:`Restarts.keeps`).
     """
 
     host: str
@@ -82,6 +85,7 @@ class Loss:
     ranks: tuple[int, ...]
     at: float
     aliases: tuple[str, ...] = ()
+    answers: bool = False
 
 
 def commit_directory(job_id: str) -> str:
@@ -106,6 +110,14 @@ def daemon_host(words: str) -> str | None:
         if found is not None:
             return found[1]
     return None
+
+
+def _names(link: Link, host: str) -> bool:
+    """Whether ``host`` (as mpirun's banner names it) is ``link``'s host: the name its
+    supervisor gave, its short name, or the address its lifeline came from."""
+    if host in (link.host, link.address):
+        return True
+    return bool(link.host) and link.host.split(".")[0] == host.split(".")[0]
 
 
 def vanished_hosts(links: Mapping[int, Link], reported: Collection[int]) -> list[str]:
@@ -262,6 +274,20 @@ class Watch:
         if finished or self._finished_without(()):
             return
         for host in self.daemons_lost:
+            there = {r: link for r, link in links.items() if _names(link, host)}
+            if there:
+                # Ranks ran there: the log names them, and the loss every name of the host.
+                # A supervisor there still heard from means the host answers and only its
+                # daemon was lost (seen under load on 2 cores, after a rank there was killed).
+                answers = any(
+                    link.closed is None and not link.silent(now) for link in there.values()
+                )
+                why = "mpirun says it did not report back"
+                if not answers:
+                    why = f"Open MPI's daemon there was lost: {why}"
+                aliases = tuple(sorted({host, *self._aliases(there.values())}))
+                self.lost(Loss(host, why, tuple(sorted(there)), now, aliases, answers=answers))
+                return
             # No rank ran there (a daemon that cannot start stops the runtime before any rank
             # starts), so no lifeline names the host: mpirun's own words do.
             start = "could not start" if not links else "was lost"
@@ -311,11 +337,18 @@ class Watch:
             # The ranks ended with this runtime are not losses to recover from: the restart
             # is the launcher's account of them.
             self.verdict.elastic.hush()
-        self.say(
-            f"elastic: host {loss.host} was lost ({loss.why}; {on}). Open MPI's "
-            "runtime cannot go on without it: ending it to start the job again without "
-            f"{loss.host}."
-        )
+        if self.restarts.keeps(loss):
+            self.say(
+                f"elastic: Open MPI's daemon on {loss.host} was lost ({loss.why}; {on}), but "
+                "the host still answers. Open MPI's runtime cannot go on without the daemon: "
+                f"ending it to start the job again, {loss.host} included."
+            )
+        else:
+            self.say(
+                f"elastic: host {loss.host} was lost ({loss.why}; {on}). Open MPI's "
+                "runtime cannot go on without it: ending it to start the job again without "
+                f"{loss.host}."
+            )
         threading.Thread(target=self._end_runtime, name="syncdp-restart", daemon=True).start()
 
     def _end_runtime(self) -> None:
@@ -361,6 +394,9 @@ class Restarts:
         self.count = 0
         self.lost: list[str] = []  # hosts never used again, in the order they were lost
         self.lost_aliases: set[str] = set()  # every name and address of those hosts
+        # Hosts that answered when their Open MPI daemon was lost, used again once (in order).
+        self.daemons: list[str] = []
+        self._daemon_names: set[str] = set()  # every name and address of those hosts
         self.used_hosts: set[str] = set()  # hosts that ran a rank (their disks hold commits)
         self.changes = 0  # membership changes the ranks made, over every runtime
         self.last: Loss | None = None
@@ -377,6 +413,21 @@ class Restarts:
         listed = _hosts.listed(config.hosts, config.hostfile) or []
         script = config.settings.get("host_discovery_script")
         return config.elastic and bool(listed) and (len(listed) > 1 or bool(script))
+
+    def keeps(self, loss: Loss) -> bool:
+        """Whether the restart after ``loss`` uses its host again: only its Open MPI daemon
+        was lost (the host still answers), and not before in this job. A host whose daemon is
+        lost twice is left out like any lost host."""
+        return loss.answers and not self._daemon_names & {loss.host, *loss.aliases}
+
+    def summary(self) -> str:
+        """The restarts so far, in words: ``2 restart(s) after a lost host (hb, hc)``."""
+        causes = []
+        if self.lost:
+            causes.append(f"a lost host ({', '.join(self.lost)})")
+        if self.daemons:
+            causes.append(f"a lost Open MPI daemon ({', '.join(self.daemons)})")
+        return f"{self.count} restart(s) after {' and '.join(causes) or 'a lost host'}"
 
     @property
     def limit(self) -> int:
@@ -426,15 +477,20 @@ class Restarts:
             ``(config of the next runtime, a line for the log)``, or ``(None, the reason)``.
         """
         self.last = loss
-        if loss.host not in self.lost:
-            self.lost.append(loss.host)
-        self.lost_aliases |= set(loss.aliases)
+        kept = self.keeps(loss)
+        if kept:
+            self.daemons.append(loss.host)
+            self._daemon_names |= {loss.host, *loss.aliases}
+        else:
+            if loss.host not in self.lost:
+                self.lost.append(loss.host)
+            self.lost_aliases |= set(loss.aliases)
         used = self.changes + self.count
         if self.limit and used + 1 > self.limit:
             return None, (
                 f"the reset limit (--reset-limit {self.limit}) is used up ({self.changes} "
                 f"membership change(s) and {self.count} restart(s) so far), so the job cannot "
-                f"restart without {loss.host}"
+                f"restart{'' if kept else ' without ' + loss.host}"
             )
         candidates = self._candidates()
         problems = _hosts.host_problems(candidates, self.shell, _CHECK_SECONDS)
@@ -473,7 +529,8 @@ class Restarts:
             if fresh
             else "the ranks resume from the newest commit on these hosts' disks"
         )
-        return config, (
-            f"restart {self.count}: starting {ranks} rank(s) on {config.hosts} without "
-            f"{', '.join(self.lost)}; {resume}."
+        without = f" without {', '.join(self.lost)}" if self.lost else ""
+        return (
+            config,
+            f"restart {self.count}: starting {ranks} rank(s) on {config.hosts}{without}; {resume}.",
         )

@@ -579,7 +579,7 @@ def _run_once(
     assert outcome is not None  # a lost host either restarts or was stopped by a signal
     lines = list(outcome.lines)
     if restarts is not None and restarts.count:
-        restarted = f"{restarts.count} restart(s) after a lost host ({', '.join(restarts.lost)})"
+        restarted = restarts.summary()
         if outcome.code == 0 and lines and lines[-1].startswith("elastic: "):
             lines[-1] = f"elastic: {restarted}; since then, {lines[-1].removeprefix('elastic: ')}"
         else:

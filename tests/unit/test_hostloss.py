@@ -453,6 +453,60 @@ def test_a_daemon_that_could_not_start_is_a_lost_host_to_leave_out():
     )
 
 
+def test_a_daemon_lost_on_a_host_that_still_answers_restarts_the_job_there_once(checked):
+    # Seen in full test runs on 2 cores: rank 1 on ha was killed, then mpirun said ha's daemon
+    # did not report back, though ha's supervisors had reported. The launcher took ha for lost,
+    # said "no rank ran there", and, knowing ha by that name only, restarted onto ha's address
+    # "without ha". Only the daemon was lost: ha is used again, once, and the log says so.
+    watch, verdict, said = _watch()
+    verdict.add(_exit(1, code=137))
+    now = time.monotonic()
+    links = {
+        r: Link(r, "ha" if r < 2 else "hb", 10 + r, now, now, address=f"10.0.0.{1 + r // 2}")
+        for r in range(4)
+    }
+    links[1].closed = now  # rank 1's supervisor reported its rank's end and left
+    watch.on_banner("A daemon failed to report back after being spawned. Remote host: ha")
+    watch.check_vanished(links)
+    loss = watch.loss
+    assert (loss.host, loss.ranks, loss.answers) == ("ha", (0, 1), True)
+    assert loss.aliases == ("10.0.0.1", "ha")
+    assert said[0] == (
+        "elastic: Open MPI's daemon on ha was lost (mpirun says it did not report back; ranks "
+        "0, 1 ran there), but the host still answers. Open MPI's runtime cannot go on without "
+        "the daemon: ending it to start the job again, ha included."
+    )
+    restarts = watch.restarts
+    restarts.used_hosts = {"ha", "hb"}
+    new, line = restarts.next_config(restarts.config, loss)
+    assert (new.num_proc, new.hosts) == (4, "ha:2,hb:2")
+    assert line.startswith("restart 1: starting 4 rank(s) on ha:2,hb:2; the ranks resume")
+    assert restarts.summary() == "1 restart(s) after a lost Open MPI daemon (ha)"
+    assert not restarts.is_lost("ha") and not restarts.is_lost("10.0.0.1")
+    # Its daemon lost a second time, the host is left out like any lost host.
+    new, line = restarts.next_config(new, loss)
+    assert (new.num_proc, new.hosts) == (2, "hb:2")
+    assert "on hb:2 without ha;" in line
+    assert restarts.is_lost("10.0.0.1")
+    assert restarts.summary() == (
+        "2 restart(s) after a lost host (ha) and a lost Open MPI daemon (ha)"
+    )
+    # A banner's host whose supervisors are all gone or silent is not known to answer: lost,
+    # under every name, with the ranks that ran there.
+    watch, verdict, said = _watch()
+    verdict.add(_exit(1, code=137))
+    links[0].closed = now
+    watch.on_banner("A daemon failed to report back after being spawned. Remote host: ha")
+    watch.check_vanished(links)
+    assert (watch.loss.ranks, watch.loss.answers) == ((0, 1), False)
+    assert said[0].startswith(
+        "elastic: host ha was lost (Open MPI's daemon there was lost: mpirun says it did not "
+        "report back; ranks 0, 1 ran there)."
+    )
+    new, line = watch.restarts.next_config(watch.restarts.config, watch.loss)
+    assert new.hosts == "hb:2" and watch.restarts.is_lost("10.0.0.1")
+
+
 def test_a_restarted_job_never_grows_onto_a_lost_host_the_script_still_lists(tmp_path, monkeypatch):
     # Issue 35.4: the launcher tells the restarted ranks every name of the hosts lost so far
     # (SYNCDP_LOST_HOSTS); the ranks' plan holds them as vanished, so free slots the discovery
