@@ -75,9 +75,9 @@ class Loss:
         at: ``time.monotonic()`` when the launcher noticed.
         aliases: The host's other names: the ``-H``/``--hostfile`` entry it was reached by and
             the addresses its lifelines came from (the same host, however it is listed).
-        answers: Only Open MPI's daemon there was lost: a supervisor there was still heard
-            from when mpirun ended, so the host itself answers (a restart may use it again,
-            once: :meth:`Restarts.keeps`).
+        answers: Only Open MPI's daemon there was lost: when mpirun ended, every supervisor
+            there had reported how its rank ended or was still heard from, so the host itself
+            answers (a restart may use it again, once: :meth:`Restarts.keeps`).
     """
 
     host: str
@@ -277,10 +277,14 @@ class Watch:
             there = {r: link for r, link in links.items() if _names(link, host)}
             if there:
                 # Ranks ran there: the log names them, and the loss every name of the host.
-                # A supervisor there still heard from means the host answers and only its
-                # daemon was lost (seen under load on 2 cores, after a rank there was killed).
-                answers = any(
-                    link.closed is None and not link.silent(now) for link in there.values()
+                # The host answers, and only its daemon was lost, when every supervisor there
+                # reported how its rank ended or is still heard from (seen under load on 2
+                # cores, after a rank there was killed); one that went quiet without a word
+                # may have gone with its host.
+                reported = elastic.reported()
+                answers = all(
+                    r in reported or (link.closed is None and not link.silent(now))
+                    for r, link in there.items()
                 )
                 why = "mpirun says it did not report back"
                 if not answers:

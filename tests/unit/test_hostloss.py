@@ -491,11 +491,18 @@ def test_a_daemon_lost_on_a_host_that_still_answers_restarts_the_job_there_once(
     assert restarts.summary() == (
         "2 restart(s) after a lost host (ha) and a lost Open MPI daemon (ha)"
     )
-    # A banner's host whose supervisors are all gone or silent is not known to answer: lost,
-    # under every name, with the ranks that ran there.
+    # Every supervisor there reported (one was still heard from before): the host answers.
     watch, verdict, said = _watch()
     verdict.add(_exit(1, code=137))
+    verdict.add(_exit(0))
     links[0].closed = now
+    watch.on_banner("A daemon failed to report back after being spawned. Remote host: ha")
+    watch.check_vanished(links)
+    assert watch.loss.answers
+    # One supervisor there went quiet without a word (rank 0, after rank 1 had reported): the
+    # host may have gone with it. Lost, under every name, with the ranks that ran there.
+    watch, verdict, said = _watch()
+    verdict.add(_exit(1, code=137))
     watch.on_banner("A daemon failed to report back after being spawned. Remote host: ha")
     watch.check_vanished(links)
     assert (watch.loss.ranks, watch.loss.answers) == ((0, 1), False)
