@@ -18,9 +18,12 @@ adds per step over ``plain`` and the ratio of syncdp's step to the naive one, ea
 median with a bootstrap 95% interval.
 
 ``--floors`` times instead what any collective inside a traced step costs here, whoever writes
-it: the plain step with its gradients packed into one host call (``tf.numpy_function``) that
-does nothing, that runs one blocking ``MPI.Allreduce``, or one non-blocking ``Iallreduce``
-waited on the way syncdp waits (polling, then sleeping), beside ``syncdp``.
+it: the plain step with its gradients passed through one host call (``tf.numpy_function``) as
+they are, each its own tensor, and returned untouched (``call_apart``: what a host call between
+the gradients and the update costs, before any byte moves); or packed into one tensor for a host
+call that copies it (``call_noop``), that runs one blocking ``MPI.Allreduce``, or one
+non-blocking ``Iallreduce`` waited on the way syncdp waits (polling, then sleeping); beside
+``syncdp``.
 
 Two models: ``tiny`` (8 dense layers of 16x16: 8.7 KB of gradients, where only the fixed cost
 of a step shows) and ``8mb`` (8 dense layers of 512x512: 8.4 MB, where the bytes matter).
@@ -57,7 +60,14 @@ __all__ = ["main"]
 
 MODELS = {"tiny": (16, 8), "8mb": (512, 8)}  # name -> (width, dense layers)
 VARIANTS = ("plain", "naive", "loop", "syncdp")
-FLOORS = ("plain", "call_noop", "call_allreduce", "call_iallreduce_polite", "syncdp")
+FLOORS = (
+    "plain",
+    "call_apart",
+    "call_noop",
+    "call_allreduce",
+    "call_iallreduce_polite",
+    "syncdp",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,13 +181,23 @@ def _floor_step(model, opt, x, y, kind: str):
             np.copyto(out, flat)
         return out
 
+    def apart(*arrays):
+        return arrays
+
     host = tf.autograph.experimental.do_not_convert(host)
+    apart = tf.autograph.experimental.do_not_convert(apart)
 
     @tf.function
     def step():
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
         grads = tape.gradient(loss, variables)
+        if kind == "call_apart":
+            outs = tf.numpy_function(apart, grads, [g.dtype for g in grads], stateful=True)
+            opt.apply_gradients(
+                zip([tf.ensure_shape(o, v.shape) for o, v in zip(outs, variables)], variables)
+            )
+            return loss
         flat = tf.concat([tf.reshape(g, [-1]) for g in grads], 0)
         out = tf.numpy_function(host, [flat], tf.float32, stateful=True)
         pieces = tf.split(out, sizes)

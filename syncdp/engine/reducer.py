@@ -107,6 +107,7 @@ class BucketReducer:
         if carry_step and op not in ("sum", "average"):
             raise ValueError("Only a sum or average bucket can carry the step.")
         self.dtype = np.dtype(dtype)
+        self.dtype_name = self.dtype.name  # NumPy computes it in Python at every ask
         self.op = op
         self.prescale = float(prescale)
         self.postscale = float(postscale)
@@ -206,7 +207,7 @@ class BucketReducer:
             name=self.name,
             info=self.info,
             nbytes=sum(sizes) * self.dtype.itemsize,
-            dtype=self.dtype.name,
+            dtype=self.dtype_name,
         )
         return self._finish_gathered(plan, flats, arrays, check_step)
 

@@ -4,25 +4,35 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 import time
 
 __all__ = ["wait_politely"]
 
 _PR_SET_TIMERSLACK = 29
-_slack = threading.local()
+
+
+def _load_prctl():
+    """libc's ``prctl``, loaded once; None where there is none."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_prctl = _load_prctl()
 
 
 def _tighten_timer_slack() -> None:
     """Lets this thread's short sleeps end on time. Linux lets a sleep overrun by the thread's
     timer slack, 50 us by default, which would more than double the pauses below and make the
-    last rank's arrival noticed late; 1 us is asked instead, once per thread (a no-op where
-    prctl is missing)."""
-    _slack.done = True
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    last rank's arrival noticed late; 1 us is asked instead (a no-op where prctl is missing).
+
+    Asked before every wait that sleeps (one system call, under a microsecond): the waiting
+    thread is often one of TensorFlow's, whose Python thread state (and any ``threading.local``)
+    is made anew for each host call, so "once per thread" cannot be remembered cheaply; loading
+    libc for each call cost 8 us or more."""
+    if _prctl is not None:
+        _prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
 
 
 # How a rank waits for the others (wait_politely): spin this long first, then sleep in growing
@@ -53,8 +63,7 @@ def wait_politely(request, spin: float = _SPIN_SECONDS) -> None:
         os.sched_yield()  # a thread waiting for this core (the rank we wait for?) runs first
         if request.Test():
             return
-    if not getattr(_slack, "done", False):
-        _tighten_timer_slack()
+    _tighten_timer_slack()
     pause = 0
     while not request.Test():
         time.sleep(_PAUSES[pause])

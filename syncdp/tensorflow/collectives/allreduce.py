@@ -94,7 +94,7 @@ def _reduce_bucket(
                 label=label,
                 info=reducer.info,
                 nbytes=payload if payload is not None else sum(a.nbytes for a in arrays[:j]),
-                dtype=reducer.dtype.name,
+                dtype=reducer.dtype_name,
             )
 
         results, agreed = reducer(

@@ -1,0 +1,64 @@
+"""wait_politely: a wait that sleeps asks for a 1 us timer slack on its own thread, and loads
+nothing to do so."""
+
+import ctypes
+import threading
+import time
+
+import pytest
+
+from syncdp.transport import waiting
+
+_PR_SET_TIMERSLACK, _PR_GET_TIMERSLACK = 29, 30
+
+
+class _DoneAfter:
+    """An MPI request stand-in that completes ``seconds`` after it is made."""
+
+    def __init__(self, seconds: float):
+        self.at = time.perf_counter() + seconds
+        self.tests = 0
+
+    def Test(self) -> bool:
+        self.tests += 1
+        return time.perf_counter() >= self.at
+
+
+def _in_thread(fn):
+    out = {}
+
+    def run():
+        out["value"] = fn()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(10)
+    return out["value"]
+
+
+@pytest.mark.skipif(waiting._prctl is None, reason="no prctl here")
+def test_a_wait_that_sleeps_tightens_its_threads_timer_slack_without_loading_a_library(
+    monkeypatch,
+):
+    prctl = ctypes.CDLL(None).prctl
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("wait_politely loaded a library while waiting")
+
+    monkeypatch.setattr(ctypes, "CDLL", loaded)
+    for _ in range(2):  # a second thread too: each thread has its own slack
+
+        def wait():
+            prctl(_PR_SET_TIMERSLACK, 50_000, 0, 0, 0)  # Linux's default, whatever it inherited
+            request = _DoneAfter(0.002)  # well past the spin: it sleeps
+            waiting.wait_politely(request)
+            assert request.tests > 1
+            return prctl(_PR_GET_TIMERSLACK, 0, 0, 0, 0)
+
+        assert _in_thread(wait) == 1000  # nanoseconds
+
+
+def test_a_request_already_complete_returns_at_once():
+    request = _DoneAfter(0)
+    waiting.wait_politely(request)
+    assert request.tests == 1
