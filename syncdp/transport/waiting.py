@@ -15,7 +15,7 @@ def _load_prctl():
     """libc's ``prctl``, loaded once; None where there is none."""
     try:
         return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no libc to open, or no prctl in it
         return None
 
 
