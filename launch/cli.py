@@ -449,6 +449,16 @@ def parse_args(
         parser.error(f"{least} ({resolved['min_np']}) must not exceed -np ({args.num_proc})")
     if resolved.get("max_np") and resolved["max_np"] < args.num_proc:
         parser.error(f"{most} ({resolved['max_np']}) must be at least -np ({args.num_proc})")
+    if not listed and any(resolved.get(name) for name in _ELASTIC_SETTINGS):
+        # An elastic job restarts without a host it loses only on hosts it knows: in a Slurm
+        # allocation of several nodes, its nodes and their tasks, as mpirun would read them.
+        listed = _hosts.slurm_allocation(environ)
+        if listed:
+            args.hosts = _hosts.format_hosts(listed)
+            notes.append(
+                f"elastic: the hosts are the Slurm allocation's nodes ({args.hosts}), so the "
+                "job can start again without a node it loses"
+            )
     _check_elastic_limits(spelled, resolved, args.num_proc, prog)
     _check_spares(args.spares, args.num_proc, resolved, listed, prog)
     return LaunchConfig(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -27,6 +28,8 @@ __all__ = [
     "parse_hostfile",
     "listed",
     "format_hosts",
+    "slurm_allocation",
+    "parse_tasks_per_node",
     "remote_shell",
     "check_hosts",
     "host_problems",
@@ -322,6 +325,39 @@ def _slurm_nodes(environ: Mapping[str, str]) -> list[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return out.stdout.split() if out.returncode == 0 else []
+
+
+def parse_tasks_per_node(text: str) -> list[int] | None:
+    """Slurm's ``SLURM_TASKS_PER_NODE`` (``2(x3),1``: three nodes of 2 tasks, then one of 1)
+    as one count per node, in the allocation's node order; None when it is not in that form."""
+    counts: list[int] = []
+    for part in text.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def slurm_allocation(environ: Mapping[str, str] | None = None) -> list[Host] | None:
+    """The nodes of the Slurm allocation this runs in, each with its tasks as its slots (what
+    Open MPI reads from the allocation itself); None outside an allocation of two or more nodes,
+    or where Slurm cannot list them.
+
+    Args:
+        environ: The environment (for Slurm's). Defaults to ``os.environ``.
+    """
+    environ = os.environ if environ is None else environ
+    count = environ.get("SLURM_JOB_NUM_NODES", "")
+    if not count.isdigit() or int(count) < 2:
+        return None
+    tasks = parse_tasks_per_node(environ.get("SLURM_TASKS_PER_NODE", ""))
+    if tasks is None:
+        return None
+    nodes = _slurm_nodes(environ)
+    if len(nodes) != len(tasks):
+        return None
+    return [Host(node, n) for node, n in zip(nodes, tasks) if n > 0]
 
 
 def _slurm_node_addresses(nodes: Sequence[str]) -> dict[str, str]:

@@ -412,8 +412,9 @@ class Restarts:
     def possible(config: LaunchConfig) -> bool:
         """Whether a job can be started again elsewhere: elastic, on hosts the launcher was
         given (``-H``/``--hostfile``), with another to go on with (several listed, or a
-        discovery script). A Slurm allocation without ``-H`` is not (the launcher does not know
-        its slots); a lost host ends such a job, named."""
+        discovery script). In a Slurm allocation of several nodes, an elastic job without ``-H``
+        is given the allocation's nodes as its hosts when its command line is read
+        (:func:`launch.hosts.slurm_allocation`)."""
         listed = _hosts.listed(config.hosts, config.hostfile) or []
         script = config.settings.get("host_discovery_script")
         return config.elastic and bool(listed) and (len(listed) > 1 or bool(script))

@@ -3,9 +3,10 @@
 slurmctld runs in the root namespace, one slurmd per namespace host (tests/netns.py), with a
 private munged. Checked, in one allocation of 2 nodes x 2 tasks: ``syncdp-run`` without ``-np``
 takes the allocation's 4 tasks and places 2 ranks on each node, and Slurm's own direct launch
-(``srun --mpi=pmix``, no mpirun) runs the same program. Skips, saying why, where Slurm
-(Debian's slurm-wlm, munge, libpmix-dev; .ci/run installs them) or namespaces are missing;
-stops every daemon and removes everything it made, also on failure.
+(``srun --mpi=pmix``, no mpirun) runs the same program. And an elastic job given no ``-H``
+takes the allocation's nodes as its hosts, so it restarts without a node whose link is cut.
+Skips, saying why, where Slurm (Debian's slurm-wlm, munge, libpmix-dev; .ci/run installs them)
+or namespaces are missing; stops every daemon and removes everything it made, also on failure.
 """
 
 from __future__ import annotations
@@ -201,3 +202,77 @@ def test_sbatch_with_syncdp_run_and_srun_direct_launch(slurm, tmp_path):
         ], text[-4000:]
     # Through the launcher every line carries its rank.
     assert re.search(r"\[2\]<stdout>:launcher rank 2/4 on n2", text), text[-4000:]
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def test_an_elastic_job_in_an_allocation_restarts_without_a_node_it_loses(slurm, tmp_path):
+    # No -H: an elastic job takes the allocation's nodes as its hosts (n1:2,n2:2), so when n2's
+    # link is cut after epoch 0 the launcher starts the job again on n1 alone (--min-np 2), in
+    # the same allocation, from the last commit. The program and its checks are the namespace
+    # hosts' (test_elastic_hostloss.py): every epoch done, one weight digest at size 2, equal to
+    # one process's result.
+    from tests.integration import test_elastic_hostloss as hostloss
+
+    d, env, hosts = slurm
+    program = tmp_path / "elastic.py"
+    program.write_text(hostloss.JOB)
+    mpi_args = f"--mca plm_rsh_agent {hosts.agent} --mca mpi_yield_when_idle 1"
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"cd {ROOT}\n"
+        f"syncdp-run --min-np 2 --network-interface {hosts.subnet} --mpi-args '{mpi_args}' "
+        f"python {program}\n"
+        'echo "syncdp-run exit $?"\n'
+    )
+    out = tmp_path / "job.out"
+    submitted = subprocess.run(
+        ["sbatch", "--no-kill", "-N", "2", "-n", "4", "-o", str(out), str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+
+    def wait_for(text: str, seconds: float) -> str:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            got = out.read_text() if out.exists() else ""
+            if text in got:
+                return got
+            time.sleep(0.2)
+        pytest.fail(f"no {text!r} within {seconds:g} s:\n{got[-5000:]}")
+
+    wait_for("EPOCH 0 SIZE 4", 150)
+    hosts.cut("n2")
+    cut = time.monotonic()
+    text = wait_for("syncdp-run exit", hostloss.LIMIT)
+    ended = time.monotonic()
+    assert "syncdp-run exit 0" in text, text[-5000:]
+    assert "elastic: the hosts are the Slurm allocation's nodes (n1:2,n2:2)" in text, text[-5000:]
+    sizes = hostloss._check_final_weights(text, 2, text[-5000:])
+    assert all(s >= 2 for s in sizes.values()), text[-5000:]
+    assert re.search(r"elastic: host n2 was lost \(no word from it", text), text[-5000:]
+    assert "elastic: restart 1: starting 2 rank(s) on n1:2 without n2;" in text, text[-5000:]
+    assert re.search(r"elastic: resumed from commit \d+, kept on n1's disk at size 2", text)
+    print("\n".join(line for line in text.splitlines() if line.startswith("syncdp-run: ")))
+    print(f"cut to the launcher's end: {ended - cut:.1f} s")
+    # Nothing of the job left on either node 15 s after it (Slurm's own daemons stay).
+    deadline = ended + 15
+    while True:
+        left = {
+            n: [(p, _comm(p)) for p in hosts.pids(n) if _comm(p) not in ("slurmd", "slurmstepd")]
+            for n in NODES
+        }
+        left = {n: p for n, p in left.items() if p}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not left, f"processes left on nodes {left}\n{text[-3000:]}"

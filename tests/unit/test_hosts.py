@@ -1,10 +1,11 @@
 """Host lists, hostfiles and the pre-start host check, without starting a job."""
 
+import os
 import sys
 
 import pytest
 
-from launch import hosts, run
+from launch import hosts, restart, run
 from launch.hosts import Host, HostError
 
 
@@ -64,6 +65,53 @@ def test_np_defaults_to_the_slurm_allocation_then_to_the_hosts_slots(monkeypatch
     with pytest.raises(SystemExit):
         run.parse_args(["python", "x.py"])
     assert "-np is required outside a Slurm allocation" in capsys.readouterr().err
+
+
+def test_slurm_tasks_per_node_reads_as_one_count_per_node():
+    assert hosts.parse_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert hosts.parse_tasks_per_node("4") == [4]
+    assert hosts.parse_tasks_per_node("1,3(x2)") == [1, 3, 3]
+    for bad in ("", "2(x)", "x2", "2,,1", "2(3)"):
+        assert hosts.parse_tasks_per_node(bad) is None, bad
+
+
+def _allocation(monkeypatch, tmp_path, nodes: str, tasks: str, listing: str) -> None:
+    """A Slurm allocation of ``nodes`` whose ``scontrol show hostnames`` prints ``listing``
+    (a fake scontrol on PATH; an empty listing fails, as scontrol without a controller does)."""
+    scontrol = tmp_path / "scontrol"
+    body = f"echo '{listing}'" if listing else "exit 1"
+    scontrol.write_text(f'#!/bin/sh\n[ "$1 $2" = "show hostnames" ] || exit 2\n{body}\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", nodes)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-3]")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", tasks)
+    monkeypatch.setenv("SLURM_NTASKS", "5")
+
+
+def test_an_elastic_job_in_a_slurm_allocation_takes_its_nodes_as_hosts(monkeypatch, tmp_path):
+    _allocation(monkeypatch, tmp_path, "3", "2(x2),1", "n1\nn2\nn3")
+    c = run.parse_args(["--min-np", "2", "python", "x.py"])
+    # The hosts a restart can leave one out of, with the slots mpirun reads from Slurm.
+    assert c.hosts == "n1:2,n2:2,n3:1" and c.num_proc == 5
+    assert any("Slurm allocation's nodes (n1:2,n2:2,n3:1)" in note for note in c.notes)
+    assert restart.Restarts.possible(c)
+    # Not elastic: mpirun reads the allocation itself; -H given: it is the user's.
+    assert run.parse_args(["python", "x.py"]).hosts is None
+    assert run.parse_args(["--min-np", "2", "-H", "n1:2,n2:2", "python"]).hosts == "n1:2,n2:2"
+
+
+def test_an_allocation_slurm_cannot_list_leaves_the_hosts_unset(monkeypatch, tmp_path):
+    # scontrol fails, lists another number of nodes, or the allocation is one node: the job
+    # runs on the allocation as mpirun reads it, and a lost node ends it, named.
+    for nodes, tasks, listing in (
+        ("3", "2(x2),1", ""),
+        ("3", "2(x2),1", "n1\nn2"),
+        ("1", "5", "n1"),
+    ):
+        _allocation(monkeypatch, tmp_path, nodes, tasks, listing)
+        c = run.parse_args(["--min-np", "2", "python", "x.py"])
+        assert c.hosts is None and not restart.Restarts.possible(c), (nodes, listing)
 
 
 def test_ssh_flags_and_interface_reach_open_mpi(tmp_path):
