@@ -190,6 +190,11 @@ def build_env(
         # host has no RDMA device, and once per rank where it has one it cannot use (seen on the
         # 16-core measuring machine).
         env.setdefault("OMPI_MCA_osc", "^ucx")
+    if config.elastic and env.get("SLURM_JOB_ID"):
+        # In a Slurm allocation Open MPI starts its daemons as a job step (srun). The step of a
+        # runtime that lost a node cannot end before that node answers again, and keeps the
+        # CPUs of the others: a restart's step on them waited forever without --overlap.
+        env.setdefault("PRTE_MCA_prte_plm_slurm_args", "--overlap")
     # What a process spawned later (a replacement, a new spare) must carry too, on any host:
     # mpirun's -x reaches only the processes it starts (syncdp.membership.jobenv).
     extra = [n for n in env if n.startswith("OMPI_MCA_")] + _exported_by_user(config.mpi_args)

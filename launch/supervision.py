@@ -149,7 +149,7 @@ def _supervise(process, verdict, links, leftovers: ShmLeftovers) -> bool:
         if finished is not None and time.monotonic() > finished + grace:
             stop(process, grace=FINISHED_GRACE_SECONDS)
             return True
-        if verdict.check_start():
+        if verdict.check_start(anything_started=links is None or bool(links())):
             # The ranks' own start timeout did not end the job: nothing will. Training never
             # began, so there is nothing to let the ranks finish: a short grace.
             stop(process, grace=START_STOP_GRACE_SECONDS)

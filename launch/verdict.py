@@ -95,8 +95,9 @@ class Verdict:
 
     Args:
         num_proc: The number of ranks.
-        start_timeout: Seconds every rank has to reach ``init()`` after the first did; 0 for
-            no limit.
+        start_timeout: Seconds every rank has to reach ``init()`` after the first did, and
+            Open MPI to start any process of the job at all (counted from here); 0 for no
+            limit.
         stall_timeout: The stall timeout, for the words of a stall. Defaults to 0.
         elastic: The elastic log, in elastic mode (it takes the exit and membership reports).
             Defaults to None.
@@ -120,6 +121,7 @@ class Verdict:
         self.failed = threading.Event()
         self._failures: list[dict] = []
         self._first_start: float | None = None  # time.monotonic() of the first "started"
+        self._created = time.monotonic()  # just before mpirun starts
         self._lock = threading.Lock()
 
     def add(self, report: dict) -> None:
@@ -147,25 +149,33 @@ class Verdict:
     def _not_started(self) -> list[int]:
         return [r for r in range(self.num_proc) if r not in self.started]
 
-    def check_start(self, now: float | None = None) -> bool:
-        """Records a start timeout if the ranks have not all arrived in time.
+    def check_start(self, now: float | None = None, *, anything_started: bool = True) -> bool:
+        """Records a start timeout if the ranks have not all arrived in time, or if Open MPI
+        started nothing at all within the start timeout (a daemon that cannot start: an
+        ``srun`` waiting for CPUs it will never get would otherwise wait forever).
 
         Args:
             now: ``time.monotonic()``'s value. Defaults to now.
+            anything_started: Whether any process of the job (a rank's supervisor) has been
+                heard from. Defaults to True.
 
         Returns:
             Whether this call found the start timeout exceeded (the launcher then ends the job).
         """
         now = time.monotonic() if now is None else now
         with self._lock:
-            if self.start_timeout <= 0 or self._first_start is None or self._failures:
+            if self.start_timeout <= 0 or self._failures:
                 return False
             missing = self._not_started()
-            if not missing or now < self._first_start + self.start_timeout + START_GRACE_SECONDS:
+            if self._first_start is None:
+                if anything_started or now < self._created + self.start_timeout:
+                    return False
+                failure = {"kind": "start_timeout", "rank": None, "ranks": missing, "none": True}
+            elif not missing or now < self._first_start + self.start_timeout + START_GRACE_SECONDS:
                 return False
-            self._failures.append(
-                {"kind": "start_timeout", "rank": None, "ranks": missing, "time": time.time()}
-            )
+            else:
+                failure = {"kind": "start_timeout", "rank": None, "ranks": missing}
+            self._failures.append({**failure, "time": time.time()})
         self.failed.set()
         return True
 
@@ -389,6 +399,11 @@ class Verdict:
             limit = f"the start timeout ({self.start_timeout:g} s)"
             if not missing:
                 return f"{_who(report)} timed out in syncdp.init() after {limit}"
+            if report.get("none"):
+                return (
+                    f"Open MPI started no process of the job within {limit}: its daemons "
+                    "could not start on the hosts (--log-level DEBUG shows mpirun's command)"
+                )
             return f"{_ranks_text(missing)} never reached syncdp.init() within {limit}"
         if kind == "lost":
             host = report.get("host")

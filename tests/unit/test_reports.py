@@ -219,6 +219,27 @@ def test_launcher_ends_a_start_that_outlives_the_timeout_and_its_grace():
     )
 
 
+def test_a_job_open_mpi_starts_nothing_of_ends_after_the_start_timeout():
+    # No supervisor ever heard from (a daemon's srun waiting for CPUs it never gets): the job
+    # ends once the start timeout has passed since the runtime began, not never.
+    created = time.monotonic()
+    verdict = Verdict(num_proc=2, start_timeout=10.0)
+    assert not verdict.check_start(now=created + 1000)  # a supervisor is heard from
+    assert not verdict.check_start(now=created + 9.9, anything_started=False)
+    assert not verdict.failed.is_set()
+    assert verdict.check_start(now=time.monotonic() + 10, anything_started=False)
+    assert verdict.failed.is_set()
+    assert _last(verdict)[1].endswith(
+        "first failure: Open MPI started no process of the job within the start timeout "
+        "(10 s): its daemons could not start on the hosts (--log-level DEBUG shows mpirun's "
+        "command)"
+    )
+    # With no start timeout, nothing ends it.
+    assert not Verdict(2, start_timeout=0.0).check_start(
+        now=time.monotonic() + 1e6, anything_started=False
+    )
+
+
 def test_start_timeout_zero_waits_forever():
     verdict = Verdict(num_proc=2, start_timeout=0.0)
     verdict.add(_report("started", 0, 1.0))
