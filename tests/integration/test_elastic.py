@@ -64,6 +64,14 @@ def _assert_finished(result, size: int, changes: int) -> None:
     out = f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
     assert result.returncode == 0, out
     results = _results(result.stdout)
+    if len(results) == 2 * size and "1 restart(s) after a lost Open MPI daemon" in result.stderr:
+        # Open MPI lost a daemon as the job ended, before the ranks there reported how they
+        # ended (seen once in a full run under load): the launcher cannot tell their program's
+        # end was done, so it restarts from the last commit and the end runs again
+        # (docs/elastic-host-loss.md). Both runs' results must be whole and agree.
+        earlier, results = results[:size], results[size:]
+        assert sorted(r["rank"] for r in earlier) == list(range(size)), out
+        assert all(r["w"] == results[0]["w"] and r["b"] == results[0]["b"] for r in earlier)
     assert len(results) == size, out
     assert sorted(r["rank"] for r in results) == list(range(size)), out
     assert all(r["size"] == size and r["epoch"] == EPOCHS for r in results), out
