@@ -140,7 +140,8 @@ SETTINGS: tuple[Setting, ...] = (
         "--start-timeout",
         float,
         120.0,
-        "seconds for every rank to reach init(); the job ends naming the ranks that did not",
+        "seconds for every rank to reach init(), and for Open MPI to start any process; the job "
+        "ends naming the ranks that did not",
     ),
     Setting(
         "stall_timeout",
