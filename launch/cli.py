@@ -79,6 +79,13 @@ __all__ = ["LaunchConfig", "LOG_LEVELS", "TCP_ONLY", "build_parser", "parse_args
 
 # The settings that switch elastic mode on.
 _ELASTIC_SETTINGS = ("elastic", *settings.ELASTIC_IMPLIED_BY)
+
+
+def _is_elastic(given: Mapping[str, Any]) -> bool:
+    """Whether settings ``given`` by name make the job elastic (ULFM; lost ranks replaced)."""
+    return any(given.get(name) for name in _ELASTIC_SETTINGS)
+
+
 # horovodrun's --log-level words (the launcher says more at TRACE and DEBUG, less at ERROR and
 # FATAL).
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
@@ -140,7 +147,7 @@ class LaunchConfig:
     @property
     def elastic(self) -> bool:
         """Whether the job runs in elastic mode (ULFM; lost ranks are replaced)."""
-        return any(self.settings.get(name) for name in _ELASTIC_SETTINGS)
+        return _is_elastic(self.settings)
 
 
 def _setting_help(s: settings.Setting) -> str:
@@ -449,7 +456,7 @@ def parse_args(
         parser.error(f"{least} ({resolved['min_np']}) must not exceed -np ({args.num_proc})")
     if resolved.get("max_np") and resolved["max_np"] < args.num_proc:
         parser.error(f"{most} ({resolved['max_np']}) must be at least -np ({args.num_proc})")
-    if not listed and any(resolved.get(name) for name in _ELASTIC_SETTINGS):
+    if not listed and _is_elastic(resolved):
         # An elastic job restarts without a host it loses only on hosts it knows: in a Slurm
         # allocation of several nodes, its nodes and their tasks, as mpirun would read them.
         listed = _hosts.slurm_allocation(environ)
@@ -504,8 +511,7 @@ def _check_elastic_limits(
                 f"(e.g. {spelled[name]} {num_proc}), or leave it out to use -np",
                 prog,
             )
-    elastic = any(given.get(name) for name in _ELASTIC_SETTINGS)
-    if "reset_limit" in spelled and not elastic:
+    if "reset_limit" in spelled and not _is_elastic(given):
         _setting_error(
             f"{spelled['reset_limit']} counts the membership changes of an elastic job, and "
             "this job is not elastic: add --min-np M (or --max-np, --elastic, "
@@ -522,7 +528,7 @@ def _check_spares(
     problem = None
     if spares < 0:
         problem = f"--spares must be 0 or more; got {spares}"
-    elif spares and not any(given.get(name) for name in _ELASTIC_SETTINGS):
+    elif spares and not _is_elastic(given):
         problem = (
             f"--spares {spares} needs elastic mode: add --min-np M (or --max-np, --elastic, "
             "--host-discovery-script)"

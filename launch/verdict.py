@@ -167,15 +167,24 @@ class Verdict:
             if self.start_timeout <= 0 or self._failures:
                 return False
             missing = self._not_started()
-            if self._first_start is None:
-                if anything_started or now < self._created + self.start_timeout:
-                    return False
-                failure = {"kind": "start_timeout", "rank": None, "ranks": missing, "none": True}
-            elif not missing or now < self._first_start + self.start_timeout + START_GRACE_SECONDS:
-                return False
+            before_init = self._first_start is None  # no rank has reached init() yet
+            if before_init:
+                late = not anything_started and now >= self._created + self.start_timeout
             else:
-                failure = {"kind": "start_timeout", "rank": None, "ranks": missing}
-            self._failures.append({**failure, "time": time.time()})
+                late = bool(missing) and (
+                    now >= self._first_start + self.start_timeout + START_GRACE_SECONDS
+                )
+            if not late:
+                return False
+            self._failures.append(
+                {
+                    "kind": "start_timeout",
+                    "rank": None,
+                    "ranks": missing,
+                    "no_process": before_init,  # only then can it be late: nothing started
+                    "time": time.time(),
+                }
+            )
         self.failed.set()
         return True
 
@@ -399,7 +408,7 @@ class Verdict:
             limit = f"the start timeout ({self.start_timeout:g} s)"
             if not missing:
                 return f"{_who(report)} timed out in syncdp.init() after {limit}"
-            if report.get("none"):
+            if report.get("no_process"):
                 return (
                     f"Open MPI started no process of the job within {limit}: its daemons "
                     "could not start on the hosts (--log-level DEBUG shows mpirun's command)"

@@ -71,7 +71,7 @@ def _assert_finished(result, size: int, changes: int) -> None:
         # (docs/elastic-host-loss.md). Both runs' results must be whole and agree.
         earlier, results = results[:size], results[size:]
         assert sorted(r["rank"] for r in earlier) == list(range(size)), out
-        assert all(r["w"] == results[0]["w"] and r["b"] == results[0]["b"] for r in earlier)
+        assert all(r["w"] == results[0]["w"] and r["b"] == results[0]["b"] for r in earlier), out
     assert len(results) == size, out
     assert sorted(r["rank"] for r in results) == list(range(size)), out
     assert all(r["size"] == size and r["epoch"] == EPOCHS for r in results), out

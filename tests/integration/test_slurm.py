@@ -3,8 +3,9 @@
 slurmctld runs in the root namespace, one slurmd per namespace host (tests/netns.py), with a
 private munged. Checked, in one allocation of 2 nodes x 2 tasks: ``syncdp-run`` without ``-np``
 takes the allocation's 4 tasks and places 2 ranks on each node, and Slurm's own direct launch
-(``srun --mpi=pmix``, no mpirun) runs the same program. And an elastic job given no ``-H``
-takes the allocation's nodes as its hosts, so it restarts without a node whose link is cut.
+(``srun --mpi=pmix``, no mpirun) runs the same program. And, in an allocation of 3 nodes x 1
+task, an elastic job given no ``-H`` takes the nodes as its hosts, so it restarts on the two
+left when one node's link is cut.
 Skips, saying why, where Slurm (Debian's slurm-wlm, munge, libpmix-dev; .ci/run installs them)
 or namespaces are missing; stops every daemon and removes everything it made, also on failure.
 """
@@ -285,11 +286,12 @@ def test_an_elastic_job_in_an_allocation_restarts_without_a_node_it_loses(slurm,
     # Nothing of the job left on any node 15 s after it (Slurm's own daemons stay).
     deadline = ended + 15
     while True:
-        left = {
-            n: [(p, _comm(p)) for p in hosts.pids(n) if _comm(p) not in ("slurmd", "slurmstepd")]
-            for n in ELASTIC_NODES
-        }
-        left = {n: p for n, p in left.items() if p}
+        left = {}
+        for n in ELASTIC_NODES:
+            named = [(p, _comm(p)) for p in hosts.pids(n)]
+            job = [(p, c) for p, c in named if c not in ("slurmd", "slurmstepd")]
+            if job:
+                left[n] = job
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.5)

@@ -9,12 +9,13 @@ The verdict must be the one the authentic reports give, and every other line cou
 import json
 import os
 import socket
+import subprocess
 import threading
 import time
 
 import pytest
 
-from launch import hosts
+from launch import hosts, supervision
 from launch.lifeline import Link
 from launch.report_server import ReportServer, describe_rejected
 from launch.verdict import START_GRACE_SECONDS, Verdict
@@ -238,6 +239,28 @@ def test_a_job_open_mpi_starts_nothing_of_ends_after_the_start_timeout():
     assert not Verdict(2, start_timeout=0.0).check_start(
         now=time.monotonic() + 1e6, anything_started=False
     )
+
+
+def test_the_launcher_stops_an_mpirun_that_starts_no_process():
+    # The supervision loop asks the lifeline whether anything started: a stand-in mpirun that
+    # never starts a process (no supervisor on the lifeline) is stopped after the start
+    # timeout, and one that ends by itself with nothing heard is not called a start failure
+    # before its time.
+    stuck = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    verdict = Verdict(num_proc=2, start_timeout=0.5)
+    began = time.monotonic()
+    try:
+        supervision.supervise(stuck, verdict, links=lambda: {})
+    finally:
+        if stuck.poll() is None:
+            stuck.kill()
+            stuck.wait()
+    assert time.monotonic() - began < 10
+    assert "Open MPI started no process of the job" in _last(verdict)[1]
+    quick = subprocess.Popen(["sleep", "0.2"], start_new_session=True)
+    verdict = Verdict(num_proc=2, start_timeout=30.0)
+    supervision.supervise(quick, verdict, links=lambda: {})
+    assert quick.returncode == 0 and not verdict.failed.is_set()
 
 
 def test_start_timeout_zero_waits_forever():
