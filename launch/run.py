@@ -202,6 +202,12 @@ def build_env(
     return env
 
 
+def _sets_pmix_gds(mpi_args) -> bool:
+    """Whether ``--mpi-args`` chooses PMIx's store itself (``--pmixmca gds ...``)."""
+    args = list(mpi_args)
+    return any(flag == "--pmixmca" and name == "gds" for flag, name in zip(args, args[1:]))
+
+
 def _exported_by_user(mpi_args) -> list[str]:
     """The names in ``-x NAME`` or ``-x NAME=VALUE`` of ``--mpi-args``."""
     args = list(mpi_args)
@@ -240,6 +246,12 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
             # every rank it started with (syncdp.job.runtime.init sets it too, for a program
             # that does not start MPI itself first, and for replacements).
             cmd += ["--mca", _ASYNC_FINALIZE.removeprefix("OMPI_MCA_"), "1"]
+    if "PMIX_MCA_gds" not in env and not _sets_pmix_gds(config.mpi_args):
+        # PMIx 5.0's shared-memory store (gds shmem2) crashes Open MPI's daemon now and then
+        # when a rank spawns a process on its host (a segfault in libpmix; openpmix#3560): a
+        # replacement's spawn cost the job a restart in about 1 of 10 elastic runs here. The
+        # hash store, PMIx's default before 5.0, serves jobs of any size syncdp runs.
+        cmd += ["--pmixmca", "gds", "hash"]
     if config.hosts:
         cmd += ["--host", config.hosts]
     if config.hostfile:

@@ -272,3 +272,19 @@ def test_a_one_host_job_leaves_out_ucx_windows_whatever_the_host_has(monkeypatch
     assert run.build_env(one, environ={"OMPI_MCA_osc": "ucx"})["OMPI_MCA_osc"] == "ucx"
     two = run.parse_args(["-np", "2", "-H", "a:1,b:1", "python"])
     assert "OMPI_MCA_osc" not in run.build_env(two, environ={})
+
+
+def test_pmix_keeps_its_job_data_in_the_hash_store_unless_the_caller_chooses():
+    # PMIx 5.0's shared-memory store crashed Open MPI's daemon on a host where a replacement
+    # was spawned (a segfault in libpmix): every job asks for the hash store on mpirun's
+    # command line, which reaches the daemons on other hosts too; the caller's choice wins.
+    def gds(argv, environ):
+        c = run.parse_args(["-np", "2", *argv, "python"])
+        cmd = run.build_command(c, run.build_env(c, environ=environ))
+        found = [cmd[i + 2] for i in range(len(cmd) - 2) if cmd[i : i + 2] == ["--pmixmca", "gds"]]
+        return found
+
+    assert gds([], {}) == ["hash"]
+    assert gds(["--min-np", "1", "-H", "a:1,b:1"], {}) == ["hash"]
+    assert gds(["--mpi-args", "--pmixmca gds shmem2,hash"], {}) == ["shmem2,hash"]
+    assert gds([], {"PMIX_MCA_gds": "shmem2"}) == []
