@@ -42,8 +42,12 @@ class SyncdpError(Exception):
     """Base class of every syncdp error."""
 
 
-class NotInitializedError(SyncdpError, RuntimeError):
-    """syncdp was used before ``syncdp.init()`` or after ``syncdp.shutdown()``."""
+class NotInitializedError(SyncdpError, RuntimeError, ValueError):
+    """syncdp was used before ``syncdp.init()`` or after ``syncdp.shutdown()``.
+
+    Also a ``ValueError``, which is what Horovod raises there, so ``except ValueError`` written
+    for Horovod catches it.
+    """
 
 
 class ConfigError(SyncdpError, ValueError):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import operator
 import os
 import sys
 import time
@@ -36,7 +37,12 @@ from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from syncdp.base import mpi, settings
-from syncdp.base.errors import ElasticAbortError, NotInitializedError, RankFailureError
+from syncdp.base.errors import (
+    ConfigError,
+    ElasticAbortError,
+    NotInitializedError,
+    RankFailureError,
+)
 from syncdp.base.topology import Topology, discover
 from syncdp.membership import jobenv, membership, refill, spares
 from syncdp.transport.communicator import Communicator
@@ -111,8 +117,15 @@ def init(comm=None, process_sets=None, **options) -> None:
     initializes again.
 
     Args:
-        comm: The mpi4py communicator whose processes train together. syncdp works on a
-            private duplicate and leaves it to the caller. Defaults to ``MPI.COMM_WORLD``.
+        comm: The processes that train together: an mpi4py communicator (syncdp works on a
+            private duplicate and leaves it to the caller), or, as in Horovod, a list of
+            ``COMM_WORLD`` ranks, whose ``i``-th becomes rank ``i``. With a list, only the
+            listed processes take part (the communicator is made among them alone), and a
+            process not in the list raises :class:`~syncdp.base.errors.ConfigError` (Horovod's
+            falls back to ``COMM_WORLD`` there, which the listed ranks never join). Under
+            ``syncdp-run`` every process must reach ``init()`` within the start timeout, so
+            there a process not in the list calls it too and catches the error. Defaults to
+            ``MPI.COMM_WORLD``.
         process_sets: Process sets to register at once, in this order, the same on every rank
             (:class:`~syncdp.job.process_sets.ProcessSet` objects or lists of ranks); Horovod's
             ``"dynamic"`` is accepted too (sets can always be added later). Defaults to none.
@@ -120,12 +133,15 @@ def init(comm=None, process_sets=None, **options) -> None:
             (see :data:`syncdp.base.settings.SETTINGS`), e.g. ``fusion_threshold=16 << 20``.
 
     Raises:
-        ConfigError: A ``SYNCDP_*`` variable or an option is unknown or malformed.
+        ConfigError: A ``SYNCDP_*`` variable or an option is unknown or malformed; ``comm`` is
+            a list that is empty, names a rank twice or one outside ``COMM_WORLD``, or does
+            not name this process. A ``ValueError``, as Horovod raises.
 
     Example:
         >>> import syncdp
         >>> syncdp.init()
         >>> print(syncdp.rank(), syncdp.size())
+        >>> syncdp.init(comm=[0, 2])  # on COMM_WORLD ranks 0 and 2 only: a job of two
     """
     if _state.comm is not None:
         _register(process_sets, only_new=True)  # Horovod programs may call init() again
@@ -151,7 +167,11 @@ def init(comm=None, process_sets=None, **options) -> None:
     MPI = mpi.load()
     if world_rank is None:
         report.send("started", MPI.COMM_WORLD.Get_rank())
-    base = MPI.COMM_WORLD if comm is None else comm
+    made = None  # a communicator made here, for a list of ranks
+    if isinstance(comm, (list, tuple)):
+        made = base = _communicator_of_ranks(MPI, comm)
+    else:
+        base = MPI.COMM_WORLD if comm is None else comm
     plan = None
     if config.elastic:
         spawned = membership.join_parent()
@@ -159,6 +179,8 @@ def init(comm=None, process_sets=None, **options) -> None:
         base, plan = _elastic_base(base, config, spawned=spawned)
     timeline = Timeline(config.timeline) if config.timeline else None
     world = _build(base, config, timeline, plan=plan)
+    if made is not None:
+        made.Free()  # syncdp trains on its own duplicate
     _pin_gpu(_state.topology.local_rank)
     _install_failure_hook()
     if not _state.atexit_registered:
@@ -174,6 +196,52 @@ def init(comm=None, process_sets=None, **options) -> None:
             f"{config}",
             file=sys.stderr,
         )
+
+
+def _communicator_of_ranks(MPI, ranks):
+    """The communicator of the ``COMM_WORLD`` ranks listed, in the order given (Horovod's
+    ``init(comm=[...])``); made among those processes alone, so only they call it.
+
+    Raises:
+        ConfigError: The list is empty, names a rank twice or one outside ``COMM_WORLD``, or
+            does not name this process.
+    """
+    world = MPI.COMM_WORLD
+    size, me = world.Get_size(), world.Get_rank()
+    given = list(ranks)
+    try:
+        ranks = [operator.index(r) for r in given if not isinstance(r, bool)]
+    except TypeError:
+        ranks = []
+    if len(ranks) != len(given) or not given:
+        raise ConfigError(
+            "init(comm=...) takes an mpi4py communicator or a non-empty list of COMM_WORLD "
+            f"ranks (integers); got {given!r}."
+        )
+    outside = [r for r in ranks if not 0 <= r < size]
+    if outside:
+        raise ConfigError(
+            f"init(comm={given!r}): COMM_WORLD has ranks 0 to {size - 1}; got {outside}. List "
+            "ranks of the processes the job started."
+        )
+    twice = sorted({r for r in ranks if ranks.count(r) > 1})
+    if twice:
+        raise ConfigError(
+            f"init(comm={given!r}) names rank(s) {twice} more than once; list each rank once."
+        )
+    if me not in ranks:
+        raise ConfigError(
+            f"init(comm={given!r}) was called on COMM_WORLD rank {me}, which is not in the "
+            "list: only the listed ranks train together. On a process left out, catch this "
+            "error (syncdp-run needs every process to call init()) and do not use syncdp."
+        )
+    everyone = world.Get_group()
+    chosen = everyone.Incl(ranks)
+    try:
+        return world.Create_group(chosen)
+    finally:
+        chosen.Free()
+        everyone.Free()
 
 
 def _elastic_base(base, config: settings.Config, spawned):

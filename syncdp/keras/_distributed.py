@@ -14,6 +14,7 @@ traced inside an XLA-compiled function, the wrapper raises a clear error.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 
@@ -23,6 +24,7 @@ import tensorflow as tf
 from syncdp.base.errors import UnsupportedError
 from syncdp.keras import _display
 from syncdp.tensorflow import collectives as ops
+from syncdp.tensorflow import compression as _compression
 from syncdp.tensorflow import graph
 from syncdp.tensorflow.compression import Compression
 from syncdp.tensorflow.keras2_names import (
@@ -38,8 +40,6 @@ except ImportError:  # pragma: no cover - a TensorFlow that moved it: the check 
     GraphOrParentsInXlaContext = None
 
 __all__ = ["Distributed", "keras_of_optimizer"]
-
-_COMPRESSION_NAMES = {Compression.none: "none", Compression.fp16: "fp16"}
 
 
 class Distributed:
@@ -63,8 +63,14 @@ class Distributed:
         name: This optimizer's name. Defaults to ``"distributed_" + optimizer.name``.
         device_dense: Accepted for Horovod compatibility; placement follows the gradients.
         device_sparse: Accepted for Horovod compatibility.
-        compression: ``Compression.none`` or ``Compression.fp16`` (gradients travel as
-            float16). Defaults to ``Compression.none``.
+        compression: ``Compression.none``, ``Compression.fp16`` (gradients travel as
+            float16), or any compressor the gradient tape takes (an object or class with
+            ``compress`` and ``decompress``, as :class:`syncdp.tensorflow.compression.Compressor`).
+            The config names a custom compressor by its dotted path (``"pkg.module.TopK"``),
+            which loading looks up among the modules already imported (import it before
+            loading) or in ``custom_objects``; one no path reaches (a class defined inside a
+            function, an instance) is saved as no compression, with a warning, and comes back
+            as ``Compression.none``. Defaults to ``Compression.none``.
         sparse_as_dense: Reduce ``IndexedSlices`` gradients (embeddings) as dense tensors.
             Defaults to False.
         gradient_predivide_factor: Divide gradients by this before the sum and by
@@ -75,8 +81,10 @@ class Distributed:
             does (after 4 calls with 2 passes per step it is 4), so schedules keyed to it
             move per pass. Defaults to 1.
         average_aggregated_gradients: With ``backward_passes_per_step > 1``, divide the
-            accumulated gradients by ``backward_passes_per_step`` (so k passes on k batches
-            equal one step on the k batches together). Defaults to True.
+            accumulated gradients by ``backward_passes_per_step``, so that k passes on k
+            batches equal one step on the k batches together. Otherwise the update applies
+            the sum of the k (rank-averaged) gradients, as Horovod's does. Defaults to False
+            (Horovod's default).
         num_groups: Accepted for Horovod compatibility; fusion follows the threshold.
         groups: Accepted for Horovod compatibility.
         process_set: The ranks that average together; a rank outside it keeps its own
@@ -119,7 +127,7 @@ class Distributed:
         gradient_predivide_factor: float = 1.0,
         op=ops.Average,
         backward_passes_per_step: int = 1,
-        average_aggregated_gradients: bool = True,
+        average_aggregated_gradients: bool = False,
         num_groups: int = 0,
         groups=None,
         process_set=ops.global_process_set,
@@ -149,10 +157,11 @@ class Distributed:
                 "backward_passes_per_step must be an integer >= 1; got "
                 f"{backward_passes_per_step!r}."
             )
-        if compression not in _COMPRESSION_NAMES:
+        if not _compression.is_compressor(compression):
             raise ValueError(
-                "compression must be syncdp.Compression.none or "
-                f"syncdp.Compression.fp16; got {compression!r}."
+                "compression must be a compressor: syncdp.Compression.none, "
+                "syncdp.Compression.fp16, or an object with compress() and decompress(); got "
+                f"{compression!r}."
             )
         if kwargs:
             raise TypeError(
@@ -438,7 +447,7 @@ class Distributed:
         return {
             "name": self.name,
             "optimizer": self._keras.optimizers.serialize(self.inner_optimizer),
-            "compression": _COMPRESSION_NAMES[self.compression],
+            "compression": self._compression_name(),
             "sparse_as_dense": self.sparse_as_dense,
             "gradient_predivide_factor": self.gradient_predivide_factor,
             "op": self.op.value,
@@ -446,13 +455,32 @@ class Distributed:
             "average_aggregated_gradients": self.average_aggregated_gradients,
         }
 
+    def _compression_name(self) -> str | None:
+        name = _compression.to_name(self.compression)
+        if name is None:
+            warnings.warn(
+                f"syncdp: {self.name}'s config cannot name its compression {self.compression!r} "
+                "(no import path reaches it), so it is saved without one and loads with "
+                "Compression.none. Define the compressor as a class at module level to keep it.",
+                stacklevel=3,
+            )
+        return name
+
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = copy.deepcopy(config)  # Keras' deserialize edits the optimizer's entry
         optimizer = cls._keras.optimizers.deserialize(
             config.pop("optimizer"), custom_objects=custom_objects
         )
-        config["compression"] = getattr(Compression, config.get("compression", "none"))
+        name = config.get("compression", "none")
+        objects = dict(custom_objects or {})
+        if name not in (None, "none", "fp16"):
+            # Keras hands custom objects to a load through a scope as well as the argument.
+            for key in (name, name.rpartition(".")[2]):
+                found = cls._keras.saving.get_registered_object(key, custom_objects)
+                if found is not None:
+                    objects.setdefault(key, found)
+        config["compression"] = _compression.from_name(name, objects)
         config["op"] = ops.ReduceOp(config.get("op", ops.Average.value))
         return cls(optimizer, **config)
 

@@ -220,24 +220,28 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
                 logs[k] = float(np.mean([theirs[k] for theirs in everyone], dtype=np.float64))
 
     class LearningRateScheduleCallback(_SyncdpCallback):
-        """Sets the learning rate to ``initial_lr * multiplier`` in ``[start_epoch, end_epoch)``.
+        """Sets the learning rate to ``initial_lr * multiplier(epoch)`` for epochs in a window.
 
-        With Horovod's meaning of ``multiplier``: a constant is a constant factor, applied at the
-        first batch of every epoch in the window (``staircase`` is then forced to True); a function
-        is called with the epoch, an integer with ``staircase=True``, otherwise at every batch with
-        the fractional epoch ``epoch + batch / steps_per_epoch``. Outside the window the rate is
-        left as it is, so a schedule is several callbacks with adjacent windows. At each epoch end
-        the rate is logged as ``lr``. Not a collective: every rank computes the same rates.
+        The window is ``[start_epoch, end_epoch)``, and ``multiplier`` has Horovod's meaning
+        (0.23 and later): a function is called with the epoch; a number ``m`` is exponential
+        decay from ``start_epoch``, the factor ``m ** (epoch - start_epoch)``, so the window
+        starts at ``initial_lr`` and the rate is multiplied by ``m`` every epoch. With
+        ``staircase=True`` the rate is set at the first batch of every epoch in the window, from
+        the integer epoch; with ``staircase=False`` at every batch, from the fractional epoch
+        ``epoch + batch / steps_per_epoch`` (a number then decays smoothly within the epoch). For
+        a constant factor over a window, pass a function that ignores the epoch:
+        ``multiplier=lambda epoch: 0.1``. Outside the window the rate is left as it is, so a
+        schedule is several callbacks with adjacent windows. At each epoch end the rate is
+        logged as ``lr``. Not a collective: every rank computes the same rates.
 
         Args:
             initial_lr: The learning rate the multiplier scales (usually the base rate times
                 ``syncdp.size()``).
-            multiplier: A constant factor, or a function ``epoch -> factor`` (e.g.
-                ``lambda epoch: 0.95 ** epoch`` for exponential decay).
+            multiplier: A function ``epoch -> factor`` (e.g. ``lambda epoch: 0.1`` for a
+                constant factor), or a number ``m`` for the factor ``m ** (epoch - start_epoch)``.
             start_epoch: First epoch (0-based) to adjust. Defaults to 0.
             end_epoch: First epoch not to adjust; None for no end. Defaults to None.
-            staircase: Adjust once per epoch (True) or every batch (False); ignored (True) for a
-                constant ``multiplier``. Defaults to True.
+            staircase: Adjust once per epoch (True) or every batch (False). Defaults to True.
             momentum_correction: When the rate changes, scale SGD/RMSprop momentum buffers by
                 ``new_lr / old_lr``. Defaults to True.
             steps_per_epoch: Batches per epoch, needed when ``staircase=False``. Defaults to what
@@ -248,14 +252,18 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
 
         Example:
             >>> # The ImageNet schedule after a 5-epoch warmup: x1 to epoch 30, x0.1 to 60,
-            >>> # x0.01 to 80 (Goyal et al. 2017; Horovod's keras_imagenet_resnet50.py).
+            >>> # x0.01 to 80 (Goyal et al. 2017; Horovod's keras_imagenet_resnet50.py). The
+            >>> # factors are functions: a number would decay by itself every epoch.
             >>> lr = 0.0125 * syncdp.size()
+            >>> Schedule = LearningRateScheduleCallback
             >>> callbacks = [
             ...     LearningRateWarmupCallback(initial_lr=lr, warmup_epochs=5),
-            ...     LearningRateScheduleCallback(lr, multiplier=1.0, start_epoch=5, end_epoch=30),
-            ...     LearningRateScheduleCallback(lr, multiplier=0.1, start_epoch=30, end_epoch=60),
-            ...     LearningRateScheduleCallback(lr, multiplier=0.01, start_epoch=60, end_epoch=80),
+            ...     Schedule(lr, multiplier=lambda epoch: 1.0, start_epoch=5, end_epoch=30),
+            ...     Schedule(lr, multiplier=lambda epoch: 0.1, start_epoch=30, end_epoch=60),
+            ...     Schedule(lr, multiplier=lambda epoch: 0.01, start_epoch=60, end_epoch=80),
             ... ]
+            >>> # Exponential decay from epoch 80: lr * 0.9 ** (epoch - 80).
+            >>> LearningRateScheduleCallback(lr, multiplier=0.9, start_epoch=80)
         """
 
         def __init__(
@@ -279,11 +287,9 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
             if callable(multiplier):
                 self.multiplier = multiplier
             else:
-                # Horovod's meaning: the same factor for the whole window, so there is nothing to
-                # recompute per batch (and no need to know the steps per epoch).
-                factor = float(multiplier)
-                self.multiplier = lambda epoch: factor
-                staircase = True
+                self.multiplier = functools.partial(
+                    _exponential_decay, float(multiplier), start_epoch
+                )
             self.start_epoch = start_epoch
             self.end_epoch = end_epoch
             self.staircase = staircase
@@ -449,6 +455,11 @@ MetricAverageCallback = _classes.MetricAverageCallback
 LearningRateScheduleCallback = _classes.LearningRateScheduleCallback
 LearningRateWarmupCallback = _classes.LearningRateWarmupCallback
 BestModelCheckpoint = _classes.BestModelCheckpoint
+
+
+def _exponential_decay(base: float, start_epoch: int, epoch: float) -> float:
+    """``base ** (epoch - start_epoch)``: what a constant ``multiplier`` means in Horovod."""
+    return base ** (epoch - start_epoch)
 
 
 def _has_weights(model) -> bool:

@@ -28,6 +28,7 @@ import time
 import zlib
 from typing import Any
 
+import cloudpickle
 import numpy as np
 
 from syncdp.base import mpi as _mpi
@@ -727,18 +728,21 @@ class Communicator:
         return self._run(name, lambda: self.mpi.allreduce(flag, op=self._MPI.BAND))
 
     def broadcast_object(self, obj: Any, root: int = 0, *, name: str = "broadcast_object"):
-        """Returns rank ``root``'s picklable ``obj`` on every rank.
+        """Returns rank ``root``'s ``obj`` on every rank: the root gets ``obj`` itself, the
+        others an unpickled copy.
 
-        The root pickles first and tells everyone whether it could: an object that cannot be
-        pickled raises :class:`~syncdp.base.errors.CollectiveError` on every rank, naming the
-        root and the cause, instead of leaving the others waiting for bytes that never come.
+        Objects travel pickled by cloudpickle, as Horovod's do, so lambdas and functions or
+        classes defined in ``__main__`` or inside a function can be sent. The root pickles
+        first and tells everyone whether it could: an object that cannot be pickled raises
+        :class:`~syncdp.base.errors.CollectiveError` on every rank, naming the root and the
+        cause, instead of leaving the others waiting for bytes that never come.
         """
         payload, problem = None, None
         if self.rank == root:
             payload, problem = _pickled(obj)
         if self.size == 1:
             _raise_if_failed(name, {root: problem})
-            return pickle.loads(payload)
+            return obj
 
         def run():
             head = self.mpi.bcast((problem, len(payload) if payload else 0), root=root)
@@ -750,12 +754,14 @@ class Communicator:
 
         failed, raw = self._run(name, run)
         _raise_if_failed(name, {root: failed})
-        return pickle.loads(raw)
+        return obj if self.rank == root else pickle.loads(raw)
 
     def allgather_object(self, obj: Any, *, name: str = "allgather_object", timeout=None):
-        """Returns the list of every rank's picklable ``obj``, in rank order.
+        """Returns the list of every rank's ``obj`` (unpickled copies, this rank's too), in rank
+        order.
 
-        A rank whose object cannot be pickled still takes part: every rank then raises
+        Objects travel pickled by cloudpickle, as in :meth:`broadcast_object`. A rank whose
+        object cannot be pickled still takes part: every rank then raises
         :class:`~syncdp.base.errors.CollectiveError` naming it and the cause.
         """
         payload, problem = _pickled(obj)
@@ -768,9 +774,13 @@ class Communicator:
 
 
 def _pickled(obj: Any) -> tuple[bytes | None, str | None]:
-    """``(pickle of obj, None)``, or ``(None, why not)`` when it cannot be pickled."""
+    """``(pickle of obj, None)``, or ``(None, why not)`` when it cannot be pickled.
+
+    cloudpickle pickles functions and classes that plain pickle can only name (lambdas, those
+    of ``__main__`` or defined inside a function) by value; plain ``pickle.loads`` reads it.
+    """
     try:
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
+        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None
     except Exception as e:  # noqa: BLE001 - any pickling failure must reach every rank
         return None, f"{type(e).__name__}: {e}"
 

@@ -51,3 +51,44 @@ def test_init_shutdown_init_and_a_given_communicator(tmp_path, np_):
     result = check(launch(np_, "python", python_script(tmp_path, JOB), timeout=240))
     for r in range(np_):
         assert f"[{r}]<stdout>:rank {r}: ok" in result.stdout
+
+
+RANKS_JOB = """
+import os
+import tensorflow as tf
+tf.config.threading.set_intra_op_parallelism_threads(1)
+import syncdp
+
+world_rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+world_size = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+ranks = list(range(world_size - 1, -1, -2))  # np=3: [2, 0]; np=2: [1]; np=1: [0]
+if world_rank in ranks:
+    syncdp.init(comm=ranks)
+    assert syncdp.size() == len(ranks), syncdp.size()
+    assert syncdp.rank() == ranks.index(world_rank)  # the i-th listed is rank i
+    total = syncdp.allreduce(tf.constant([float(world_rank)]), op=syncdp.Sum)
+    assert total.numpy()[0] == sum(ranks), total
+    assert syncdp.allgather_object(world_rank) == ranks
+    print(f"world rank {world_rank}: rank {syncdp.rank()} of {syncdp.size()}")
+else:
+    try:
+        syncdp.init(comm=ranks)
+    except ValueError as e:  # Horovod programs catch ValueError
+        assert isinstance(e, syncdp.ConfigError) and "not in the list" in str(e), e
+        print(f"world rank {world_rank}: refused")
+    else:
+        raise AssertionError("init() took a list that does not name this process")
+    assert not syncdp.is_initialized()
+"""
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3])
+def test_init_on_a_list_of_world_ranks(tmp_path, np_):
+    result = check(launch(np_, "python", python_script(tmp_path, RANKS_JOB), timeout=240))
+    ranks = list(range(np_ - 1, -1, -2))
+    for world_rank in range(np_):
+        if world_rank in ranks:
+            line = f"rank {ranks.index(world_rank)} of {len(ranks)}"
+        else:
+            line = "refused"
+        assert f"[{world_rank}]<stdout>:world rank {world_rank}: {line}" in result.stdout

@@ -54,3 +54,46 @@ def test_fp16_on_one_host_reduces_the_float32_values(hvd):
 
     half, full = both(x)
     np.testing.assert_array_equal(half.numpy(), full.numpy())
+
+
+class QuarterCompressor:
+    """A compressor of the user's, not one of syncdp's: sends values rounded to quarters."""
+
+    @staticmethod
+    def compress(tensor):
+        return tf.round(tensor * 4) / 4, tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_a_custom_compressor_in_the_keras_optimizer(hvd, traced):
+    import keras
+
+    import syncdp.keras
+
+    n, r = hvd.size(), hvd.rank()
+    keras.utils.set_random_seed(0)  # the same weights on every rank
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    opt = syncdp.keras.DistributedOptimizer(
+        keras.optimizers.SGD(1.0), compression=QuarterCompressor
+    )
+    x = np.random.default_rng(r).normal(size=(4, 3)).astype("float32")  # this rank's own
+    before = [w.numpy() for w in model.trainable_variables]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(x) ** 2)
+    mine = [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+
+    def step(grads):
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    (tf.function(step) if traced else step)([tf.constant(g) for g in mine])
+    everyone = hvd.allgather_object(mine)
+    for k, (w, b) in enumerate(zip(model.trainable_variables, before)):
+        if n == 1:  # nothing travels between ranks, so nothing is compressed
+            expected = mine[k]
+        else:  # the average of what travelled: each rank's gradient rounded to quarters
+            expected = np.mean([np.round(theirs[k] * 4) / 4 for theirs in everyone], axis=0)
+        np.testing.assert_allclose(b - w.numpy(), expected, rtol=0, atol=1e-5)

@@ -214,7 +214,10 @@ def test_backward_passes_per_step_2_equals_one_step_on_both_batches(legacy):
     x, y = _data(steps=4, seed=3)  # 4 micro-batches of GLOBAL_BATCH rows -> 2 updates
     xs, ys = _mine(x, y)
     model = _model(seed=11)
-    opt = hvd.DistributedOptimizer(adam(0.01), backward_passes_per_step=2)
+    # Averaging the passes' sums is what makes 2 passes one step on both batches.
+    opt = hvd.DistributedOptimizer(
+        adam(0.01), backward_passes_per_step=2, average_aggregated_gradients=True
+    )
     model.compile(optimizer=opt, loss=_loss())
     _fit(
         model,
@@ -232,6 +235,39 @@ def test_backward_passes_per_step_2_equals_one_step_on_both_batches(legacy):
     assert int(opt.iterations) == int(reference.optimizer.iterations) == 4
     assert int(opt._agg_helper.counter) == 0
     _assert_close(model.get_weights(), reference.get_weights())
+    _assert_identical_across_ranks(model.get_weights())
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["sgd", "legacy-sgd"])
+def test_by_default_2_passes_apply_the_sum_of_their_averaged_gradients(legacy):
+    # Horovod's default (average_aggregated_gradients=False): the update is the sum over the
+    # passes of each pass's rank-averaged gradient, all taken at the broadcast weights.
+    sgd = keras.optimizers.legacy.SGD if legacy else keras.optimizers.SGD
+    lr = 0.1
+    x, y = _data(steps=2, seed=6)  # 2 micro-batches of GLOBAL_BATCH rows -> 1 update
+    xs, ys = _mine(x, y)
+    model = _model(seed=12)
+    opt = hvd.DistributedOptimizer(sgd(lr), backward_passes_per_step=2)
+    assert opt.average_aggregated_gradients is False
+    model.compile(optimizer=opt, loss=_loss())
+    _fit(
+        model,
+        xs,
+        ys,
+        _local(),
+        epochs=1,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+    )
+    reference = _model(seed=12)
+    summed = [tf.zeros_like(v) for v in reference.trainable_variables]
+    for i in range(2):
+        rows = slice(i * GLOBAL_BATCH, (i + 1) * GLOBAL_BATCH)
+        with tf.GradientTape() as tape:
+            loss = _loss()(y[rows], reference(x[rows], training=True))
+        grads = tape.gradient(loss, reference.trainable_variables)
+        summed = [s + g for s, g in zip(summed, grads, strict=True)]
+    want = [v.numpy() - lr * g.numpy() for v, g in zip(reference.trainable_variables, summed)]
+    _assert_close([v.numpy() for v in model.trainable_variables], want)
     _assert_identical_across_ranks(model.get_weights())
 
 

@@ -199,7 +199,10 @@ def test_backward_passes_per_step_2_equals_one_step_on_both_batches():
     x, y = _data(steps=4, seed=3)  # 4 micro-batches of GLOBAL_BATCH rows -> 2 updates
     xs, ys = _my_rows(x, y, local)
     model = _model(seed=11)
-    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), backward_passes_per_step=2)
+    # Averaging the passes' sums is what makes 2 passes one step on both batches.
+    opt = hvd.DistributedOptimizer(
+        keras.optimizers.Adam(0.01), backward_passes_per_step=2, average_aggregated_gradients=True
+    )
     model.compile(optimizer=opt, loss=_loss(), jit_compile=False)
     model.fit(
         xs,
@@ -249,7 +252,9 @@ def test_custom_loop_apply_gradients_with_accumulation(traced):
     xs, ys = _my_rows(x, y, local)
     model = _model(seed=5)
     opt = hvd.DistributedOptimizer(
-        keras.optimizers.SGD(0.1, momentum=0.5), backward_passes_per_step=2
+        keras.optimizers.SGD(0.1, momentum=0.5),
+        backward_passes_per_step=2,
+        average_aggregated_gradients=True,
     )
     opt.build(model.trainable_variables)
     hvd.broadcast_variables(model.weights, root_rank=0)
@@ -275,6 +280,48 @@ def test_custom_loop_apply_gradients_with_accumulation(traced):
     assert int(opt.iterations) == 2  # both passes, as Horovod counts them
     for got, want in zip(model.weights, reference.weights, strict=True):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_by_default_k_passes_apply_the_sum_of_their_averaged_gradients(traced):
+    # Horovod's default (average_aggregated_gradients=False): one update with the sum over
+    # the passes of each pass's gradient averaged over the ranks, all taken at the same weights.
+    passes, lr = 3, 0.1
+    local = _local_batch()
+    x, y = _data(steps=passes, seed=8)
+    xs, ys = _my_rows(x, y, local)
+    model = _model(seed=9)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr), backward_passes_per_step=passes)
+    assert opt.average_aggregated_gradients is False
+    opt.build(model.trainable_variables)
+    hvd.broadcast_variables(model.weights, root_rank=0)
+    loss_fn = _loss()
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+    step = tf.function(step) if traced else step
+    for i in range(passes):
+        step(xs[i * local : (i + 1) * local], ys[i * local : (i + 1) * local])
+
+    # The ranks' average of equal shards' mean gradients is the global batch's mean gradient.
+    reference = _model(seed=9)
+    summed = [tf.zeros_like(v) for v in reference.trainable_variables]
+    for i in range(passes):
+        rows = slice(i * GLOBAL_BATCH, (i + 1) * GLOBAL_BATCH)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[rows], reference(x[rows], training=True))
+        grads = tape.gradient(loss, reference.trainable_variables)
+        summed = [s + g for s, g in zip(summed, grads, strict=True)]
+    assert int(opt.iterations) == passes
+    for got, start, total in zip(model.trainable_variables, reference.trainable_variables, summed):
+        np.testing.assert_allclose(
+            got.numpy(), start.numpy() - lr * total.numpy(), rtol=0, atol=1e-5
+        )
+    _assert_identical_across_ranks([w.numpy() for w in model.weights])
 
 
 def test_fp16_compression_keeps_replicas_identical():

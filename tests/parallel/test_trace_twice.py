@@ -256,7 +256,9 @@ def test_fit_without_and_with_distributed_optimizer(passes, syncdp_first, elasti
         fit(batch_list, batch_size)
 
     def fit_distributed(batch_list):
-        opt = hvd_keras.DistributedOptimizer(inner, backward_passes_per_step=passes)
+        opt = hvd_keras.DistributedOptimizer(
+            inner, backward_passes_per_step=passes, average_aggregated_gradients=True
+        )
         model.compile(optimizer=opt, loss="mse", jit_compile=False)
         if not elastic:
             fit(batch_list, local, [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])

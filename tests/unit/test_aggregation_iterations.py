@@ -89,9 +89,21 @@ def test_a_schedule_keyed_to_iterations_moves_per_pass(kind):
         with tf.GradientTape() as tape:
             loss = 1.0 * w
         opt.apply_gradients([(tape.gradient(loss, w), w)])
-    # Update 1 at iterations 1 (rate -2), update 2 at iterations 3 (rate -8): w = 2 + 8.
-    np.testing.assert_allclose(w.numpy(), [10.0])
+    # Each update applies the sum of its 2 passes' gradients (2), update 1 at iterations 1
+    # (rate -2), update 2 at iterations 3 (rate -8): w = 2 * 2 + 2 * 8.
+    np.testing.assert_allclose(w.numpy(), [20.0])
     assert int(opt.iterations) == 4
+
+
+def test_by_default_an_update_applies_the_sum_of_the_passes_gradients(kind):
+    package, sgd = kind
+    k = 3
+    opt = optimizers.for_package(package)(sgd(-1.0), backward_passes_per_step=k)
+    assert opt.average_aggregated_gradients is False  # Horovod's default
+    w = tf.Variable([0.0])
+    for scale in (1.0, 2.0, 4.0):  # gradients 1, 2 and 4
+        opt.apply_gradients([(tf.constant([scale]), w)])
+    np.testing.assert_allclose(w.numpy(), [7.0])  # their sum; averaged it would be 7 / 3
 
 
 def test_fit_counts_every_batch(kind):

@@ -73,6 +73,21 @@ def test_collectives_before_init_raise_clearly(call):
         call()
 
 
+@pytest.mark.parametrize(
+    "name", ["rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"]
+)
+def test_before_init_horovods_except_value_error_catches_it(name):
+    # Horovod raises ValueError("Horovod has not been initialized; use hvd.init().") here.
+    syncdp.shutdown()
+    try:
+        getattr(syncdp, name)()
+    except ValueError as caught:
+        assert isinstance(caught, syncdp.NotInitializedError)
+        assert isinstance(caught, RuntimeError)  # what syncdp raised before, still caught
+    else:
+        raise AssertionError(f"syncdp.{name}() before init() raised nothing")
+
+
 # The module graph, read from the source: every `import` and `from ... import` anywhere in a
 # module (also inside functions: an import run later still ties the two modules together).
 SOURCE = pathlib.Path(syncdp.__file__).resolve().parent

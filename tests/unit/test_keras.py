@@ -1,5 +1,6 @@
 """syncdp.keras in one process: API surface, config and saving, XLA guard, LR callbacks."""
 
+import sys
 import warnings
 
 import keras
@@ -10,6 +11,7 @@ import tensorflow as tf
 import syncdp
 import syncdp.keras as hvd
 from syncdp.keras import callbacks as cb
+from syncdp.tensorflow.compression import Compressor
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -20,6 +22,18 @@ def _init():
 def _model(seed=0):
     keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+
+
+class QuarterCompressor(Compressor):
+    """A compressor of the user's: sends values rounded to quarters."""
+
+    @staticmethod
+    def compress(tensor):
+        return tf.round(tensor * 4) / 4, tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
 
 
 def _xy(n=16):
@@ -106,7 +120,7 @@ def test_horovods_keras_2_spellings_still_work():
     [
         (dict(op=syncdp.Max), ValueError, "op must be syncdp.Average or syncdp.Sum"),
         (dict(backward_passes_per_step=0), ValueError, "integer >= 1; got 0"),
-        (dict(compression="fp8"), ValueError, "Compression.fp16; got 'fp8'"),
+        (dict(compression="fp8"), ValueError, r"compress\(\) and decompress\(\); got 'fp8'"),
         (dict(learning_rate=0.1), TypeError, "set learning rate"),
     ],
 )
@@ -137,6 +151,56 @@ def test_config_round_trip():
     assert isinstance(again.inner_optimizer, keras.optimizers.Adam)
     assert again.inner_optimizer.beta_1 == 0.8
     assert float(again.learning_rate.numpy()) == pytest.approx(0.003)
+
+
+def test_a_custom_compressor_is_taken_and_saved_by_its_import_path(tmp_path):
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=QuarterCompressor)
+    assert opt.compression is QuarterCompressor
+    config = opt.get_config()
+    assert config["compression"] == f"{__name__}.QuarterCompressor"
+    assert hvd.DistributedOptimizer.from_config(config).compression is QuarterCompressor
+    model = _model()
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    x, y = _xy()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    assert keras.saving.load_model(path).optimizer.compression is QuarterCompressor
+
+
+def test_a_saved_compressor_is_found_in_custom_objects_or_named_when_missing():
+    config = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)).get_config()
+    config["compression"] = "not_a_module.QuarterCompressor"
+    objects = {"QuarterCompressor": QuarterCompressor}
+    again = hvd.DistributedOptimizer.from_config(config, custom_objects=objects)
+    assert again.compression is QuarterCompressor
+    with keras.saving.CustomObjectScope(objects):  # how keras.saving.load_model hands them
+        assert hvd.DistributedOptimizer.from_config(config).compression is QuarterCompressor
+    with pytest.raises(
+        ValueError,
+        match="'not_a_module.QuarterCompressor' is not a compressor of any module imported",
+    ):
+        hvd.DistributedOptimizer.from_config(config)
+    # A saved file never makes loading import a module.
+    assert "this" not in sys.modules
+    config["compression"] = "this.QuarterCompressor"
+    with pytest.raises(ValueError, match="Import its module before loading"):
+        hvd.DistributedOptimizer.from_config(config)
+    assert "this" not in sys.modules
+
+
+def test_a_compressor_no_import_path_reaches_is_saved_as_none_with_a_warning():
+    class Local(QuarterCompressor):  # defined in a function: no path imports it
+        pass
+
+    for compression in (Local, QuarterCompressor()):  # a local class, an instance
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=compression)
+        assert opt.compression is compression
+        with pytest.warns(UserWarning, match="loads with Compression.none"):
+            config = opt.get_config()
+        assert config["compression"] is None
+        again = hvd.DistributedOptimizer.from_config(config)
+        assert again.compression is syncdp.Compression.none
 
 
 @pytest.mark.parametrize(
@@ -255,8 +319,8 @@ def test_schedule_window_and_callable_multiplier():
     assert seen[3] == pytest.approx(seen[2])  # from end_epoch on: left as it was
 
 
-def test_constant_multiplier_is_a_constant_factor_as_in_horovod():
-    x, y = _xy()
+def test_a_constant_multiplier_is_exponential_decay_from_start_epoch_as_in_horovod():
+    x, y = _xy()  # 16 samples, batch 8: two batches per epoch
     model = _model()
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.5)), loss="mse")
     seen = []
@@ -264,12 +328,44 @@ def test_constant_multiplier_is_a_constant_factor_as_in_horovod():
         on_epoch_end=lambda epoch, logs: seen.append(float(model.optimizer.learning_rate.numpy()))
     )
     schedule = cb.LearningRateScheduleCallback(initial_lr=0.1, multiplier=0.1, start_epoch=1)
-    model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[schedule, record])
+    model.fit(x, y, batch_size=8, epochs=4, verbose=0, callbacks=[schedule, record])
     assert seen[0] == pytest.approx(0.5)  # before start_epoch: the optimizer's own rate
-    assert seen[1] == pytest.approx(0.1 * 0.1)
-    assert seen[2] == pytest.approx(0.1 * 0.1)  # not 0.1 * 0.1**2: a factor, not a base
-    # A constant has nothing to recompute per batch: staircase is forced, as in Horovod.
-    assert cb.LearningRateScheduleCallback(0.1, 0.1, staircase=False).staircase is True
+    assert seen[1] == pytest.approx(0.1)  # 0.1 * 0.1 ** (1 - 1)
+    assert seen[2] == pytest.approx(0.1 * 0.1)
+    assert seen[3] == pytest.approx(0.1 * 0.1**2)
+    assert schedule.staircase is True
+
+
+def test_a_constant_multiplier_without_staircase_decays_every_batch():
+    model = _model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.5)), loss="mse")
+    schedule = cb.LearningRateScheduleCallback(
+        0.2, 0.5, start_epoch=1, staircase=False, steps_per_epoch=4
+    )
+    assert schedule.staircase is False  # a number does not force the staircase
+    schedule.set_model(model)
+    schedule.on_train_begin()
+    for epoch in (1, 2):
+        schedule.on_epoch_begin(epoch)
+        for batch in range(4):
+            schedule.on_train_batch_begin(batch)
+            exponent = epoch + batch / 4 - 1
+            assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(
+                0.2 * 0.5**exponent
+            )
+
+
+def test_a_function_that_ignores_the_epoch_is_a_constant_factor():
+    x, y = _xy()
+    model = _model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.5)), loss="mse")
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: seen.append(float(model.optimizer.learning_rate.numpy()))
+    )
+    schedule = cb.LearningRateScheduleCallback(0.1, lambda epoch: 0.1, start_epoch=1)
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[schedule, record])
+    assert seen == pytest.approx([0.5, 0.1 * 0.1, 0.1 * 0.1])
 
 
 def test_schedule_needs_initial_lr_and_known_steps():

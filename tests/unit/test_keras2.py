@@ -106,6 +106,31 @@ def test_config_round_trip(legacy):
     assert type(again.inner_optimizer) is adam and again.inner_optimizer.beta_1 == 0.8
 
 
+class QuarterCompressor(syncdp.Compression.none):
+    """A compressor of the user's: sends values rounded to quarters."""
+
+    @staticmethod
+    def compress(tensor):
+        return tf.round(tensor * 4) / 4, tensor.dtype
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["sgd", "legacy-sgd"])
+def test_a_custom_compressor_round_trips_through_the_config(legacy, tmp_path):
+    sgd = tf_keras.optimizers.legacy.SGD if legacy else tf_keras.optimizers.SGD
+    opt = DistributedK2(sgd(0.1), compression=QuarterCompressor)
+    assert opt.compression is QuarterCompressor and opt.average_aggregated_gradients is False
+    config = opt.get_config()
+    assert config["compression"] == f"{__name__}.QuarterCompressor"
+    assert type(opt).from_config(config).compression is QuarterCompressor
+    model = _model()
+    model.compile(optimizer=opt, loss="mse")
+    x, y = _xy()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    assert tf_keras.models.load_model(path).optimizer.compression is QuarterCompressor
+
+
 @pytest.mark.parametrize("average", [True, False], ids=["averaged", "summed"])
 def test_accumulation_with_a_custom_legacy_optimizer(average):
     # Horovod's test_gradient_aggregation: an OptimizerV2 that adds the gradient to the
@@ -208,6 +233,31 @@ def test_momentum_correction_scales_the_velocity_by_the_rate_ratio(make):
     assert float(tf_keras.backend.get_value(opt.lr)) == pytest.approx(0.4)
     for b in buffers:
         np.testing.assert_allclose(b.numpy(), 4.0)  # 0.4 / 0.1
+
+
+def test_the_keras_2_schedule_decays_exponentially_with_a_constant_multiplier():
+    x, y = _xy()  # 16 samples, batch 8: two batches per epoch
+    model = _model()
+    model.compile(optimizer=DistributedK2(tf_keras.optimizers.legacy.SGD(0.5)), loss="mse")
+    classes = callbacks.for_package(tf_keras)
+    seen = []
+    record = tf_keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: seen.append(
+            float(tf_keras.backend.get_value(model.optimizer.lr))
+        )
+    )
+    schedule = classes.LearningRateScheduleCallback(0.1, multiplier=0.1, start_epoch=1)
+    model.fit(x, y, batch_size=8, epochs=4, verbose=0, callbacks=[schedule, record])
+    assert seen == pytest.approx([0.5, 0.1, 0.1 * 0.1, 0.1 * 0.1**2])
+    smooth = classes.LearningRateScheduleCallback(
+        0.2, 0.5, start_epoch=1, staircase=False, steps_per_epoch=4
+    )
+    smooth.set_model(model)
+    smooth.on_train_begin()
+    smooth.on_epoch_begin(2)
+    smooth.on_train_batch_begin(3)
+    lr = float(tf_keras.backend.get_value(model.optimizer.lr))
+    assert lr == pytest.approx(0.2 * 0.5 ** (2 + 3 / 4 - 1))
 
 
 def test_sync_batch_normalization_takes_keras_2_arguments():
