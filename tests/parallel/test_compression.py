@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.compressors import QuarterCompressor
+
 
 @pytest.mark.parametrize("graph", [False, True])
 def test_fp16_average_within_tolerance(hvd, graph):
@@ -54,18 +56,6 @@ def test_fp16_on_one_host_reduces_the_float32_values(hvd):
 
     half, full = both(x)
     np.testing.assert_array_equal(half.numpy(), full.numpy())
-
-
-class QuarterCompressor:
-    """A compressor of the user's, not one of syncdp's: sends values rounded to quarters."""
-
-    @staticmethod
-    def compress(tensor):
-        return tf.round(tensor * 4) / 4, tensor.dtype
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
 
 
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])

@@ -245,6 +245,22 @@ class _PassesBefore(keras.callbacks.Callback):
         self.model.optimizer.iterations.assign(self.passes * batch + self.passes - 1)
 
 
+def _custom_loop(model, opt, xs, ys, local: int, passes: int, traced: bool) -> None:
+    """``passes`` steps of a custom loop, one per ``local`` rows of this rank's ``xs``: the
+    gradients of a plain tape go to ``opt.apply_gradients`` (eager, or in a ``tf.function``)."""
+    loss_fn = _loss()
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+    step = tf.function(step) if traced else step
+    for i in range(passes):
+        step(xs[i * local : (i + 1) * local], ys[i * local : (i + 1) * local])
+
+
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
 def test_custom_loop_apply_gradients_with_accumulation(traced):
     local = _local_batch()
@@ -259,16 +275,7 @@ def test_custom_loop_apply_gradients_with_accumulation(traced):
     opt.build(model.trainable_variables)
     hvd.broadcast_variables(model.weights, root_rank=0)
     loss_fn = _loss()
-
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-
-    step = tf.function(step) if traced else step
-    for i in range(2):
-        step(xs[i * local : (i + 1) * local], ys[i * local : (i + 1) * local])
+    _custom_loop(model, opt, xs, ys, local, passes=2, traced=traced)
 
     reference = _model(seed=5)
     ref_opt = keras.optimizers.SGD(0.1, momentum=0.5)
@@ -296,16 +303,7 @@ def test_by_default_k_passes_apply_the_sum_of_their_averaged_gradients(traced):
     opt.build(model.trainable_variables)
     hvd.broadcast_variables(model.weights, root_rank=0)
     loss_fn = _loss()
-
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-
-    step = tf.function(step) if traced else step
-    for i in range(passes):
-        step(xs[i * local : (i + 1) * local], ys[i * local : (i + 1) * local])
+    _custom_loop(model, opt, xs, ys, local, passes=passes, traced=traced)
 
     # The ranks' average of equal shards' mean gradients is the global batch's mean gradient.
     reference = _model(seed=9)

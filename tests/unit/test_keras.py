@@ -11,7 +11,7 @@ import tensorflow as tf
 import syncdp
 import syncdp.keras as hvd
 from syncdp.keras import callbacks as cb
-from syncdp.tensorflow.compression import Compressor
+from tests.compressors import QuarterCompressor
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -22,18 +22,6 @@ def _init():
 def _model(seed=0):
     keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
-
-
-class QuarterCompressor(Compressor):
-    """A compressor of the user's: sends values rounded to quarters."""
-
-    @staticmethod
-    def compress(tensor):
-        return tf.round(tensor * 4) / 4, tensor.dtype
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
 
 
 def _xy(n=16):
@@ -157,7 +145,7 @@ def test_a_custom_compressor_is_taken_and_saved_by_its_import_path(tmp_path):
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=QuarterCompressor)
     assert opt.compression is QuarterCompressor
     config = opt.get_config()
-    assert config["compression"] == f"{__name__}.QuarterCompressor"
+    assert config["compression"] == "tests.compressors.QuarterCompressor"
     assert hvd.DistributedOptimizer.from_config(config).compression is QuarterCompressor
     model = _model()
     model.compile(optimizer=opt, loss="mse", jit_compile=False)

@@ -26,6 +26,7 @@ import syncdp.keras as hvd  # noqa: E402
 from syncdp.keras import _face, callbacks, checkpoint, elastic, optimizer, saving  # noqa: E402
 from syncdp.tensorflow import keras2_names, sync_batch_norm  # noqa: E402
 from syncdp.tensorflow.elastic import TensorFlowKerasState  # noqa: E402
+from tests.compressors import QuarterCompressor  # noqa: E402
 from tests.launcher import rank_env  # noqa: E402
 
 DistributedK2 = optimizer.for_package(tf_keras)
@@ -106,21 +107,13 @@ def test_config_round_trip(legacy):
     assert type(again.inner_optimizer) is adam and again.inner_optimizer.beta_1 == 0.8
 
 
-class QuarterCompressor(syncdp.Compression.none):
-    """A compressor of the user's: sends values rounded to quarters."""
-
-    @staticmethod
-    def compress(tensor):
-        return tf.round(tensor * 4) / 4, tensor.dtype
-
-
 @pytest.mark.parametrize("legacy", [False, True], ids=["sgd", "legacy-sgd"])
 def test_a_custom_compressor_round_trips_through_the_config(legacy, tmp_path):
     sgd = tf_keras.optimizers.legacy.SGD if legacy else tf_keras.optimizers.SGD
     opt = DistributedK2(sgd(0.1), compression=QuarterCompressor)
     assert opt.compression is QuarterCompressor and opt.average_aggregated_gradients is False
     config = opt.get_config()
-    assert config["compression"] == f"{__name__}.QuarterCompressor"
+    assert config["compression"] == "tests.compressors.QuarterCompressor"
     assert type(opt).from_config(config).compression is QuarterCompressor
     model = _model()
     model.compile(optimizer=opt, loss="mse")
