@@ -6,6 +6,9 @@ module. Keras' progress output stays on rank 0 unless ``SYNCDP_LOG_ALL_RANKS`` i
 Horovod's Keras 2 spellings ``compile(..., experimental_run_tf_function=False)`` and
 ``optimizer.lr`` work (:mod:`syncdp.tensorflow.keras2_names`).
 
+``allreduce`` and ``reducescatter`` take the arguments of Horovod's Keras modules, in their
+order (:mod:`syncdp.keras.collectives`).
+
 Keras 2 (tf-keras, ``tf.keras`` under ``TF_USE_LEGACY_KERAS=1``) is served by the same code:
 ``DistributedOptimizer`` wraps an optimizer of either Keras (the wrapper follows the optimizer
 given), and :mod:`syncdp.tensorflow.keras` is the face whose callbacks, ``elastic``,
@@ -30,6 +33,7 @@ import keras as _keras
 from syncdp.keras import callbacks
 import syncdp.keras.elastic as elastic  # noqa: F401, F811 - replaces the TensorFlow one
 from syncdp.keras.checkpoint import CheckpointCallback
+from syncdp.keras.collectives import allreduce, reducescatter  # noqa: F401, F811 - Keras order
 from syncdp.keras.optimizer import DistributedOptimizer  # noqa: F401 (in _core_all)
 from syncdp.keras.optimizer import PartialDistributedOptimizer
 from syncdp.keras.saving import load_model

@@ -147,6 +147,7 @@ class Distributed:
                 "The optimizer is already a DistributedOptimizer; wrap the "
                 "plain Keras optimizer once."
             )
+        op = ops.reduce_op(op)
         if op not in (ops.Average, ops.Sum):
             raise ValueError(f"op must be syncdp.Average or syncdp.Sum; got {op!r}.")
         if (

@@ -208,6 +208,7 @@ def reduce_gradients(
             on every rank, and no update is applied.
         VerificationError: ``SYNCDP_VERIFY_EVERY`` is set and ``variables`` differ.
     """
+    op = collectives.reduce_op(op)
     if op not in (collectives.Average, collectives.Sum, collectives.Adasum):
         raise ValueError(f"Gradients are reduced with Average, Sum or Adasum; got {op}.")
     grads = list(grads)
@@ -363,6 +364,7 @@ class DistributedGradientTape:
         *,
         step=None,
     ):
+        op = collectives.reduce_op(op)
         if gradient_predivide_factor != 1.0 and op is not collectives.Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average.")
         self._tape = gradtape
@@ -398,13 +400,17 @@ class DistributedGradientTape:
         target,
         sources,
         output_gradients=None,
-        unconnected_gradients=tf.UnconnectedGradients.NONE,
         use_generic_names: bool = False,
+        unconnected_gradients=tf.UnconnectedGradients.NONE,
     ):
         """Like ``tf.GradientTape.gradient``, then reduced over the ranks (a collective).
 
-        ``use_generic_names`` is accepted for Horovod compatibility.
+        The arguments come in Horovod's order. ``use_generic_names`` is accepted for Horovod
+        compatibility; a ``tf.UnconnectedGradients`` in its place is taken as
+        ``unconnected_gradients``, the 4th argument of ``tf.GradientTape.gradient``.
         """
+        if isinstance(use_generic_names, tf.UnconnectedGradients):
+            unconnected_gradients = use_generic_names
         grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
         flat = tf.nest.flatten(grads, expand_composites=False)
         variables = tf.nest.flatten(sources)

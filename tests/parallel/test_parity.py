@@ -309,3 +309,66 @@ def test_introspection_answers_truthfully(hvd):
     assert int(hvd.local_size_op()) == hvd.local_size()
     assert hvd.is_homogeneous()
     assert hvd.gpu_available() == bool(tf.config.list_physical_devices("GPU"))
+
+
+def test_horovods_integer_ops_name_the_same_reductions(hvd):
+    # Horovod's ops are its C++ enum's integers: 0 Average, 1 Sum, 2 Adasum, 3 Min, 4 Max,
+    # 5 Product. Rank r holds r + 1.
+    r, n = hvd.rank(), hvd.size()
+    x = tf.fill([3], float(r + 1))
+    total = n * (n + 1) / 2
+    for number, expected in [
+        (0, total / n),
+        (1, total),
+        (3, 1.0),
+        (4, float(n)),
+        (5, float(np.prod(np.arange(1, n + 1)))),
+    ]:
+        np.testing.assert_allclose(hvd.allreduce(x, op=number).numpy(), [expected] * 3)
+        np.testing.assert_allclose(hvd.allreduce(x, op=np.int64(number)).numpy(), [expected] * 3)
+    rows = hvd.reducescatter(tf.fill([n, 2], float(r + 1)), op=1)
+    np.testing.assert_allclose(rows.numpy(), [[total, total]])
+    for bad in (6, -1, True, 1.0):
+        with pytest.raises(ValueError, match="op must be"):
+            hvd.allreduce(x, op=bad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tape_and_an_optimizer_take_horovods_integer_op(hvd, mode):
+    import keras
+
+    import syncdp.keras as hvd_keras
+
+    r, n = hvd.rank(), hvd.size()
+    w = tf.Variable([1.0, 2.0])
+
+    def summed():  # op=1 is Sum: the gradient of (r + 1) * sum(w) summed over the ranks
+        with tf.GradientTape() as tape:
+            loss = float(r + 1) * tf.reduce_sum(w)
+        return hvd.DistributedGradientTape(tape, op=1).gradient(loss, [w])[0]
+
+    np.testing.assert_allclose(run(mode, summed).numpy(), [n * (n + 1) / 2] * 2)
+    assert hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), op=1).op is hvd.Sum
+    with pytest.raises(ValueError, match="op must be"):
+        hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), op=7)
+
+
+@pytest.mark.parametrize("module", ["syncdp.keras", "horovod.tensorflow.keras", "horovod.keras"])
+def test_the_keras_modules_collectives_take_horovods_keras_order(hvd, module):
+    # horovod.keras: allreduce(value, name, average, prescale, postscale, op, compression),
+    # reducescatter(value, name, op); horovod.tensorflow's order differs.
+    import importlib
+
+    face = importlib.import_module(module)
+    r, n = hvd.rank(), hvd.size()
+    value = np.full([2], r + 1.0, np.float32)
+    total = n * (n + 1) / 2
+    np.testing.assert_allclose(face.allreduce(value, "loss", False).numpy(), [total] * 2)
+    np.testing.assert_allclose(face.allreduce(value, "loss", True).numpy(), [total / n] * 2)
+    scaled = face.allreduce(value, "scaled", None, 2.0, 0.5, hvd.Max)
+    np.testing.assert_allclose(scaled.numpy(), [2.0 * 0.5 * n] * 2)
+    np.testing.assert_allclose(face.allreduce(r + 1.0, op=hvd.Sum).numpy(), total)
+    rows = face.reducescatter(np.full([n, 2], r + 1.0, np.float32), "rows", hvd.Sum)
+    np.testing.assert_allclose(rows.numpy(), [[total, total]])
+    np.testing.assert_allclose(face.allgather(np.array([r]), "ranks").numpy(), np.arange(n))
+    np.testing.assert_allclose(face.broadcast(np.array([r]), n - 1, "last").numpy(), [n - 1])

@@ -84,6 +84,25 @@ def test_fp16_compression_and_unconnected_gradients(hvd):
     np.testing.assert_allclose(grad_a.numpy(), np.full([4], expected), rtol=1e-3)
 
 
+def test_gradient_takes_horovods_arguments_and_tensorflows_unconnected_gradients(hvd):
+    # Horovod: gradient(target, sources, output_gradients, use_generic_names); tf.GradientTape:
+    # gradient(target, sources, output_gradients, unconnected_gradients).
+    n, r = hvd.size(), hvd.rank()
+    a, b = tf.Variable(tf.fill([2], 1.0)), tf.Variable(2.0)
+    zero = tf.UnconnectedGradients.ZERO
+    calls = [  # (how gradient() is called, the unconnected b's gradient)
+        (lambda tape, loss: tape.gradient(loss, [a, b], None, True), None),
+        (lambda tape, loss: tape.gradient(loss, [a, b], None, zero), 0.0),
+        (lambda tape, loss: tape.gradient(loss, [a, b], unconnected_gradients=zero), 0.0),
+    ]
+    for call, expected_b in calls:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(a * (r + 1.0))
+        grad_a, grad_b = call(hvd.DistributedGradientTape(tape), loss)
+        np.testing.assert_allclose(grad_a.numpy(), [(n + 1) / 2] * 2)
+        assert (grad_b if grad_b is None else grad_b.numpy()) == expected_b
+
+
 def test_resnet50_gradient_list_is_averaged_exactly(hvd):
     """ResNet-50's 214 trainable variables (~100 MB): the tape returns the exact average.
 

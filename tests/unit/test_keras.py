@@ -59,7 +59,10 @@ def test_horovod_module_paths_are_the_same_objects():
     assert tfk.DistributedOptimizer is hvd.DistributedOptimizer
     assert tfk.callbacks.MetricAverageCallback is cb.MetricAverageCallback
     assert callbacks.LearningRateWarmupCallback is cb.LearningRateWarmupCallback
-    assert tfk.allreduce is syncdp.allreduce
+    assert tfk.allgather is syncdp.allgather
+    # allreduce and reducescatter take Horovod's Keras order, in both Keras modules
+    assert tfk.allreduce is hvd.allreduce is not syncdp.allreduce
+    assert tfk.reducescatter is hvd.reducescatter is not syncdp.reducescatter
     assert tfk.CheckpointCallback is hvd.CheckpointCallback
 
 

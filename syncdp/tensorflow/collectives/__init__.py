@@ -34,6 +34,7 @@ from syncdp.tensorflow.collectives._common import (
     ReduceOp,
     Sum,
     _comm,  # noqa: F401 - DistributedGradientTape's communicator
+    reduce_op,  # noqa: F401 - the tapes' and optimizers' reading of op
 )
 from syncdp.tensorflow.collectives.allreduce import (
     adasum_tree,  # noqa: F401

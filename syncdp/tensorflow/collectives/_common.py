@@ -8,6 +8,7 @@ promises).
 from __future__ import annotations
 
 import enum
+import numbers
 
 import numpy as np
 import tensorflow as tf
@@ -17,7 +18,17 @@ from syncdp.job import process_sets
 from syncdp.job.process_sets import global_process_set
 from syncdp.tensorflow import graph
 
-__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "NotInProcessSetError"]
+__all__ = [
+    "ReduceOp",
+    "reduce_op",
+    "Average",
+    "Sum",
+    "Min",
+    "Max",
+    "Product",
+    "Adasum",
+    "NotInProcessSetError",
+]
 
 
 class ReduceOp(enum.Enum):
@@ -37,6 +48,29 @@ Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 Adasum = ReduceOp.ADASUM
+
+# Horovod's reduce ops are the integers of its C++ enum (``hvd.Sum == 1``); a program that
+# stored one as a number passes it on.
+_HOROVOD_NUMBERS = {0: Average, 1: Sum, 2: Adasum, 3: Min, 4: Max, 5: Product}
+
+
+def reduce_op(op) -> ReduceOp:
+    """``op`` as a :class:`ReduceOp`: one of ours, or Horovod's integer for it (0 Average,
+    1 Sum, 2 Adasum, 3 Min, 4 Max, 5 Product).
+
+    Raises:
+        ValueError: ``op`` is neither.
+    """
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, numbers.Integral) and not isinstance(op, bool):
+        if int(op) in _HOROVOD_NUMBERS:
+            return _HOROVOD_NUMBERS[int(op)]
+    raise ValueError(
+        "op must be one of syncdp.Average, Sum, Min, Max, Product, Adasum (or Horovod's "
+        f"number for one, 0-5); got {op!r}."
+    )
+
 
 _REDUCIBLE = {
     tf.float16,
@@ -59,12 +93,7 @@ def _resolve_op(op, average) -> ReduceOp:
         raise ValueError("allreduce takes op or the deprecated average, not both.")
     if average is not None:
         return Average if average else Sum
-    op = Average if op is None else op
-    if not isinstance(op, ReduceOp):
-        raise ValueError(
-            f"op must be one of syncdp.Average, Sum, Min, Max, Product, Adasum; got {op!r}."
-        )
-    return op
+    return Average if op is None else reduce_op(op)
 
 
 def _comm(process_set):
