@@ -120,6 +120,8 @@ class LaunchConfig:
         notes: Lines the launcher says before it starts (flags that change nothing, config
             file keys it ignored).
         spares: Warm spares started besides the ``num_proc`` ranks (elastic mode only).
+        slots_per_host: The slots of a host listed without a count, on ``-H``, in the
+            hostfile or by the discovery script (``--slots-per-host``), or None for one.
     """
 
     num_proc: int
@@ -138,6 +140,7 @@ class LaunchConfig:
     log_level: str = "WARNING"
     notes: tuple[str, ...] = ()
     spares: int = 0
+    slots_per_host: int | None = None
 
     @property
     def multihost(self) -> bool:
@@ -223,7 +226,8 @@ def _add_launcher_flags(p: argparse.ArgumentParser) -> None:
         "--slots-per-host",
         type=int,
         metavar="N",
-        help="slots of a -H or --hostfile host listed without a count (default 1)",
+        help="slots of a host listed without a count by -H, --hostfile or the discovery "
+        "script (default 1)",
     )
     p.add_argument("-p", "--ssh-port", type=int, metavar="N", help="remote shell port (ssh -p)")
     p.add_argument(
@@ -430,10 +434,12 @@ def parse_args(
     if args.slots_per_host is not None and listed:
         # mpirun counts one slot for a host without a count: give each its slots on -H.
         args.hosts, args.hostfile = _hosts.format_hosts(listed), None
-    elif args.slots_per_host is not None:
+    elif args.slots_per_host is not None and not (
+        args.host_discovery_script or environ.get("SYNCDP_HOST_DISCOVERY_SCRIPT")
+    ):
         notes.append(
-            "--slots-per-host changes nothing without -H or --hostfile: it gives the slots of "
-            "hosts listed there without a count (a discovery script's host without :N has one)"
+            "--slots-per-host changes nothing without -H, --hostfile or "
+            "--host-discovery-script: it gives the slots of hosts they list without a count"
         )
     if args.num_proc is None:
         if environ.get("SLURM_NTASKS", "").isdigit():
@@ -485,6 +491,7 @@ def parse_args(
         log_level=args.log_level or "WARNING",
         notes=tuple(notes + horovodrun_flags.notes(args, spelled)),
         spares=args.spares,
+        slots_per_host=args.slots_per_host,
     )
 
 

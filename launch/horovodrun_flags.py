@@ -320,8 +320,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         ("--slots-per-host",),
         MAPS,
-        "the slots of every -H or --hostfile host given without a count (and so -np's default); "
-        "a discovery script's line without :N still counts one slot",
+        "the slots of every -H or --hostfile host given without a count (and so -np's default), "
+        "and of a discovery script's line without :N",
     ),
     Flag(
         ("--elastic-timeout",),

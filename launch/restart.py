@@ -442,7 +442,7 @@ class Restarts:
         script = self.config.settings.get("host_discovery_script")
         found = None
         if script:
-            slots = membership.discover_slots(script)
+            slots = membership.discover_slots(script, self.config.slots_per_host or 1)
             if slots is None:
                 self.say("elastic: the host discovery script failed; using the hosts of -H.")
             else:

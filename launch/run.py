@@ -56,6 +56,8 @@ the launcher logs each membership change (:mod:`launch.elastic`). ``--min-np`` d
 runtime, so the launcher ends what is left of it and starts the job again on the hosts left,
 where the ranks resume from the last commit, which each host keeps on its local disk
 (SYNCDP_COMMIT_DIR on every rank of a job on several listed hosts; :mod:`launch.restart`).
+With a discovery script, ``--slots-per-host`` also gives the slots of a host it prints without a
+count (SYNCDP_DISCOVERY_SLOTS on every rank).
 
 Failures arrive as data, not as text to parse: ranks and their supervisors send one signed JSON
 report per event to SYNCDP_REPORT_ADDR (:mod:`syncdp.watch.report`); the launcher listens only on
@@ -163,6 +165,9 @@ def build_env(
         env.update(job.env())
     if commit_dir is not None:
         env[COMMIT_DIR_VAR] = commit_dir
+    env.pop(membership.DISCOVERY_SLOTS_VAR, None)
+    if config.slots_per_host and config.settings.get("host_discovery_script"):
+        env[membership.DISCOVERY_SLOTS_VAR] = str(config.slots_per_host)
     env.pop(membership.LOST_HOSTS_VAR, None)
     if lost_hosts:
         env[membership.LOST_HOSTS_VAR] = ",".join(sorted(lost_hosts))

@@ -83,8 +83,9 @@ class State:
     Subclasses define :meth:`save`, :meth:`restore` and :meth:`sync`.
 
     Args:
-        bcast_object: ``fn(obj, root_rank)`` returning rank ``root_rank``'s object on every
-            rank. Defaults to syncdp's.
+        bcast_object: ``fn(obj)`` returning rank 0's object on every rank, called with one
+            argument as Horovod calls it (``syncdp.broadcast_object`` fits). Defaults to
+            syncdp's.
         get_rank: ``fn()`` returning this rank. Defaults to ``syncdp.rank``.
     """
 
@@ -103,9 +104,15 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
-        """Runs the reset callbacks (called by :func:`run` after a membership change)."""
+        """Calls :meth:`reset`, then the reset callbacks (called by :func:`run` after a
+        membership change)."""
+        self.reset()
         for callback in self._reset_callbacks:
             callback()
+
+    def reset(self) -> None:
+        """What a subclass does after a membership change, before the reset callbacks and the
+        sync (Horovod's hook). Does nothing here."""
 
     def on_hosts_updated(self, timestamp, update_res) -> None:
         """Horovod's notification hook; syncdp checks for new hosts in :meth:`commit`."""
@@ -214,7 +221,7 @@ class ObjectState(State):
 
     def sync(self) -> None:
         if self._names:
-            values = self._bcast_object(self._values(), 0)
+            values = self._bcast_object(self._values())
             for name, value in values.items():
                 setattr(self, name, value)
         self.save()

@@ -99,7 +99,7 @@ class RankFailureError(SyncdpError, RuntimeError):
 HorovodInternalError = RankFailureError
 
 
-class HostsUpdatedInterrupt(SyncdpError):
+class HostsUpdatedInterrupt(SyncdpError, RuntimeError):
     """Raised by ``state.commit()`` on every rank when the host discovery script offers more
     slots and the job is below ``--max-np``: ``syncdp.elastic.run`` then grows the job.
 

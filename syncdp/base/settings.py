@@ -445,6 +445,8 @@ def _variable_value(s: Setting, typed: Any, unit: int) -> Any:
 #                       (syncdp.membership.jobenv)
 #   SYNCDP_LOST_HOSTS   hosts an earlier runtime of the job lost, under all their names: never
 #                       grown onto again (syncdp.membership.membership.lost_hosts)
+#   SYNCDP_DISCOVERY_SLOTS  --slots-per-host: the slots of a discovery script's host printed
+#                       without a count (syncdp.membership.membership.discovery_slots)
 #   SYNCDP_RUN_FUNC_ADDR, SYNCDP_RUN_FUNC_SECRET  horovod.run: where each rank fetches the
 #                       function and sends its value back, and the key both are signed with
 #                       (launch.run_func)
@@ -461,6 +463,7 @@ INTERNAL_VARS = frozenset(
         "SYNCDP_COMMIT_DIR",
         "SYNCDP_CARRIED",
         "SYNCDP_LOST_HOSTS",
+        "SYNCDP_DISCOVERY_SLOTS",
         "SYNCDP_RUN_FUNC_ADDR",
         "SYNCDP_RUN_FUNC_SECRET",
     }

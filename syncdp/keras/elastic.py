@@ -72,6 +72,9 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
     class CommitStateCallback(_callback.base_for(keras)):
         """Commits the state every ``batches_per_commit`` batches and at the end of every epoch.
 
+        The count of batches starts again at every ``fit`` (as Horovod's does), so the ranks
+        of a resumed ``fit`` commit at the same batches.
+
         Args:
             state: The elastic state.
             batches_per_commit: Batches between commits; a commit copies the model and optimizer
@@ -96,6 +99,13 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
             if self._pending:
                 self._pending = False
                 self.state.commit()
+
+        def on_train_begin(self, logs=None):
+            # Every fit counts from 0 on every rank: after a reset, a rank that replaced a
+            # lost one starts at 0, and commits are collectives with spares or a discovery
+            # script, so the survivors must not carry their count into the resumed fit.
+            self._since = 0
+            self._pending = False
 
         def on_train_batch_begin(self, batch, logs=None):
             self._commit_pending()

@@ -50,10 +50,13 @@ __all__ = [
     "reseat",
     "grow",
     "discover_slots",
+    "discovery_slots",
 ]
 
 REPLACEMENT_VAR = "SYNCDP_REPLACEMENT"
 LOST_HOSTS_VAR = "SYNCDP_LOST_HOSTS"
+# The slots of a discovery script's host printed without a count (--slots-per-host).
+DISCOVERY_SLOTS_VAR = "SYNCDP_DISCOVERY_SLOTS"
 # Recovery attempts in a row before the job ends instead (each one follows a new failure).
 RECOVERY_ATTEMPTS = 5
 # A host discovery script that does not answer within this long is treated as listing nothing.
@@ -203,15 +206,31 @@ def _local(host: str) -> str:
     return socket.gethostname() if host in ("localhost", "127.0.0.1", "") else host
 
 
-def discover_slots(script: str) -> dict[str, int] | None:
+def discovery_slots(environ=None) -> int:
+    """The slots of a discovery script's host printed without a count: the launcher's
+    ``--slots-per-host`` (``SYNCDP_DISCOVERY_SLOTS``), or 1."""
+    text = (os.environ if environ is None else environ).get(DISCOVERY_SLOTS_VAR, "")
+    return int(text) if text.isdigit() and int(text) > 0 else 1
+
+
+def discover_slots(script: str, default_slots: int | None = None) -> dict[str, int] | None:
     """Runs the host discovery script; returns host -> slots (None if it failed).
 
-    The script prints one host per line, ``host:slots`` or ``host`` (one slot), as
-    horovodrun's ``--host-discovery-script``.
+    The script prints one host per line, ``host:slots`` or ``host``, as horovodrun's
+    ``--host-discovery-script``. ``script`` is a program's path, or, as in Horovod, a shell
+    command line (``python discover.py``).
+
+    Args:
+        script: The script's path, or a command line for ``sh``.
+        default_slots: The slots of a host printed without a count. Defaults to
+            :func:`discovery_slots`.
     """
+    if default_slots is None:
+        default_slots = discovery_slots()
+    command = [script] if os.path.isfile(script) else ["sh", "-c", script]
     try:
         out = subprocess.run(
-            [script], capture_output=True, text=True, timeout=_DISCOVERY_TIMEOUT_SECONDS
+            command, capture_output=True, text=True, timeout=_DISCOVERY_TIMEOUT_SECONDS
         )
     except (OSError, subprocess.TimeoutExpired) as e:
         print(f"syncdp: host discovery script {script!r} failed: {e}", file=sys.stderr)
@@ -227,7 +246,7 @@ def discover_slots(script: str) -> dict[str, int] | None:
     for line in out.stdout.split():
         host, _, count = line.partition(":")
         try:
-            slots[_local(host)] = int(count) if count else 1
+            slots[_local(host)] = int(count) if count else default_slots
         except ValueError:
             print(f"syncdp: ignoring discovery line {line!r} (not host:slots)", file=sys.stderr)
     return slots

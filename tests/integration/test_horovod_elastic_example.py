@@ -147,6 +147,7 @@ EPOCHS, STEPS = 3, 6
 kill_at = int(sys.argv[1])  # the global batch (epoch * STEPS + batch) at which a label dies
 victim = int(sys.argv[2])  # that label
 dies_in_reset = int(sys.argv[3])  # a label that dies in the first reset callback; -1: none
+commit_every = int(sys.argv[4]) if len(sys.argv) > 4 else 1  # batches_per_commit
 
 hvd.init()
 rng = np.random.default_rng(hvd.rank())
@@ -168,6 +169,7 @@ resets = []
 
 
 def on_state_reset():
+    commits.clear()
     if membership.me().label == dies_in_reset:
         os.kill(os.getpid(), signal.SIGKILL)
     tf.keras.backend.set_value(state.model.optimizer.lr, 0.001 * hvd.size())
@@ -176,6 +178,16 @@ def on_state_reset():
 
 
 state.register_reset_callbacks([on_state_reset])
+commits = []  # the optimizer's step at each commit since this rank's last reset
+_commit = state.commit
+
+
+def commit():
+    commits.append(int(model.optimizer.iterations))
+    _commit()
+
+
+state.commit = commit
 
 
 class Kill(keras.callbacks.Callback):
@@ -187,7 +199,7 @@ class Kill(keras.callbacks.Callback):
 callbacks = [
     hvd.elastic.UpdateEpochStateCallback(state),
     hvd.elastic.UpdateBatchStateCallback(state),
-    hvd.elastic.CommitStateCallback(state),
+    hvd.elastic.CommitStateCallback(state, batches_per_commit=commit_every),
     Kill(),
 ]
 
@@ -204,6 +216,7 @@ result = {
     "label": membership.me().label,
     "size": hvd.size(),
     "resets": resets,
+    "commits": commits,
     "iterations": int(model.optimizer.iterations),
     "epoch": state.epoch,
     "lr": float(np.asarray(model.optimizer.learning_rate)),
@@ -237,6 +250,33 @@ def test_horovods_elastic_keras_example_recovers_after_the_import_swap(tmp_path,
         assert {r["label"] for r in results} == {0, 2}, out  # rank 1 is a replacement
         assert [r["resets"] for r in results if r["label"] == 0] == [[2]], out
         assert "1 membership change(s)" in result.stderr, out
+
+
+def test_commits_every_few_batches_stay_in_step_when_a_spare_takes_a_lost_place(tmp_path):
+    # batches_per_commit=4 and a warm spare, whose commits are collectives (they hand the
+    # spares the job's state). Label 1 dies at global batch 8 (epoch 1, batch 2): the
+    # survivors had counted 2 batches since their last commit, the spare none. Each fit counts
+    # from 0 on every rank, as Horovod's callback does, so all commit at the same batches.
+    program = tmp_path / "elastic_keras_example.py"
+    program.write_text(KERAS_PROGRAM)
+    flags = ("--min-np", "2", "--spares", "1")
+    args = (str(program), "8", "1", "-1", "4")
+    result = launch(2, "python", *args, launcher_args=flags, timeout=300)
+    out = f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, out
+    results = [json.loads(m) for m in re.findall(r"<stdout>:RESULT (\{.*\})", result.stdout)]
+    assert sorted(r["rank"] for r in results) == [0, 1] and len(results) == 2, out
+    assert 1 not in {r["label"] for r in results}, out  # the spare took label 1's place
+    # The last commit before the loss was epoch 1's start (epoch 1's 2 batches were not
+    # committed): the first one-step fit, 3 epochs of 6 batches, and the reset callback's step.
+    # After the recovery the resumed fit runs epochs 1 and 2 from step 1 + 6 + 1 = 8: a commit
+    # after every 4th batch (at the next batch's start), at an epoch's end and at the fit's.
+    for r in results:
+        assert r["size"] == 2 and r["epoch"] == 3, out
+        assert r["iterations"] == 1 + 3 * 6 + 1, out
+        assert r["weights"] == results[0]["weights"], out
+        assert r["commits"] == [12, 14, 18, 20], out
+    assert "1 membership change(s)" in result.stderr, out
 
 
 def test_a_rank_lost_while_the_reset_callbacks_train_is_one_more_recovery(tmp_path):

@@ -200,8 +200,8 @@ def test_object_state_commits_restores_and_syncs():
     from syncdp.elastic import ObjectState
 
     state = ObjectState(
-        bcast_object=lambda obj, root: {"epoch": 7, "seen": [1]}, get_rank=int, epoch=0, seen=[]
-    )
+        bcast_object=lambda obj: {"epoch": 7, "seen": [1]}, get_rank=int, epoch=0, seen=[]
+    )  # Horovod calls bcast_object with the object alone
     state.epoch, state.seen = 2, [5]
     state.save()
     state.epoch = 3
@@ -213,6 +213,24 @@ def test_object_state_commits_restores_and_syncs():
     state.epoch = 9
     state.restore()
     assert state.epoch == 7
+
+
+def test_a_reset_calls_the_states_reset_before_the_callbacks():
+    from syncdp.base.errors import HostsUpdatedInterrupt
+    from syncdp.elastic import ObjectState
+
+    calls = []
+
+    class Rescaled(ObjectState):  # Horovod's hook for a state that rebuilds things on reset
+        def reset(self):
+            calls.append("reset")
+
+    state = Rescaled(bcast_object=lambda obj: obj, get_rank=int, epoch=0)
+    state.register_reset_callbacks([lambda: calls.append("callback")])
+    state.on_reset()
+    assert calls == ["reset", "callback"]
+    ObjectState(bcast_object=lambda obj: obj, get_rank=int).on_reset()  # the default: nothing
+    assert isinstance(HostsUpdatedInterrupt(), RuntimeError)  # as Horovod's
 
 
 class _CountingState:
@@ -267,6 +285,31 @@ def test_epoch_state_counts_over_the_whole_training_after_a_resume(keras_numberi
         callback.on_epoch_end(epoch)
         seen.append(state.epoch)
     assert seen == [3, 4, 5]
+
+
+def test_every_fit_counts_its_batches_to_a_commit_from_zero():
+    # A fit interrupted after 1 batch since its last commit (a lost rank), then the resumed
+    # fit: a replacement starts counting at 0, so the survivors must too (commits are
+    # collectives with spares or a discovery script).
+    from syncdp.keras.elastic import CommitStateCallback
+
+    state = _CountingState()
+    commit = CommitStateCallback(state, batches_per_commit=2)
+    commit.on_train_begin()
+    commit.on_epoch_begin(0)
+    for batch in range(3):
+        commit.on_train_batch_begin(batch)
+        state.batch = batch + 1
+        commit.on_train_batch_end(batch)
+    assert state.commits == [(0, 2)]  # at batch 2's start; batch 3's count then stopped at 1
+    state.batch = 0
+    commit.on_train_begin()
+    commit.on_epoch_begin(0)
+    for batch in range(3):
+        commit.on_train_batch_begin(batch)
+        state.batch = batch + 1
+        commit.on_train_batch_end(batch)
+    assert state.commits == [(0, 2), (0, 2)]  # after 2 batches of this fit, not 1
 
 
 def test_commit_state_callback_rejects_a_bad_period():

@@ -252,6 +252,38 @@ def test_the_discovery_script_places_a_restart_and_hosts_that_fail_the_check_are
     ]
 
 
+def test_a_discovery_command_line_runs_in_a_shell_and_bare_hosts_get_slots_per_host(
+    tmp_path, checked, monkeypatch
+):
+    # As in Horovod: the script may be a command line (run by a shell), and a host printed
+    # without :N has --slots-per-host slots, for the ranks and for a restart alike.
+    from syncdp.base import settings
+    from syncdp.membership import membership
+
+    lines = "printf 'ha\\nhb:3\\n'"
+    assert membership.discover_slots(lines) == {"ha": 1, "hb": 3}
+    assert membership.discover_slots(lines, 4) == {"ha": 4, "hb": 3}
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\nprintf 'hc\\nha\\nhb\\n'\n")
+    script.chmod(0o755)
+    flags = ("-np", "4", "-H", "ha:2,hb:2,hc:2", "--host-discovery-script", str(script))
+    config = _config(*flags, "--slots-per-host", "2")
+    assert not any("--slots-per-host" in note for note in config.notes)
+    env = run.build_env(config, environ={})
+    assert env[membership.DISCOVERY_SLOTS_VAR] == "2"
+    assert membership.DISCOVERY_SLOTS_VAR in env[jobenv.CARRIED_VAR].split(",")  # spawns too
+    monkeypatch.setenv(membership.DISCOVERY_SLOTS_VAR, env[membership.DISCOVERY_SLOTS_VAR])
+    plan = membership.first_plan(settings.from_env(env), 4)
+    alive = [membership.Member("ha", 1, 0), membership.Member("hb", 2, 1)]
+    assert membership.free_slots(plan, alive) == (4, ["ha", "hb", "hc", "hc"])
+    restarts = restart.Restarts(config, ["ssh"], print)
+    restarts.used_hosts = {"ha", "hb"}
+    new, _ = restarts.next_config(config, _loss("hb"))
+    assert new.hosts == "ha:2,hc:2" and new.num_proc == 4
+    # Without --slots-per-host a bare host has one slot, and nothing is passed.
+    assert membership.DISCOVERY_SLOTS_VAR not in run.build_env(_config(*flags), environ={})
+
+
 def test_one_host_or_a_job_without_hosts_cannot_restart():
     assert not restart.Restarts.possible(_config("-np", "2", "-H", "ha:2"))
     assert not restart.Restarts.possible(_config("-np", "2"))
