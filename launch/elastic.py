@@ -45,8 +45,9 @@ from typing import Any
 
 from launch.hosts import is_local
 from launch.worker import describe_exit
+from syncdp.membership import membership
 
-__all__ = ["check_ulfm", "ElasticLog", "SPARE_GRACE_SECONDS"]
+__all__ = ["check_ulfm", "check_discovery", "ElasticLog", "SPARE_GRACE_SECONDS"]
 
 # After the last rank exits, how long spares get to leave by themselves before they are killed.
 SPARE_GRACE_SECONDS = 10.0
@@ -55,6 +56,26 @@ SPARE_GRACE_SECONDS = 10.0
 JOIN_GRACE_SECONDS = 5.0
 # The most a kill on another host may take, remote shell included.
 _REMOTE_KILL_SECONDS = 15.0
+
+
+def check_discovery(script: str, slots_per_host: int | None = None) -> str | None:
+    """Why the host discovery script cannot be used, or None when it runs and exits 0.
+
+    Checked once before the job starts, as horovodrun does: a script that cannot run would
+    leave every lost rank unreplaced. Later failures (a cluster service down for a moment)
+    only skip that look for free slots.
+
+    Args:
+        script: The script's path or shell command line.
+        slots_per_host: The slots of a host printed without a count. Defaults to one.
+    """
+    if membership.discover_slots(script, slots_per_host or 1) is not None:
+        return None
+    return (
+        f"the host discovery script {script!r} failed (above); elastic mode runs it to find "
+        "slots for replacements. Fix it, or give a program's path or a shell command line "
+        "that prints 'host:slots' lines and exits 0."
+    )
 
 
 def check_ulfm(mpirun: str) -> str | None:

@@ -50,8 +50,9 @@ than cores works, just slower) and --bind-to none (or --binding-args).
 
 Elastic mode: ``--min-np M``, ``--max-np K``, ``--elastic`` or ``--host-discovery-script``
 (horovodrun's flags) run mpirun with ``--with-ft ulfm`` (checked first: an MPI without ULFM is an
-error before anything starts); a lost or stalled rank is replaced while training goes on, and
-the launcher logs each membership change (:mod:`launch.elastic`). ``--min-np`` defaults to
+error before anything starts, and so is a discovery script that fails); a lost or stalled rank
+is replaced while training goes on, and the launcher logs each membership change
+(:mod:`launch.elastic`). ``--min-np`` defaults to
 ``-np`` and may not exceed it; ``--max-np`` may not be below it. A lost *host* ends Open MPI's
 runtime, so the launcher ends what is left of it and starts the job again on the hosts left,
 where the ranks resume from the last commit, which each host keeps on its local disk
@@ -90,7 +91,7 @@ from collections.abc import Collection, Mapping
 from launch import cleanup, output, restart, supervision
 from launch import hosts as _hosts
 from launch.cli import LOG_LEVELS, TCP_ONLY, LaunchConfig, build_parser, parse_args
-from launch.elastic import ElasticLog, check_ulfm
+from launch.elastic import ElasticLog, check_discovery, check_ulfm
 from launch.lifeline import LIFELINE_VAR, LifelineServer, lost_after
 from launch.report_server import ReportServer, describe_rejected
 from launch.restart import Restarts
@@ -372,6 +373,9 @@ def run(config: LaunchConfig) -> int:
         return 127
     if config.elastic:
         problem = check_ulfm(mpirun)
+        script = config.settings.get("host_discovery_script")
+        if problem is None and script:
+            problem = check_discovery(script, config.slots_per_host)
         if problem is not None:
             _say(problem)
             return 2

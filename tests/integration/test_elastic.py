@@ -157,6 +157,27 @@ def test_below_min_np_ends_cleanly_with_a_message(tmp_path):
     assert re.search(r"syncdp-run: the job failed .*elastic mode could not go on", result.stderr)
 
 
+def test_a_discovery_script_that_fails_at_the_start_is_refused_before_any_rank_starts(tmp_path):
+    # As horovodrun: a script that cannot run would leave every lost rank unreplaced.
+    marker = tmp_path / "started"
+    for script, why in [
+        (str(tmp_path / "missing.sh"), "not found"),
+        ("echo localhost:2; exit 3", "exited with 3"),
+    ]:
+        result = launch(
+            2,
+            "python",
+            "-c",
+            f"open({str(marker)!r}, 'w')",
+            launcher_args=("--min-np", "1", "--host-discovery-script", script),
+            timeout=60,
+        )
+        assert result.returncode == 2, result.stderr
+        assert why in result.stderr, result.stderr
+        assert f"the host discovery script {script!r} failed" in result.stderr, result.stderr
+        assert not marker.exists()
+
+
 def test_stalled_rank_is_removed_and_replaced(tmp_path):
     result = _run(tmp_path, 3, "2:0:4:STOP", launcher=("--stall-timeout", "4"))
     _assert_finished(result, size=3, changes=1)
