@@ -295,20 +295,19 @@ def test_every_fit_counts_its_batches_to_a_commit_from_zero():
 
     state = _CountingState()
     commit = CommitStateCallback(state, batches_per_commit=2)
-    commit.on_train_begin()
-    commit.on_epoch_begin(0)
-    for batch in range(3):
-        commit.on_train_batch_begin(batch)
-        state.batch = batch + 1
-        commit.on_train_batch_end(batch)
+
+    def three_batches_of_a_fit():  # the fit then stops, as a lost rank stops it
+        state.batch = 0
+        commit.on_train_begin()
+        commit.on_epoch_begin(0)
+        for batch in range(3):
+            commit.on_train_batch_begin(batch)
+            state.batch = batch + 1
+            commit.on_train_batch_end(batch)
+
+    three_batches_of_a_fit()
     assert state.commits == [(0, 2)]  # at batch 2's start; batch 3's count then stopped at 1
-    state.batch = 0
-    commit.on_train_begin()
-    commit.on_epoch_begin(0)
-    for batch in range(3):
-        commit.on_train_batch_begin(batch)
-        state.batch = batch + 1
-        commit.on_train_batch_end(batch)
+    three_batches_of_a_fit()
     assert state.commits == [(0, 2), (0, 2)]  # after 2 batches of this fit, not 1
 
 
