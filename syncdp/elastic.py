@@ -73,6 +73,10 @@ __all__ = [
 ]
 
 
+# What every rank's commit check carries (State.check_host_updates).
+_COMMIT_SIGNATURE = (("collective", "elastic.commit"),)
+
+
 def _broadcast_object(obj, root_rank: int = 0):
     return runtime.communicator().broadcast_object(obj, root_rank, name="elastic.sync")
 
@@ -168,10 +172,17 @@ class State:
         ``--host-discovery-script`` and fewer ranks than ``--max-np``); otherwise returns.
 
         With warm spares (``--spares``) it also keeps their number (a collective):
-        :func:`syncdp.job.runtime.tend_spares`."""
+        :func:`syncdp.job.runtime.tend_spares`. With spares or a discovery script every rank
+        must commit at the same point of training: ranks that do not get ``MismatchError``.
+        """
         plan = runtime.elastic_plan()
         if plan is None:
             return
+        if plan.spare_target or plan.script:
+            # The commit is a collective here. Checked like any other, so that one rank's
+            # commit meeting another's training step is an error on every rank, instead of
+            # pairing silently with that rank's next commit.
+            runtime.communicator().agree(_COMMIT_SIGNATURE, name="elastic.commit")
         runtime.tend_spares()  # with --spares: used or dead spares are replaced meanwhile
         if not plan.script:
             return

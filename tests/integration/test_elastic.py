@@ -178,6 +178,41 @@ def test_a_discovery_script_that_fails_at_the_start_is_refused_before_any_rank_s
         assert not marker.exists()
 
 
+UNEVEN_COMMITS = """
+import syncdp
+import syncdp.elastic
+
+syncdp.init()
+state = syncdp.elastic.ObjectState(step=0)
+
+
+@syncdp.elastic.run
+def train(state):
+    while state.step < 6:
+        syncdp.barrier()
+        state.step += 1
+        if syncdp.rank() == 0 or state.step % 2 == 0:  # rank 0 commits twice as often
+            state.commit()
+
+
+train(state)
+print("FINISHED", flush=True)
+"""
+
+
+def test_ranks_that_commit_at_different_points_fail_instead_of_pairing_silently(tmp_path):
+    # With a discovery script (or spares) a commit is a collective: rank 0's commit at step 1
+    # meets rank 1's barrier. Every rank gets MismatchError; nothing finishes as a success.
+    program = tmp_path / "uneven_commits.py"
+    program.write_text(UNEVEN_COMMITS)
+    flags = ("--min-np", "2", "--host-discovery-script", "echo localhost:2")
+    result = launch(2, "python", str(program), launcher_args=flags, timeout=120)
+    out = f"--- stdout ---\n{result.stdout[-3000:]}\n--- stderr ---\n{result.stderr[-5000:]}"
+    assert result.returncode != 0, out
+    assert "FINISHED" not in result.stdout, out
+    assert "MismatchError" in result.stderr and "elastic.commit" in result.stderr, out
+
+
 def test_stalled_rank_is_removed_and_replaced(tmp_path):
     result = _run(tmp_path, 3, "2:0:4:STOP", launcher=("--stall-timeout", "4"))
     _assert_finished(result, size=3, changes=1)
