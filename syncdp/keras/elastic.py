@@ -77,18 +77,20 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
 
         Args:
             state: The elastic state.
-            batches_per_commit: Batches between commits; a commit copies the model and optimizer
-                to host memory, so commit less often for large models. Defaults to 1.
+            batches_per_commit: Batches between commits, or 0 to commit at the ends of epochs
+                only (Horovod's callback then never commits); a commit copies the model and
+                optimizer to host memory, so commit less often for large models. Defaults to 1.
 
         Raises:
-            ValueError: ``batches_per_commit`` is below 1.
+            ValueError: ``batches_per_commit`` is not an integer >= 0.
         """
 
         def __init__(self, state: State, batches_per_commit: int = 1):
             super().__init__()
-            if int(batches_per_commit) != batches_per_commit or batches_per_commit < 1:
+            if int(batches_per_commit) != batches_per_commit or batches_per_commit < 0:
                 raise ValueError(
-                    f"batches_per_commit must be an integer >= 1; got {batches_per_commit!r}."
+                    "batches_per_commit must be an integer >= 0 (0: at the ends of epochs only); "
+                    f"got {batches_per_commit!r}."
                 )
             self.state = state
             self.batches_per_commit = int(batches_per_commit)
@@ -112,7 +114,7 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
 
         def on_train_batch_end(self, batch, logs=None):
             self._since += 1
-            if self._since >= self.batches_per_commit:
+            if self.batches_per_commit and self._since >= self.batches_per_commit:
                 self._since = 0
                 self._pending = True
 

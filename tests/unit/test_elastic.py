@@ -311,11 +311,24 @@ def test_every_fit_counts_its_batches_to_a_commit_from_zero():
     assert state.commits == [(0, 2), (0, 2)]  # after 2 batches of this fit, not 1
 
 
-def test_commit_state_callback_rejects_a_bad_period():
+def test_commit_state_callback_rejects_a_bad_period_and_0_commits_at_epoch_ends_only():
     from syncdp.keras.elastic import CommitStateCallback
 
-    with pytest.raises(ValueError, match="batches_per_commit must be an integer >= 1"):
-        CommitStateCallback(_CountingState(), batches_per_commit=0)
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="batches_per_commit must be an integer >= 0"):
+            CommitStateCallback(_CountingState(), batches_per_commit=bad)
+    state = _CountingState()
+    commit = CommitStateCallback(state, batches_per_commit=0)
+    commit.on_train_begin()
+    for epoch in range(2):
+        commit.on_epoch_begin(epoch)
+        for batch in range(3):
+            commit.on_train_batch_begin(batch)
+            commit.on_train_batch_end(batch)
+        commit.on_epoch_end(epoch)
+        state.epoch = epoch + 1
+    commit.on_train_end()
+    assert state.commits == [(1, 0), (2, 0)]  # at the start of epoch 1 and at the end
 
 
 def test_worker_labels_a_replacement_and_tells_its_child(tmp_path, monkeypatch):
