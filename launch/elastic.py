@@ -1,4 +1,5 @@
-"""The launcher's side of elastic mode: check for ULFM, log membership changes, remove stalls.
+"""The launcher's side of elastic mode: check for ULFM and the discovery script, log membership
+changes, remove stalls.
 
 ``syncdp-run --min-np M`` (or ``--max-np K``, ``--elastic``, ``--host-discovery-script``)
 starts mpirun with ``--with-ft ulfm``, so a rank that dies does not end the job: the survivors
@@ -68,6 +69,9 @@ def check_discovery(script: str, slots_per_host: int | None = None) -> str | Non
     Args:
         script: The script's path or shell command line.
         slots_per_host: The slots of a host printed without a count. Defaults to one.
+
+    Returns:
+        The problem, one line for the launcher to say, or None.
     """
     if membership.discover_slots(script, slots_per_host or 1) is not None:
         return None

@@ -74,7 +74,7 @@ __all__ = [
 
 
 # What every rank's commit check carries (State.check_host_updates).
-_COMMIT_SIGNATURE = (("collective", "elastic.commit"),)
+_COMMIT_SIGNATURE = (("collective", "elastic.commit_check"),)
 
 
 def _broadcast_object(obj, root_rank: int = 0):
@@ -123,7 +123,8 @@ class State:
 
     def commit(self) -> None:
         """Saves the state in memory (every rank keeps its own copy), then checks for new
-        hosts. A synchronization point when a discovery script is set.
+        hosts. A synchronization point when a discovery script or spares are set: every rank
+        must then commit at the same points of training.
 
         In an elastic job on several hosts under ``syncdp-run`` the lowest local rank of each
         host also writes the copy to that host's local disk, so that a restart after a lost
@@ -182,7 +183,7 @@ class State:
             # The commit is a collective here. Checked like any other, so that one rank's
             # commit meeting another's training step is an error on every rank, instead of
             # pairing silently with that rank's next commit.
-            runtime.communicator().agree(_COMMIT_SIGNATURE, name="elastic.commit")
+            runtime.communicator().agree(_COMMIT_SIGNATURE, name="elastic.commit_check")
         runtime.tend_spares()  # with --spares: used or dead spares are replaced meanwhile
         if not plan.script:
             return

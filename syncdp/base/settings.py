@@ -277,7 +277,8 @@ SETTINGS: tuple[Setting, ...] = (
         "--host-discovery-script",
         str,
         "",
-        "elastic: program printing 'host:slots' lines, where replacements may start",
+        "elastic: program (or shell command line) printing 'host:slots' lines, where "
+        "replacements may start",
     ),
     Setting(
         "reset_limit",

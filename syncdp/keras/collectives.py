@@ -83,6 +83,9 @@ def reducescatter(
 
     Returns:
         This rank's rows of the reduction.
+
+    Example:
+        >>> rows = hvd.reducescatter(np.ones([hvd.size(), 3], np.float32), "rows", hvd.Sum)
     """
     return collectives.reducescatter(
         value,

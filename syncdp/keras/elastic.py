@@ -78,8 +78,8 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
         Args:
             state: The elastic state.
             batches_per_commit: Batches between commits, or 0 to commit at the ends of epochs
-                only (Horovod's callback then never commits); a commit copies the model and
-                optimizer to host memory, so commit less often for large models. Defaults to 1.
+                only, as Horovod's does; a commit copies the model and optimizer to host
+                memory, so commit less often for large models. Defaults to 1.
 
         Raises:
             ValueError: ``batches_per_commit`` is not an integer >= 0.

@@ -207,8 +207,15 @@ def _local(host: str) -> str:
 
 
 def discovery_slots(environ=None) -> int:
-    """The slots of a discovery script's host printed without a count: the launcher's
-    ``--slots-per-host`` (``SYNCDP_DISCOVERY_SLOTS``), or 1."""
+    """The slots of a discovery script's host printed without a count.
+
+    Args:
+        environ: Where to read ``SYNCDP_DISCOVERY_SLOTS`` (the launcher's
+            ``--slots-per-host``). Defaults to ``os.environ``.
+
+    Returns:
+        That number, or 1 when it is not set.
+    """
     text = (os.environ if environ is None else environ).get(DISCOVERY_SLOTS_VAR, "")
     return int(text) if text.isdigit() and int(text) > 0 else 1
 
@@ -224,10 +231,15 @@ def discover_slots(script: str, default_slots: int | None = None) -> dict[str, i
         script: The script's path, or a command line for ``sh``.
         default_slots: The slots of a host printed without a count. Defaults to
             :func:`discovery_slots`.
+
+    Returns:
+        Host -> slots, or None when the script could not run or exited non-zero (the reason
+        is printed to stderr).
     """
     if default_slots is None:
         default_slots = discovery_slots()
-    command = [script] if os.path.isfile(script) else ["sh", "-c", script]
+    # A file in the working directory is run by its path (exec looks only on PATH).
+    command = [os.path.abspath(script)] if os.path.isfile(script) else ["sh", "-c", script]
     try:
         out = subprocess.run(
             command, capture_output=True, text=True, timeout=_DISCOVERY_TIMEOUT_SECONDS

@@ -86,6 +86,7 @@ from syncdp.tensorflow.collectives import (
     grouped_allreduce,
     grouped_reducescatter,
     join,
+    reduce_op,
     reducescatter,
 )
 from syncdp.tensorflow.compression import Compression
@@ -239,6 +240,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
     Raises:
         ValueError: ``optimizer`` is neither, or an argument does not apply to it.
     """
+    op = reduce_op(op)
     if gradient_predivide_factor != 1.0 and op is not Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average.")
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):

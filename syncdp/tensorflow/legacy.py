@@ -56,6 +56,7 @@ class LegacyDistributedOptimizer(tf.compat.v1.train.Optimizer):
         process_set=collectives.global_process_set,
         scale_local_gradients=True,
     ):
+        op = collectives.reduce_op(op)
         if backward_passes_per_step != 1:
             raise ValueError(
                 "backward_passes_per_step > 1 is not supported with a tf.compat.v1 optimizer "

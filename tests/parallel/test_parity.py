@@ -349,6 +349,9 @@ def test_a_tape_and_an_optimizer_take_horovods_integer_op(hvd, mode):
 
     np.testing.assert_allclose(run(mode, summed).numpy(), [n * (n + 1) / 2] * 2)
     assert hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), op=1).op is hvd.Sum
+    # horovod.tensorflow's factory: 0 is Average, so a predivide factor is allowed
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=0, gradient_predivide_factor=2)
+    assert opt.op is hvd.Average
     with pytest.raises(ValueError, match="op must be"):
         hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), op=7)
 

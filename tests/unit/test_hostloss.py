@@ -86,7 +86,9 @@ def elastic_rank(monkeypatch, tmp_path):
     from syncdp.watch import report
 
     monkeypatch.setenv(commits.COMMIT_DIR_VAR, str(tmp_path / "job"))
-    monkeypatch.setattr(runtime, "elastic_plan", lambda: types.SimpleNamespace(script=""))
+    monkeypatch.setattr(
+        runtime, "elastic_plan", lambda: types.SimpleNamespace(script="", spare_target=0)
+    )
     monkeypatch.setattr(runtime, "tend_spares", lambda: None)
     sent = []
     monkeypatch.setattr(report, "send", lambda kind, rank, message="", **f: sent.append(f))
@@ -282,6 +284,11 @@ def test_a_discovery_command_line_runs_in_a_shell_and_bare_hosts_get_slots_per_h
     assert new.hosts == "ha:2,hc:2" and new.num_proc == 4
     # Without --slots-per-host a bare host has one slot, and nothing is passed.
     assert membership.DISCOVERY_SLOTS_VAR not in run.build_env(_config(*flags), environ={})
+    # A script named relative to the working directory runs too, at the launcher's check.
+    monkeypatch.chdir(tmp_path)
+    assert membership.discover_slots("discover.sh", 2) == {"hc": 2, "ha": 2, "hb": 2}
+    assert elastic.check_discovery("discover.sh") is None
+    assert "failed" in elastic.check_discovery("missing.sh")
 
 
 def test_one_host_or_a_job_without_hosts_cannot_restart():

@@ -58,6 +58,12 @@ def reduce_op(op) -> ReduceOp:
     """``op`` as a :class:`ReduceOp`: one of ours, or Horovod's integer for it (0 Average,
     1 Sum, 2 Adasum, 3 Min, 4 Max, 5 Product).
 
+    Args:
+        op: A :class:`ReduceOp`, or an integer (Python's or NumPy's) from 0 to 5.
+
+    Returns:
+        The :class:`ReduceOp`.
+
     Raises:
         ValueError: ``op`` is neither.
     """
