@@ -196,6 +196,7 @@ class ElasticLog:
         self._failed_exits: dict[tuple, dict] = {}  # (host, pid) -> exit report
         self._exits: dict[int, dict] = {}  # label -> the exit report of a rank (not a spare)
         self._lost: set[tuple] = set()
+        self._raised: set[tuple] = set()  # (host, pid) of ranks that reported an exception
         self._lock = threading.Lock()
         self._spares = set(spares)  # labels of the spares still waiting
         self._spare_pids: dict[int, tuple] = {}  # label -> (host, pid), from "started"
@@ -270,6 +271,10 @@ class ElasticLog:
                 self._failed_exits[(report.get("host"), report.get("pid"))] = report
             code = -report["signal"] if report.get("signal") else report.get("code") or 0
             then = "recovering" if code != -signal.SIGALRM else "its training had ended"
+            with self._lock:
+                raised = (report.get("host"), report.get("pid")) in self._raised
+            if raised:  # an exception, not a loss: the job ends (the verdict says why)
+                then = "it raised an exception, so the job ends"
             self._say(f"lost {_who(report)}: it {describe_exit(code)}; {then}.")
             self._end_orphans(report)
 
@@ -365,6 +370,10 @@ class ElasticLog:
     def handle(self, report: dict) -> bool:
         """Takes the reports elastic mode treats differently; False for the others."""
         kind = report.get("kind")
+        if kind == "exception":  # the rank ends the job: its exit is no loss to recover from
+            with self._lock:
+                self._raised.add((report.get("host"), report.get("pid")))
+            return False  # the verdict names it
         if kind in ("membership", "spares") or (kind == "started" and report.get("rank") == 0):
             with self._lock:  # sent by rank 0 itself
                 self._rank0 = (report.get("host"), report.get("pid"))

@@ -213,6 +213,8 @@ def test_ranks_that_commit_at_different_points_fail_instead_of_pairing_silently(
     assert "MismatchError" in result.stderr, out
     expected = "rank 0: collective=elastic.commit_check; rank 1: collective=barrier"
     assert expected in result.stderr, out
+    assert "recovering" not in result.stderr, out  # an exception ends the job: no recovery
+    assert "it raised an exception, so the job ends" in result.stderr, out
 
 
 def test_stalled_rank_is_removed_and_replaced(tmp_path):

@@ -119,6 +119,17 @@ def test_elastic_log_explains_losses_by_membership_changes(capsys):
     assert log.summary() == "1 membership change(s); the job finished with 3 rank(s)."
 
 
+def test_a_rank_that_raised_is_not_said_to_be_recovered_from(capsys):
+    log = elastic.ElasticLog()
+    assert not log.handle({"kind": "exception", "rank": 1, "host": "h", "pid": 11})
+    log.handle(_exit(11, code=1))
+    log.handle(_exit(12, code=1, rank=2))  # no exception of its own: a loss
+    err = capsys.readouterr().err
+    ended = "lost rank 1 (pid 11 on h): it exited with code 1; it raised an exception, so the job"
+    assert ended + " ends." in err
+    assert "lost rank 2 (pid 12 on h): it exited with code 1; recovering." in err
+
+
 def test_elastic_log_needs_every_final_rank_to_exit_cleanly():
     log = elastic.ElasticLog()
     log.handle(_exit(10))
