@@ -434,13 +434,6 @@ def parse_args(
     if args.slots_per_host is not None and listed:
         # mpirun counts one slot for a host without a count: give each its slots on -H.
         args.hosts, args.hostfile = _hosts.format_hosts(listed), None
-    elif args.slots_per_host is not None and not (
-        args.host_discovery_script or environ.get("SYNCDP_HOST_DISCOVERY_SCRIPT")
-    ):
-        notes.append(
-            "--slots-per-host changes nothing without -H, --hostfile or "
-            "--host-discovery-script: it gives the slots of hosts they list without a count"
-        )
     if args.num_proc is None:
         if environ.get("SLURM_NTASKS", "").isdigit():
             args.num_proc = int(environ["SLURM_NTASKS"])  # the allocation decides
@@ -455,6 +448,12 @@ def parse_args(
     if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
         parser.error(f"--ssh-identity-file {args.ssh_identity_file!r} does not exist")
     resolved = _check_settings(args, environ, spelled, prog)
+    if args.slots_per_host is not None and not listed:
+        if not resolved.get("host_discovery_script"):
+            notes.append(
+                "--slots-per-host changes nothing without -H, --hostfile or "
+                "--host-discovery-script: it gives the slots of hosts they list without a count"
+            )
     # Each flag sets only its own variable; the ranks read -np's defaults from the job's size.
     least = spelled.get("min_np") or _origin("min_np", args)
     most = spelled.get("max_np") or _origin("max_np", args)

@@ -59,7 +59,7 @@ JOIN_GRACE_SECONDS = 5.0
 _REMOTE_KILL_SECONDS = 15.0
 
 
-def check_discovery(script: str, slots_per_host: int | None = None) -> str | None:
+def check_discovery(script: str) -> str | None:
     """Why the host discovery script cannot be used, or None when it runs and exits 0.
 
     Checked once before the job starts, as horovodrun does: a script that cannot run would
@@ -68,12 +68,11 @@ def check_discovery(script: str, slots_per_host: int | None = None) -> str | Non
 
     Args:
         script: The script's path or shell command line.
-        slots_per_host: The slots of a host printed without a count. Defaults to one.
 
     Returns:
         The problem, one line for the launcher to say, or None.
     """
-    if membership.discover_slots(script, slots_per_host or 1) is not None:
+    if membership.discover_slots(script, default_slots=1) is not None:
         return None
     return (
         f"the host discovery script {script!r} failed (above); elastic mode runs it to find "
@@ -270,11 +269,14 @@ class ElasticLog:
             with self._lock:
                 self._failed_exits[(report.get("host"), report.get("pid"))] = report
             code = -report["signal"] if report.get("signal") else report.get("code") or 0
-            then = "recovering" if code != -signal.SIGALRM else "its training had ended"
             with self._lock:
                 raised = (report.get("host"), report.get("pid")) in self._raised
             if raised:  # an exception, not a loss: the job ends (the verdict says why)
                 then = "it raised an exception, so the job ends"
+            elif code == -signal.SIGALRM:
+                then = "its training had ended"
+            else:
+                then = "recovering"
             self._say(f"lost {_who(report)}: it {describe_exit(code)}; {then}.")
             self._end_orphans(report)
 

@@ -375,7 +375,7 @@ def run(config: LaunchConfig) -> int:
         problem = check_ulfm(mpirun)
         script = config.settings.get("host_discovery_script")
         if problem is None and script:
-            problem = check_discovery(script, config.slots_per_host)
+            problem = check_discovery(script)
         if problem is not None:
             _say(problem)
             return 2
