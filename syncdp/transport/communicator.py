@@ -72,6 +72,48 @@ def _as_bytes(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
+def _mismatch_message(name: str, everyone: list) -> str:
+    """What each rank passed, from every rank's ``(collective name, signature)``.
+
+    Ranks in different collectives (a rank that ran one more step, or a branch taken on one
+    rank only) are named with their collectives; ranks in the same one, with the fields that
+    differ. Fields are compared by name: the ranks' signatures need not have the same ones.
+    """
+    names = [n for n, _ in everyone]
+    fields = [dict(sig) for _, sig in everyone]
+    keys = list(dict.fromkeys(k for f in fields for k in f))
+    if len(set(names)) > 1:
+        where = []
+        for r, (n, f) in enumerate(zip(names, fields)):
+            # The collective's name leads: fields that repeat it are left out.
+            own = {k: v for k, v in f.items() if k != "name" and v != n}
+            where.append(f"rank {r} in {n}" + (f" ({_fields(own, keys)})" if own else ""))
+        at = "; ".join(where)
+        return (
+            f"{name}: the ranks are in different collectives ({at}). Every rank must call the "
+            "same collectives in the same order: one rank ran more steps or collectives than "
+            "another (uneven data: give every rank the same number of batches, as "
+            "syncdp.data.tfrecord_dataset does), took a branch the others did not, or named the "
+            "same collective differently."
+        )
+    differ = [k for k in keys if len({repr(f.get(k, _ABSENT)) for f in fields}) > 1]
+    passed = "; ".join(f"rank {r}: {_fields(f, differ)}" for r, f in enumerate(fields))
+    return (
+        f"{name}: ranks passed different {', '.join(differ) or 'arguments'} ({passed}). Every "
+        "rank must call each collective with the same dtype, shape, op, root rank and name, in "
+        "the same order."
+    )
+
+
+_ABSENT = object()
+
+
+def _fields(fields: dict, keys: list, limit: int = 300) -> str:
+    """``k=v, ...`` of ``keys`` that ``fields`` has, cut at ``limit`` characters."""
+    text = ", ".join(f"{k}={fields[k]}" for k in keys if k in fields) or "no arguments"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class Communicator:
     """Collectives over a group of MPI processes.
 
@@ -297,21 +339,7 @@ class Communicator:
             return ()
         if (digests < 0).any():
             return self._serve_joined(signature, digests, name, join)
-        everyone = self.mpi.allgather(signature)
-        differ = [
-            field
-            for i, (field, _) in enumerate(signature)
-            if len({repr(s[i][1]) if i < len(s) else None for s in everyone}) > 1
-        ] or ["name"]
-        passed = "; ".join(
-            f"rank {r}: " + ", ".join(f"{f}={v}" for f, v in s if f in differ)
-            for r, s in enumerate(everyone)
-        )
-        raise MismatchError(
-            f"{name}: ranks passed different {', '.join(differ)} ({passed}). Every rank must "
-            "call each collective with the same dtype, shape, op, root rank and name, in the "
-            "same order."
-        )
+        raise MismatchError(_mismatch_message(name, self.mpi.allgather((name, signature))))
 
     def allreduce(self, array: np.ndarray, op: str = "sum", *, name: str = "allreduce"):
         """Element-wise reduction of ``array`` over all ranks; every rank gets the result.

@@ -211,7 +211,7 @@ def test_ranks_that_commit_at_different_points_fail_instead_of_pairing_silently(
     assert result.returncode != 0, out
     assert "FINISHED" not in result.stdout, out
     assert "MismatchError" in result.stderr, out
-    expected = "rank 0: collective=elastic.commit_check; rank 1: collective=barrier"
+    expected = "rank 0 in elastic.commit_check; rank 1 in barrier"
     assert expected in result.stderr, out
     assert "recovering" not in result.stderr, out  # an exception ends the job: no recovery
     assert "it raised an exception, so the job ends" in result.stderr, out

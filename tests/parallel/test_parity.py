@@ -270,6 +270,30 @@ def test_mismatched_arguments_raise_failed_precondition_on_every_rank(hvd, mode)
     assert hvd.allreduce(tf.ones([1]), op=hvd.Sum).numpy()[0] == n  # the job goes on
 
 
+def test_object_collectives_and_barrier_that_differ_raise_on_every_rank(hvd):
+    # They used to share one checksum: a barrier met a broadcast_object, or one object
+    # collective another, and the job hung; ranks naming different roots each got their own
+    # object back, a silent wrong result.
+    r, n = hvd.rank(), hvd.size()
+    if n == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    cases = {
+        "different collectives (rank 0 in barrier; rank 1 in broadcast_object (root=0)": lambda: (
+            hvd.barrier() if r == 0 else hvd.broadcast_object(r, 0)
+        ),
+        "different collectives (rank 0 in broadcast_object (root=0); rank 1 in allgather_object": (
+            lambda: hvd.broadcast_object(r, 0) if r == 0 else hvd.allgather_object(r)
+        ),
+        "different root (rank 0: root=0; rank 1: root=1": lambda: hvd.broadcast_object(r, r),
+    }
+    for expected, build in cases.items():
+        with pytest.raises(hvd.MismatchError) as info:
+            build()
+        assert expected in str(info.value), str(info.value)
+    assert hvd.broadcast_object(r, 1) == 1  # the job goes on
+    assert hvd.allgather_object(r) == list(range(n))
+
+
 def test_collectives_run_in_a_tf1_graph_and_session(hvd):
     r, n = hvd.rank(), hvd.size()
     with tf.Graph().as_default(), tf.compat.v1.Session() as sess:

@@ -23,6 +23,7 @@ from syncdp.tensorflow.collectives._common import (
     _spec,
 )
 from syncdp.tensorflow.graph import ordered_call, standalone
+from syncdp.transport.communicator import signature_digest
 
 __all__ = [
     "broadcast_",
@@ -128,7 +129,7 @@ def broadcast_object(
     comm = _comm(process_set)
     root = _root(process_set, root_rank)
     name = name or "broadcast_object"
-    _not_while_joined(comm, name)
+    _agree_object(comm, name, "broadcast_object", root=root)
     return comm.broadcast_object(obj, root, name=name)
 
 
@@ -149,14 +150,20 @@ def allgather_object(
     """Returns a list of every rank's picklable object, in rank order (a collective)."""
     comm = _comm(process_set)
     name = name or "allgather_object"
-    _not_while_joined(comm, name)
+    _agree_object(comm, name, "allgather_object")
     return comm.allgather_object(obj, name=name)
 
 
-def _not_while_joined(comm, name: str) -> None:
-    """The argument check of a collective that joined ranks cannot stand in for: it raises
-    on every active rank while a rank has joined (the joined ranks wait on)."""
-    comm.agree((("collective", "object"),), name=name, digest=0)
+def _agree_object(comm, name: str, collective: str, **fields) -> None:
+    """The argument check of an object collective: every rank must be in the same one, under
+    the same name (and root). Joined ranks cannot stand in for it: while a rank has joined it
+    raises on every active rank (the joined ranks wait on)."""
+    comm.agree((("name", name), ("collective", collective), *fields.items()), name=name)
+
+
+# A barrier's argument check is the whole barrier; its checksum is worked out once.
+_BARRIER = (("collective", "barrier"),)
+_BARRIER_DIGEST = signature_digest(_BARRIER)
 
 
 def barrier(process_set=global_process_set) -> None:
@@ -165,9 +172,7 @@ def barrier(process_set=global_process_set) -> None:
     Raises:
         CollectiveError: A rank of the set has called :func:`join` and not every rank has.
     """
-    _comm(process_set).agree(
-        (("collective", "barrier"),), name="barrier", digest=0, label="barrier"
-    )
+    _comm(process_set).agree(_BARRIER, name="barrier", digest=_BARRIER_DIGEST, label="barrier")
 
 
 def join(device: int = -1, process_set=global_process_set) -> tf.Tensor:

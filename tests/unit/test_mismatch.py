@@ -1,0 +1,45 @@
+"""The MismatchError message: what each rank passed, from every rank's (name, signature)."""
+
+from syncdp.transport.communicator import _mismatch_message
+
+
+def test_ranks_in_different_collectives_are_named_with_their_collectives():
+    everyone = [
+        ("gradients.bucket0", (("name", "gradients.bucket0"), ("dtype", "float32"))),
+        ("MetricAverageCallback", (("name", "MetricAverageCallback"), ("collective", "x"))),
+    ]
+    text = _mismatch_message("gradients.bucket0", everyone)
+    assert text.startswith("gradients.bucket0: the ranks are in different collectives (")
+    assert "rank 0 in gradients.bucket0 (dtype=float32); rank 1 in MetricAverageCallback " in text
+    assert "(collective=x))" in text
+    assert "uneven data" in text
+
+
+def test_a_field_that_repeats_the_collectives_name_is_left_out():
+    everyone = [("barrier", (("collective", "barrier"),)), ("elastic.commit_check", ())]
+    text = _mismatch_message("barrier", everyone)
+    assert "(rank 0 in barrier; rank 1 in elastic.commit_check)" in text
+
+
+def test_the_same_collective_names_only_the_fields_that_differ():
+    sig = (("name", "b"), ("collective", "broadcast_object"))
+    everyone = [("b", (*sig, ("root", 0))), ("b", (*sig, ("root", 1))), ("b", (*sig, ("root", 0)))]
+    text = _mismatch_message("b", everyone)
+    assert "b: ranks passed different root (rank 0: root=0; rank 1: root=1; rank 2: root=0)" in text
+
+
+def test_fields_are_compared_by_name_not_by_position():
+    # Rank 1's signature has no "op" and its "shape" comes first: nothing is left blank.
+    everyone = [
+        ("t", (("name", "t"), ("op", "sum"), ("shape", (2,)))),
+        ("t", (("name", "t"), ("shape", (3,)))),
+    ]
+    text = _mismatch_message("t", everyone)
+    expected = "ranks passed different op, shape (rank 0: op=sum, shape=(2,); rank 1: shape=(3,))"
+    assert expected in text
+
+
+def test_a_long_signature_is_cut():
+    everyone = [("t", (("shapes", tuple(range(500))),)), ("t", (("shapes", ()),))]
+    text = _mismatch_message("t", everyone)
+    assert "..." in text and len(text) < 1000
