@@ -294,6 +294,42 @@ def test_object_collectives_and_barrier_that_differ_raise_on_every_rank(hvd):
     assert hvd.allgather_object(r) == list(range(n))
 
 
+def test_any_two_different_collectives_at_one_point_raise_on_every_rank(hvd):
+    # Rank 0 calls one collective, the others another: every ordered pair, each under its
+    # default name and then all under one name, must end in MismatchError on every rank (no
+    # hang, no silent pairing), and the job goes on.
+    r, n = hvd.rank(), hvd.size()
+    if n == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    v = tf.Variable([1.0, 2.0])
+    calls = {
+        "allreduce": lambda name: hvd.allreduce(tf.ones([2]), name=name),
+        "allreduce Sum": lambda name: hvd.allreduce(tf.ones([2]), op=hvd.Sum, name=name),
+        "allgather": lambda name: hvd.allgather(tf.ones([2]), name=name),
+        "grouped_allgather": lambda name: hvd.grouped_allgather([tf.ones([2])], name=name),
+        "broadcast": lambda name: hvd.broadcast(tf.ones([2]), 0, name=name),
+        "broadcast_variables": lambda name: hvd.broadcast_variables([v], 0),
+        "alltoall": lambda name: hvd.alltoall(tf.ones([2 * n]), name=name),
+        "reducescatter": lambda name: hvd.reducescatter(tf.ones([2 * n]), name=name),
+        "broadcast_object": lambda name: hvd.broadcast_object(1, 0, name=name),
+        "allgather_object": lambda name: hvd.allgather_object(1, name=name),
+        "barrier": lambda name: hvd.barrier(),
+    }
+    for name in (None, "x"):
+        for first in calls:
+            for other in calls:
+                if first == other:
+                    continue
+                try:
+                    calls[first if r == 0 else other](name)
+                    outcome = "no error"
+                except hvd.MismatchError:
+                    outcome = "MismatchError"
+                seen = hvd.allgather_object(outcome)
+                assert seen == ["MismatchError"] * n, (first, other, name, seen)
+    assert hvd.allreduce(tf.ones([1]), op=hvd.Sum).numpy()[0] == n
+
+
 def test_collectives_run_in_a_tf1_graph_and_session(hvd):
     r, n = hvd.rank(), hvd.size()
     with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
