@@ -206,7 +206,10 @@ def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
     included = world.rank in ps.ranks
     sub = world.mpi.Split(0 if included else MPI.UNDEFINED, key=world.rank)
     ps.process_set_id = max(sets, default=0) + 1
-    ps._comm = Communicator(sub, world.config, revoke_with=(world.mpi,)) if included else None
+    scope = f"the process set of ranks {', '.join(map(str, ps.ranks))}"
+    ps._comm = (
+        Communicator(sub, world.config, revoke_with=(world.mpi,), scope=scope) if included else None
+    )
     sets[ps.process_set_id] = ps
     return ps
 

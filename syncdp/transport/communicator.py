@@ -123,6 +123,11 @@ class Communicator:
         config: Settings: chunk size, stall timeouts.
         timeline: Optional object with ``record(name, nbytes, dtype, start, end)``, told about
             every collective.
+        job_comm: The job's communicator, whose rank numbers the watchdog's messages use.
+            Defaults to ``MPI.COMM_WORLD``.
+        revoke_with: Communicators to revoke along with this one. Defaults to none.
+        scope: What stall reports call this group when it is not the whole job (a process
+            set). Defaults to None: the whole job.
 
     Attributes:
         inline_bytes: Payload bytes an argument-check record carries (CHECK_BYTES).
@@ -130,7 +135,9 @@ class Communicator:
         records: Every rank's record, as the last check gathered them (``size`` rows).
     """
 
-    def __init__(self, mpi_comm, config: Config, timeline=None, *, job_comm=None, revoke_with=()):
+    def __init__(
+        self, mpi_comm, config: Config, timeline=None, *, job_comm=None, revoke_with=(), scope=None
+    ):
         self._MPI = _mpi.load()
         self.mpi = mpi_comm
         self.rank = self.mpi.Get_rank()
@@ -154,7 +161,7 @@ class Communicator:
         # use one: "group" over all ranks (one host), "host" over this host's ranks (the
         # topology-aware path); None when this group cannot have that one.
         self._planes: dict[str, _shm.SharedPlane | None] = {}
-        self.watchdog = Watchdog(self.mpi, config, job_comm) if self.size > 1 else None
+        self.watchdog = Watchdog(self.mpi, config, job_comm, scope) if self.size > 1 else None
         # The argument check's records (CHECK_BYTES): this rank's, and every rank's as
         # gathered by the last check.
         self.inline_bytes = self._inline_capacity()

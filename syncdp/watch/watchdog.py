@@ -71,6 +71,12 @@ _SUPERVISOR_SECONDS = 1.0
 _END_SECONDS = 2.0
 _NO_COLLECTIVE = "in no collective: computing, or stuck outside syncdp"
 
+# Every running watchdog of this process: one per communicator (the job's, each process set's).
+# A rank asked where it is, and in no collective of the asker's communicator, can then name
+# the collective it is in on another one (ranks that passed different process sets).
+_RUNNING: list[Watchdog] = []
+_RUNNING_LOCK = threading.Lock()
+
 
 class Process(NamedTuple):
     """Where one rank runs.
@@ -122,9 +128,11 @@ class Watchdog:
         config: ``stall_timeout`` (0 disables the abort), ``stall_warning`` and ``elastic``.
         job_comm: The job's communicator, whose rank numbers messages use. Defaults to
             ``MPI.COMM_WORLD``.
+        scope: What messages call ``comm``'s group when it is not the whole job's (``the
+            process set of ranks 0, 1``). Defaults to None: the whole job.
     """
 
-    def __init__(self, comm, config: Config, job_comm=None):
+    def __init__(self, comm, config: Config, job_comm=None, scope: str | None = None):
         self._MPI = mpi.load()
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -138,6 +146,7 @@ class Watchdog:
         self._job_rank = self._MPI.Group.Translate_ranks(
             comm.Get_group(), list(range(self.size)), world
         )
+        self.scope = scope
         world.Free()
         self.timeout = config.stall_timeout
         self.warning = config.stall_warning
@@ -160,6 +169,8 @@ class Watchdog:
         self._wake_read, self._wake_write = os.pipe()  # stop() wakes the thread's poll
         self._thread = threading.Thread(target=self._loop, name="syncdp-watchdog", daemon=True)
         self._thread.start()
+        with _RUNNING_LOCK:
+            _RUNNING.append(self)
 
     def enter(self, seq: int, name: str, timeout: float | None = None) -> None:
         """Called by the main thread as collective number ``seq`` starts; ``timeout`` < 0
@@ -177,6 +188,9 @@ class Watchdog:
         Args:
             free: Free the communicator; False drops it (a rank of it died). Defaults to True.
         """
+        with _RUNNING_LOCK:
+            if self in _RUNNING:
+                _RUNNING.remove(self)
         self._stop.set()
         os.write(self._wake_write, b"x")
         # The loop may be in the middle of asking the others (a few seconds at most); wait for
@@ -228,10 +242,23 @@ class Watchdog:
         return found
 
     def _where(self):
+        """This rank's answer to "where are you?": ``(seq, name, last done)`` of this
+        communicator's collective; seq None outside one, with name "exit" at the program's
+        end, or naming a collective of another communicator the rank is in."""
         current = self.current
-        if current is None:
-            return (None, "exit" if self.exiting else None, self.last_done)
-        return (current[0], current[1], self.last_done)
+        if current is not None:
+            return (current[0], current[1], self.last_done)
+        return (None, "exit" if self.exiting else self._elsewhere(), self.last_done)
+
+    def _elsewhere(self) -> str | None:
+        """The collective this rank is in on another communicator, in words, or None."""
+        with _RUNNING_LOCK:
+            others = [w for w in _RUNNING if w is not self]
+        for other in others:
+            current = other.current
+            if current is not None:
+                return f"collective #{current[0]} {current[1]} of {other.scope or 'the whole job'}"
+        return None
 
     def _answer_questions(self) -> None:
         # Matched probes: the main thread may answer questions too (ask_others), and a plain
@@ -289,7 +316,7 @@ class Watchdog:
                 print(
                     f"syncdp: warning: rank {self._job_rank[self.rank]} has waited "
                     f"{waited:.0f} s in "
-                    f"collective #{seq} {name} for other ranks.",
+                    f"{self._collective(seq, name)} for other ranks.",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -340,6 +367,11 @@ class Watchdog:
         """``rank 3``, or ``rank 3 on h2`` when the job spans hosts."""
         return f"rank {self._job_rank[r]}{self._on(r)}"
 
+    def _collective(self, seq: int, name: str) -> str:
+        """``collective #7 allreduce``, with the process set when it is not the whole job's."""
+        scope = f" of {self.scope}" if self.scope else ""
+        return f"collective #{seq} {name}{scope}"
+
     @staticmethod
     def _whereabouts(reply: tuple | None) -> tuple[str, str]:
         """Where a rank is, from its answer: a few words, and a sentence for its own line."""
@@ -348,6 +380,8 @@ class Watchdog:
         seq, name, done = reply
         if name == "exit":
             return "finished its program", f"has finished its program (last collective #{done})."
+        if seq is None and name:  # a collective of another communicator
+            return f"in {name}", f"in {name} instead (the ranks passed different process sets)."
         if seq is None:
             return _NO_COLLECTIVE, f"{_NO_COLLECTIVE} (last finished #{done})."
         return (
@@ -370,7 +404,7 @@ class Watchdog:
                 details.append(f"  {self._name(r)}: {sentence}")
         me = self._job_rank[self.rank]
         limit = f"(stall timeout {self.timeout:g} s)"
-        collective = f"collective #{seq} {name}"
+        collective = self._collective(seq, name)
         if missing:
             who = _ranks_text(missing)
             lines = [

@@ -110,3 +110,44 @@ def test_a_stall_says_where_each_missing_rank_is(tmp_path):
     assert re.search(r"rank 1: in no collective: computing, or stuck outside syncdp", text)
     last = result.stderr.strip().splitlines()[-1]
     assert "first failure: rank 1 stalled" in last, last
+
+
+PROCESS_SETS = r"""
+import tensorflow as tf
+import syncdp
+
+pair = syncdp.ProcessSet([0, 1])
+syncdp.init(process_sets=[pair])
+# Rank 0 reduces over the pair, the others over the whole job: different communicators, so
+# no argument check can meet; the stall report says where each one is.
+chosen = pair if syncdp.rank() == 0 else syncdp.global_process_set
+syncdp.allreduce(tf.ones([2]), process_set=chosen)
+print("PASSED", flush=True)
+"""
+
+
+def test_a_stall_between_process_sets_names_the_set_each_rank_is_in(tmp_path):
+    script = python_script(tmp_path, PROCESS_SETS, name=f"stall_sets_{os.getpid()}.py")
+    result = launch(3, "python", script, timeout=150, env={"SYNCDP_STALL_TIMEOUT": "4"})
+    text = result.stdout + result.stderr
+    assert result.returncode != 0, text[-3000:]
+    assert "PASSED" not in result.stdout
+    # Rank 0's warning names its set.
+    assert re.search(
+        r"rank 0 has waited \d+ s in collective #\d+ allreduce\.bucket0 of the process set of "
+        r"ranks 0, 1 for other ranks",
+        text,
+    ), text[-3000:]
+    # The first report ends the job: rank 0's (ranks 1 and 2 are in the whole job's collective,
+    # not computing) or one from rank 1 or 2 (rank 0 is in the pair's collective).
+    from_rank_0 = re.search(
+        r"rank [12]: in collective #\d+ allreduce\.bucket0 of the whole job instead \(the "
+        r"ranks passed different process sets\)",
+        text,
+    )
+    from_the_others = re.search(
+        r"rank 0: in collective #\d+ allreduce\.bucket0 of the process set of ranks 0, 1 "
+        r"instead \(the ranks passed different process sets\)",
+        text,
+    )
+    assert from_rank_0 or from_the_others, text[-3000:]
