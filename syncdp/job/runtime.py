@@ -754,7 +754,13 @@ def _at_exit() -> None:
                         f"rank {comm.rank} finished its program after collective #{comm.seq}, "
                         f"but rank {other} is waiting for it in collective #{seq} {name}"
                     )
-                    print(f"syncdp: {message}; ending the job.", file=sys.stderr, flush=True)
+                    print(
+                        f"syncdp: {message}; ending the job. If the ranks' data differ in "
+                        "length, give every rank the same number of batches, or call "
+                        "syncdp.join() where a rank's data ends.",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     report.send(
                         "exit_early", comm.rank, message, ranks=[other], collective=name, seq=seq
                     )
