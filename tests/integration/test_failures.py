@@ -206,7 +206,9 @@ def test_a_stall_inside_a_process_set_names_the_job_rank(tmp_path):
     result = launch(3, "python", script, timeout=120, env={"SYNCDP_STALL_TIMEOUT": "5"})
     text = result.stdout + result.stderr
     assert result.returncode != 0
-    assert re.search(r"rank 2 stalled: collective #\d+ allreduce\S* waited", text), text[-3000:]
+    stalled = r"rank 2 stalled: collective #\d+ allreduce\S* of the process set of ranks 0, 2 "
+    stalled += "waited"
+    assert re.search(stalled, text), text[-3000:]
     assert "ranks that have not arrived: 2" in text, text[-3000:]
     last = text.strip().splitlines()[-1]
     assert "first failure: rank 2 stalled" in last, text[-3000:]
