@@ -745,27 +745,35 @@ def _at_exit() -> None:
         # a broken job may be gone, and no handshake with it could end.
         watchdog = None
     if watchdog is not None and watchdog.can_ask and exit_comm is not None:
-        watchdog.exiting = True
+        # Every communicator's: a rank may wait for this one in a process set's collective.
+        sets = _state.sets.communicators() if _state.sets is not None else []
+        dogs = [watchdog] + [c.watchdog for c in sets if c.watchdog is not None]
+        for dog in dogs:
+            dog.exiting = True
         everyone_here = exit_comm.Ibarrier()
         while not everyone_here.Test():
-            for other, (seq, name, _) in watchdog.ask_others(grace=0.5).items():
-                if seq is not None and seq > comm.seq:
-                    message = (
-                        f"rank {comm.rank} finished its program after collective #{comm.seq}, "
-                        f"but rank {other} is waiting for it in collective #{seq} {name}"
-                    )
-                    print(
-                        f"syncdp: {message}; ending the job. If the ranks' data differ in "
-                        "length, give every rank the same number of batches, or call "
-                        "syncdp.join() where a rank's data ends.",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    report.send(
-                        "exit_early", comm.rank, message, ranks=[other], collective=name, seq=seq
-                    )
-                    _farewell()
-                    mpi.load().COMM_WORLD.Abort(1)
+            for dog in dogs:
+                found = dog.ahead(grace=0.5)
+                if found is None:
+                    continue
+                other, seq, name = found
+                message = (
+                    f"rank {comm.rank} finished its program after collective #{dog.last_done}"
+                    f"{dog.of_scope}, but rank {other} is waiting for it in collective #{seq} "
+                    f"{name}{dog.of_scope}"
+                )
+                print(
+                    f"syncdp: {message}; ending the job. If the ranks' data differ in "
+                    "length, give every rank the same number of batches, or call "
+                    "syncdp.join() where a rank's data ends.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                report.send(
+                    "exit_early", comm.rank, message, ranks=[other], collective=name, seq=seq
+                )
+                _farewell()
+                mpi.load().COMM_WORLD.Abort(1)
             time.sleep(0.2)
     if comm is not None:
         stats.RECORDER.send(comm.rank)  # "where the time went", printed by the launcher

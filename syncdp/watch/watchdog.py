@@ -369,8 +369,20 @@ class Watchdog:
 
     def _collective(self, seq: int, name: str) -> str:
         """``collective #7 allreduce``, with the process set when it is not the whole job's."""
-        scope = f" of {self.scope}" if self.scope else ""
-        return f"collective #{seq} {name}{scope}"
+        return f"collective #{seq} {name}{self.of_scope}"
+
+    @property
+    def of_scope(self) -> str:
+        """`` of the process set of ranks 0, 2`` for a process set's watchdog; "" otherwise."""
+        return f" of {self.scope}" if self.scope else ""
+
+    def ahead(self, grace: float) -> tuple[int, int, str] | None:
+        """Asks the others where they are: ``(job rank, seq, name)`` of one that is in a
+        collective of this communicator that this rank has not reached, or None."""
+        for other, (seq, name, _) in self.ask_others(grace=grace).items():
+            if seq is not None and seq > self.last_done:
+                return self._job_rank[other], seq, name
+        return None
 
     @staticmethod
     def _whereabouts(reply: tuple | None) -> tuple[str, str]:

@@ -105,6 +105,38 @@ syncdp.barrier()
     )
 
 
+def test_a_rank_that_exits_while_its_process_set_waits_is_named_at_once(tmp_path):
+    # Rank 2 leaves after one collective of the set {0, 2}; rank 0 waits in the set's second.
+    # The exit handshake asks on every communicator, so the job ends at once (not at the
+    # stall timeout) naming the set.
+    script = python_script(
+        tmp_path,
+        """
+import sys
+import tensorflow as tf
+import syncdp
+pair = syncdp.ProcessSet([0, 2])
+syncdp.init(process_sets=[pair])
+if syncdp.rank() != 1:
+    syncdp.allreduce(tf.ones([2]), process_set=pair)
+    if syncdp.rank() == 2:
+        sys.exit(0)
+    syncdp.allreduce(tf.ones([2]), process_set=pair)
+""",
+    )
+    began = time.monotonic()
+    result = launch(3, "python", script, timeout=120, env={"SYNCDP_STALL_TIMEOUT": "100"})
+    took = time.monotonic() - began
+    assert result.returncode != 0
+    assert re.search(
+        r"syncdp: rank 2 finished its program after collective #1 of the process set of ranks "
+        r"0, 2, but rank 0 is waiting for it in collective #2 allreduce\S* of the process set "
+        r"of ranks 0, 2; ending the job",
+        result.stderr,
+    ), result.stderr[-3000:]
+    assert took < 60, f"{took:.0f} s: the stall timeout ended the job, not the handshake"
+
+
 def test_a_killed_mpiruns_session_directory_does_not_stop_a_later_job(tmp_path):
     # A killed mpirun leaves ompi.PID with its PMIx rendezvous file under $TMPDIR; an mpirun
     # that later gets the same process id stopped at once ("The PMIx server's listener thread
