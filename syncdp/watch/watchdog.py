@@ -504,7 +504,7 @@ class Watchdog:
         lines = [
             f"syncdp: {who} ({pid_word} {pids} on {first.host}) exited while "
             f"{_ranks_text([self._job_rank[r] for r in waiting])} {waits} for "
-            f"{'it' if len(gone) == 1 else 'them'} in collective #{seq} {name}: "
+            f"{'it' if len(gone) == 1 else 'them'} in {self._collective(seq, name)}: "
             f"{'its process' if len(gone) == 1 else 'their processes'} ended without syncdp's "
             "exit handshake (os._exit(), or killed); ending the job."
         ]
