@@ -208,7 +208,9 @@ def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
     ps.process_set_id = max(sets, default=0) + 1
     scope = f"the process set of ranks {', '.join(map(str, ps.ranks))}"
     ps._comm = (
-        Communicator(sub, world.config, revoke_with=(world.mpi,), scope=scope) if included else None
+        Communicator(sub, world.config, job_comm=world.mpi, revoke_with=(world.mpi,), scope=scope)
+        if included
+        else None
     )
     sets[ps.process_set_id] = ps
     return ps

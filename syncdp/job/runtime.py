@@ -770,7 +770,12 @@ def _at_exit() -> None:
                     flush=True,
                 )
                 report.send(
-                    "exit_early", comm.rank, message, ranks=[other], collective=name, seq=seq
+                    "exit_early",
+                    comm.rank,
+                    message,
+                    ranks=[other],
+                    collective=f"{name}{dog.of_scope}",
+                    seq=seq,
                 )
                 _farewell()
                 mpi.load().COMM_WORLD.Abort(1)

@@ -393,7 +393,7 @@ class Watchdog:
         if name == "exit":
             return "finished its program", f"has finished its program (last collective #{done})."
         if seq is None and name:  # a collective of another communicator
-            return f"in {name}", f"in {name} instead (the ranks passed different process sets)."
+            return f"in {name}", f"in {name} instead."
         if seq is None:
             return _NO_COLLECTIVE, f"{_NO_COLLECTIVE} (last finished #{done})."
         return (
@@ -448,7 +448,7 @@ class Watchdog:
             me,
             "\n".join(lines),
             ranks=missing,
-            collective=name,
+            collective=f"{name}{self.of_scope}",
             seq=seq,
             where={str(job): text for job, text in where.items()},
             hosts=self._hosts(missing),
@@ -518,7 +518,7 @@ class Watchdog:
             "\n".join(lines),
             ranks=[self._job_rank[r] for r in waiting],
             gone=[self._job_rank[r] for r in gone],
-            collective=name,
+            collective=f"{name}{self.of_scope}",
             seq=seq,
             pid=first.pid,
             host=first.host,

@@ -124,9 +124,8 @@ if syncdp.rank() != 1:
     syncdp.allreduce(tf.ones([2]), process_set=pair)
 """,
     )
-    began = time.monotonic()
-    result = launch(3, "python", script, timeout=120, env={"SYNCDP_STALL_TIMEOUT": "100"})
-    took = time.monotonic() - began
+    # No stall timeout: only the handshake can end this job before the launch's timeout.
+    result = launch(3, "python", script, timeout=120, env={"SYNCDP_STALL_TIMEOUT": "0"})
     assert result.returncode != 0
     assert re.search(
         r"syncdp: rank 2 finished its program after collective #1 of the process set of ranks "
@@ -134,7 +133,6 @@ if syncdp.rank() != 1:
         r"of ranks 0, 2; ending the job",
         result.stderr,
     ), result.stderr[-3000:]
-    assert took < 60, f"{took:.0f} s: the stall timeout ended the job, not the handshake"
 
 
 def test_a_killed_mpiruns_session_directory_does_not_stop_a_later_job(tmp_path):

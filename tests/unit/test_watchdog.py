@@ -173,3 +173,54 @@ def test_the_watchdog_watches_the_processes_of_its_host_only():
     fd = next(iter(fds))
     assert select.select([fd], [], [], 2)[0] == [fd]  # readable: that process has ended
     os.close(fd)
+
+
+def test_a_rank_in_another_communicators_collective_says_so_and_a_stopped_dog_is_forgotten():
+    from syncdp.watch import watchdog as module
+
+    MPI = mpi.load()
+    job = Watchdog(MPI.COMM_SELF, settings.from_env({}))
+    pair = Watchdog(MPI.COMM_SELF, settings.from_env({}), scope="the process set of ranks 0, 2")
+    try:
+        assert job._where() == (None, None, 0)  # in no collective anywhere
+        pair.enter(3, "allreduce.bucket0")
+        seq, name, done = job._where()
+        assert seq is None and done == 0  # not one of job's collectives: never "arrived"
+        assert name == "collective #3 allreduce.bucket0 of the process set of ranks 0, 2"
+        assert job._whereabouts((seq, name, done))[1] == f"in {name} instead."
+        assert pair._where() == (3, "allreduce.bucket0", 0)
+        assert pair._collective(3, "x") == "collective #3 x of the process set of ranks 0, 2"
+        assert job._collective(3, "x") == "collective #3 x"
+        job.exiting = True  # at the program's end a rank says so, wherever else it may be
+        assert job._where() == (None, "exit", 0)
+        job.exiting = False
+        pair.leave(3)
+    finally:
+        pair.stop()
+    assert pair not in module._RUNNING
+    job.enter(1, "barrier")
+    try:
+        other = Watchdog(MPI.COMM_SELF, settings.from_env({}))
+        assert other._where() == (None, "collective #1 barrier of the whole job", 0)
+        other.stop()
+    finally:
+        job.leave(1)
+        job.stop()
+    assert job not in module._RUNNING
+
+
+def test_ahead_names_a_rank_in_a_collective_this_rank_has_not_reached():
+    MPI = mpi.load()
+    dog = Watchdog(MPI.COMM_SELF, settings.from_env({}))
+    try:
+        dog.size = 3
+        dog._job_rank = [0, 4, 7]  # a process set's ranks, by their job numbers
+        dog.enter(2, "barrier")
+        dog.leave(2)
+        replies = {1: (2, "barrier", 1), 2: (3, "allreduce", 2)}
+        dog.ask_others = lambda grace=0, ranks=None: dict(replies)
+        assert dog.ahead(grace=0) == (7, 3, "allreduce")
+        replies[2] = (None, "collective #5 x of the whole job", 2)  # elsewhere: not ahead
+        assert dog.ahead(grace=0) is None
+    finally:
+        dog.stop()

@@ -129,7 +129,7 @@ def broadcast_object(
     comm = _comm(process_set)
     root = _root(process_set, root_rank)
     name = name or "broadcast_object"
-    _agree_object(comm, name, "broadcast_object", root=root)
+    _agree_object(comm, name, "broadcast_object", root=int(root_rank))  # the job's rank
     return comm.broadcast_object(obj, root, name=name)
 
 
