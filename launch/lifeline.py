@@ -415,7 +415,10 @@ class Lifeline:
 
     def _watch(self, lost_after: float, on_lost: Callable[[str], None], sent: bool) -> None:
         sock = self._sock
-        sock.settimeout(_BEAT_SECONDS)
+        try:
+            sock.settimeout(_BEAT_SECONDS)
+        except OSError:  # closed before this thread began: this supervisor is ending
+            return
         last_heard = last_sent = time.monotonic()
         broken = not sent
         while True:

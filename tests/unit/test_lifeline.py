@@ -252,3 +252,19 @@ def test_a_host_whose_supervisors_fall_silent_is_reported_lost_once():
         for s in quiet:
             s.close()
         srv.close()
+
+
+def test_a_lifeline_closed_before_its_watch_begins_ends_the_watch_quietly(server, monkeypatch):
+    # A supervisor whose rank ends at once may close its lifeline before the watching thread
+    # has started: the thread ends without an error (it used to die on a closed socket,
+    # printing a traceback into the supervisor's output) and reports nothing as lost.
+    import threading
+
+    errors, lost = [], []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    srv = server()
+    client = Lifeline.connect(srv.address, srv.job)
+    client._sock.close()
+    client.start(0, 1, lost_after=10.0, on_lost=lost.append)
+    time.sleep(1.0)
+    assert errors == [] and lost == []
