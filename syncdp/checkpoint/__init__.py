@@ -244,6 +244,7 @@ class CheckpointManager:
             (verify.variable_name(v, i), tuple(v.shape), str(v.dtype))
             for i, v in enumerate(variables)
         ]
+        comm.enter("CheckpointManager.restore")
         outcome = None
         if comm.rank == 0:
             outcome = self._read_newest(allow_fresh=allow_fresh)
@@ -391,7 +392,7 @@ class CheckpointManager:
         comm = runtime.communicator()
         self._variables()  # creates the optimizer's slots, so they are in every checkpoint
         # A checkpoint of step N exists only once every rank has reached step N.
-        comm.barrier(name="checkpoint.save.begin")
+        comm.enter("CheckpointManager.save", step=step)
         outcome = (None, None, ())
         if comm.rank == 0:
             try:

@@ -161,6 +161,7 @@ def _gather_counts(
             results[i] = _count_one(paths[i], verify, compression_type, skip_corrupt)
         except DataError as error:
             errors.append(str(error))
+    comm.enter(f"{caller}.count_records")
     gathered = comm.allgather_object((paths, results, errors), name=f"{caller}.count_records")
     errors = [e for _, _, rank_errors in gathered for e in rank_errors]
     for rank, (rank_paths, _, _) in enumerate(gathered):

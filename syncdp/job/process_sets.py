@@ -186,6 +186,7 @@ def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     world = runtime.communicator()
     sets = _sets()
+    world.enter("add_process_set")
     everyone = world.allgather_object(ps.ranks, name="add_process_set")
     if any(r != ps.ranks for r in everyone):
         raise ValueError(f"add_process_set: ranks passed different sets: {everyone}.")
@@ -227,7 +228,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     world = runtime.communicator()
     sets = _sets()
-    world.barrier(name="remove_process_set")
+    world.enter("remove_process_set")
     found = sets.pop(process_set.process_set_id, None)
     if found is None:
         return False

@@ -31,6 +31,7 @@ import tensorflow as tf
 from syncdp.job import runtime
 from syncdp.tensorflow import collectives, graph, verify
 from syncdp.tensorflow.compression import Compression
+from syncdp.transport import communicator
 
 __all__ = [
     "DistributedGradientTape",
@@ -267,6 +268,7 @@ def reduce_gradients(
             step=step_tensor,
             process_set=process_set,
             return_step=check_replicas,
+            fields=_missing(grads, variables),
         )
         for i, r in zip(dense_at, reduced):
             results[i] = r
@@ -289,6 +291,26 @@ def reduce_gradients(
         checked = _verify_every(agreed, variables, every)
         results = _after(checked, results)
     return results
+
+
+# What the argument check's error adds when ranks differ in the gradients they have.
+communicator.FIELD_HINTS["no_gradient"] = (
+    "A variable that a rank's loss did not use has no gradient (None) on that rank, and the "
+    "ranks must reduce the same gradients: compute the gradients with "
+    "`tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)` so "
+    "that every rank has one for every variable, or use every variable on every rank."
+)
+
+
+def _missing(grads, variables) -> tuple:
+    """The bucket check's field naming the gradients this rank lacks (None), if any: ranks
+    that differ in them are told so rather than only that their shapes differ."""
+    absent = [i for i, g in enumerate(grads) if g is None]
+    if not absent:
+        return ()
+    if variables is not None:
+        absent = [getattr(variables[i], "path", None) or variables[i].name for i in absent]
+    return (("no_gradient", ", ".join(map(str, absent))),)
 
 
 def _reduce_except_local(grads, local: set, divide: int, *, variables, **options):

@@ -95,6 +95,7 @@ def verify_arrays(names: Sequence[str], arrays: Sequence[np.ndarray]) -> int:
     comm = runtime.communicator()
     if comm.size > 1:
         digests = [_digest(a) for a in arrays]
+        comm.enter("verify_synchronized")
         table = comm.allgather_object(digests, name="verify_synchronized")
         _raise_if_different(names, table)
     return len(arrays)

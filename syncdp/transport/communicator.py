@@ -72,8 +72,9 @@ def _as_bytes(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
-def _mismatch_message(name: str, everyone: list) -> str:
-    """What each rank passed, from every rank's ``(collective name, signature)``.
+def _mismatch_message(name: str, everyone: list, ranks: list | None = None) -> str:
+    """What each rank passed, from every rank's ``(collective name, signature)`` (or those of
+    ``ranks``, in that order, when not every rank takes part).
 
     Ranks in different collectives (a rank that ran one more step, or a branch taken on one
     rank only) are named with their collectives; ranks in the same one, with the fields that
@@ -81,10 +82,11 @@ def _mismatch_message(name: str, everyone: list) -> str:
     """
     names = [n for n, _ in everyone]
     fields = [dict(sig) for _, sig in everyone]
+    ranks = list(range(len(everyone))) if ranks is None else ranks
     keys = list(dict.fromkeys(k for f in fields for k in f))
     if len(set(names)) > 1:
         where = []
-        for r, (n, f) in enumerate(zip(names, fields)):
+        for r, n, f in zip(ranks, names, fields):
             # The collective's name leads: fields that repeat it are left out.
             own = {k: v for k, v in f.items() if k != "name" and v != n}
             where.append(f"rank {r} in {n}" + (f" ({_fields(own, keys)})" if own else ""))
@@ -93,19 +95,24 @@ def _mismatch_message(name: str, everyone: list) -> str:
             f"{name}: the ranks are in different collectives ({at}). Every rank must call the "
             "same collectives in the same order: one rank ran more steps or collectives than "
             "another (uneven data: give every rank the same number of batches, as "
-            "syncdp.data.tfrecord_dataset does), took a branch the others did not, or named the "
-            "same collective differently."
+            "syncdp.data.tfrecord_dataset does), took a branch the others did not (such as `if "
+            "rank() == 0:` around a call every rank must make), or named the same collective "
+            "differently."
         )
     differ = [k for k in keys if len({repr(f.get(k, _ABSENT)) for f in fields}) > 1]
-    passed = "; ".join(f"rank {r}: {_fields(f, differ)}" for r, f in enumerate(fields))
+    passed = "; ".join(f"rank {r}: {_fields(f, differ)}" for r, f in zip(ranks, fields))
+    hints = "".join(f" {FIELD_HINTS[k]}" for k in differ if k in FIELD_HINTS)
     return (
         f"{name}: ranks passed different {', '.join(differ) or 'arguments'} ({passed}). Every "
         "rank must call each collective with the same dtype, shape, op, root rank and name, in "
-        "the same order."
+        f"the same order.{hints}"
     )
 
 
 _ABSENT = object()
+
+# Signature fields whose difference has a known cause: what to add to the error, by field.
+FIELD_HINTS: dict[str, str] = {}
 
 
 def _fields(fields: dict, keys: list, limit: int = 300) -> str:
@@ -633,8 +640,23 @@ class Communicator:
         )
         return out
 
+    def enter(self, name: str, **fields) -> None:
+        """The argument check of an operation that runs several collectives of its own (a
+        checkpoint's save, adding a process set), made as the operation begins: every rank
+        must be entering ``name``. A rank that skipped it (a call wrapped in ``if rank() ==
+        0:``) or is in another collective makes every rank raise MismatchError at once,
+        naming where each rank is, instead of collectives that pair wrongly. Returns once
+        every rank has entered (a barrier). ``fields`` must match too (e.g. ``step=``).
+
+        Raises:
+            MismatchError: On every rank, when a rank is in another collective.
+            CollectiveError: A rank has called ``join()``.
+        """
+        self.agree((("collective", name), *fields.items()), name=name, label=name)
+
     def barrier(self, *, name: str = "barrier", timeout=None) -> None:
-        """Returns once every rank has called it."""
+        """Returns once every rank has called it. Not checked: for ranks that are known to
+        be in step (see :meth:`enter`)."""
         if self.size > 1:
             self._run(
                 name, lambda: wait_politely(self.mpi.Ibarrier()), timeout=timeout, phase="wait"
@@ -646,14 +668,11 @@ class Communicator:
         :meth:`join_round`). Returns the joined ranks."""
         joined = tuple(int(r) for r in np.flatnonzero(digests < 0))
         task = join() if join is not None else None
-        everyone = self._run(f"{name}.join", lambda: self.mpi.allgather((signature, task)))
-        active = [e for e in everyone if e is not None]
-        if any(e[0] != active[0][0] for e in active):
-            passed = "; ".join(f"rank {r}: {e[0]}" for r, e in enumerate(everyone) if e)
-            raise MismatchError(
-                f"{name}: ranks passed different arguments ({passed}). Every rank must call "
-                "each collective with the same dtype, shape, op, root rank and name."
-            )
+        everyone = self._run(f"{name}.join", lambda: self.mpi.allgather((name, signature, task)))
+        active = [r for r, e in enumerate(everyone) if e is not None]
+        if any(everyone[r][1] != everyone[active[0]][1] for r in active):
+            signatures = [everyone[r][:2] for r in active]
+            raise MismatchError(_mismatch_message(name, signatures, active))
         if task is None:
             who = ", ".join(str(r) for r in joined)
             raise CollectiveError(
@@ -700,7 +719,7 @@ class Communicator:
         if (digests < 0).all():
             return None
         everyone = self._run(f"{name}.task", lambda: self.mpi.allgather(None))
-        active = [e for e in everyone if e is not None]
+        active = [e[1:] for e in everyone if e is not None]  # (signature, task)
         if any(e != active[0] for e in active) or active[0][1] is None:
             return False
         return active[0][1]

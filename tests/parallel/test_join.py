@@ -141,3 +141,20 @@ def test_a_collective_that_cannot_stand_in_raises_while_a_rank_has_joined(hvd):
             hvd.broadcast_object("x", root_rank=1)
         hvd.join()
     hvd.barrier()  # everyone has joined: collectives run again
+
+
+def test_active_ranks_that_disagree_while_a_rank_has_joined_are_named_by_their_ranks(hvd):
+    # Rank 0 has joined; ranks 1.. reduce different shapes. Their error names each active rank
+    # by its own number and the field that differs (rank 0 is not in the list).
+    n, r = hvd.size(), hvd.rank()
+    if n < 3:
+        pytest.skip("needs 2 active ranks beside a joined one")
+    if r == 0:
+        hvd.join()
+    else:
+        with pytest.raises(hvd.MismatchError) as info:
+            hvd.allreduce(tf.ones([r]), name="uneven")
+        passed = "; ".join(f"rank {s}: shapes=(({s},),)" for s in range(1, n))
+        assert f"uneven.bucket0: ranks passed different shapes ({passed})" in str(info.value)
+        hvd.join()
+    hvd.barrier()

@@ -2,6 +2,7 @@
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 GLOBAL_BATCH = 24  # splits evenly over 1, 2, 3 and 4 ranks
@@ -101,6 +102,29 @@ def test_gradient_takes_horovods_arguments_and_tensorflows_unconnected_gradients
         grad_a, grad_b = call(hvd.DistributedGradientTape(tape), loss)
         np.testing.assert_allclose(grad_a.numpy(), [(n + 1) / 2] * 2)
         assert (grad_b if grad_b is None else grad_b.numpy()) == expected_b
+
+
+def test_a_variable_unused_on_some_ranks_is_named_and_zero_gradients_average_it(hvd):
+    # The even ranks use b, the odd ones do not: the odd ranks have no gradient for it.
+    n, r = hvd.size(), hvd.rank()
+    a, b = tf.Variable([1.0, 2.0]), tf.Variable([3.0], name="b")
+
+    def grads(**kwargs):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(a * a) + (tf.reduce_sum(b * b) if r % 2 == 0 else 0.0)
+        return hvd.DistributedGradientTape(tape).gradient(loss, [a, b], **kwargs)
+
+    if n > 1:
+        with pytest.raises(hvd.MismatchError) as info:
+            grads()
+        message = str(info.value)
+        assert "ranks passed different shapes, no_gradient (" in message, message
+        assert "rank 1: shapes=((2,),), no_gradient=b:0" in message, message
+        assert "unconnected_gradients=tf.UnconnectedGradients.ZERO" in message
+    grad_a, grad_b = grads(unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    users = len(range(0, n, 2))
+    np.testing.assert_allclose(grad_a.numpy(), [2.0, 4.0])
+    np.testing.assert_allclose(grad_b.numpy(), [6.0 * users / n], rtol=1e-6)
 
 
 def test_resnet50_gradient_list_is_averaged_exactly(hvd):

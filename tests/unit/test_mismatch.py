@@ -43,3 +43,10 @@ def test_a_long_signature_is_cut():
     everyone = [("t", (("shapes", tuple(range(500))),)), ("t", (("shapes", ()),))]
     text = _mismatch_message("t", everyone)
     assert "..." in text and len(text) < 1000
+
+
+def test_ranks_not_all_taking_part_are_named_by_their_own_numbers():
+    # Rank 0 has joined: only ranks 1 and 2 passed signatures.
+    everyone = [("t", (("name", "t"), ("shape", (1,)))), ("t", (("name", "t"), ("shape", (2,))))]
+    text = _mismatch_message("t", everyone, [1, 2])
+    assert "ranks passed different shape (rank 1: shape=(1,); rank 2: shape=(2,))" in text

@@ -51,13 +51,20 @@ def _flat(tensor: tf.Tensor) -> tf.Tensor:
 
 
 def _reduce_bucket(
-    members, reducer: engine.BucketReducer, step=None, process_set=None, *, output_step=True
+    members,
+    reducer: engine.BucketReducer,
+    step=None,
+    process_set=None,
+    *,
+    output_step=True,
+    fields: tuple = (),
 ):
     """One bucket as one ordered host call; returns the reduced members (and the agreed step).
 
     ``step`` is an int64 scalar tensor, or a callable giving this rank's step (an int) when
     the bucket runs, so that counting the step costs no host call of its own. The agreed step
     is an output of the call only with ``output_step`` (each output costs a conversion).
+    ``fields`` are more ``(name, value)`` pairs of the bucket's argument check.
     """
     k = len(members)
     # A traced step's shapes are fixed: its signature and checksum are computed once, here.
@@ -65,7 +72,7 @@ def _reduce_bucket(
     if all(m.shape.is_fully_defined() for m in members):
         like = np.empty(0, members[0].dtype.as_numpy_dtype)
         shapes = tuple(tuple(m.shape.as_list()) for m in members)
-        fixed = _signature(reducer.name, like, op=reducer.op, shapes=shapes)
+        fixed = _signature(reducer.name, like, op=reducer.op, shapes=shapes, **dict(fields))
         fixed_digest = signature_digest(fixed)
     # The bucket's bytes, once traced (the timeline reports them of a bucket riding in its check).
     payload = sum(m.shape.num_elements() * m.dtype.size for m in members) if fixed else None
@@ -79,7 +86,9 @@ def _reduce_bucket(
         signature = fixed
         if signature is None:
             shapes = tuple(np.shape(a) for a in arrays[:k])
-            signature = _signature(reducer.name, arrays[0], op=reducer.op, shapes=shapes)
+            signature = _signature(
+                reducer.name, arrays[0], op=reducer.op, shapes=shapes, **dict(fields)
+            )
         if count_step is not None:
             step = count_step()
         else:
@@ -131,6 +140,7 @@ def fused_allreduce(
     step=None,
     process_set=None,
     return_step: bool = True,
+    fields: tuple = (),
 ):
     """Allreduces dense tensors in buckets planned by the engine; the path of every allreduce.
 
@@ -150,6 +160,8 @@ def fused_allreduce(
         process_set: The ranks that reduce together. Defaults to the whole job.
         return_step: Return the agreed step as a tensor (the step is checked either way).
             Defaults to True.
+        fields: More ``(name, value)`` pairs every bucket's argument check compares between
+            ranks (see :func:`syncdp.tensorflow.tape.reduce_gradients`). Defaults to none.
 
     Returns:
         ``(results, agreed_step)``: the reduced tensors in the order given, and the step
@@ -200,6 +212,7 @@ def fused_allreduce(
                     step if b == 0 else None,
                     process_set,
                     output_step=return_step,
+                    fields=fields,
                 )
             agreed = carried if carried is not None else agreed
             for i, piece in zip(bucket.indices, reduced):
