@@ -165,6 +165,8 @@ def init(comm=None, process_sets=None, **options) -> None:
         # adds nothing they need (a program that started MPI itself gets it from syncdp-run).
         os.environ.setdefault(ASYNC_FINALIZE_VAR, "1")
     MPI = mpi.load()
+    if not replacement:
+        _check_started_together(MPI)
     if world_rank is None:
         report.send("started", MPI.COMM_WORLD.Get_rank())
     made = None  # a communicator made here, for a list of ranks
@@ -651,6 +653,40 @@ def _arrive(base, timeout: float):
             mpi.load().COMM_WORLD.Abort(1)
         time.sleep(_POLL_SECONDS)
     return private
+
+
+# How launchers tell a process how many they started together, first the one that decides.
+_LAUNCHED_SIZES = (
+    ("OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"),
+    ("PMI_SIZE", "a PMI launcher (another MPI's mpiexec, or srun --mpi=pmi2)"),
+    ("SLURM_STEP_NUM_TASKS", "srun"),
+)
+
+
+def _check_started_together(MPI) -> None:
+    """Refuses a process its launcher started as one of several, whose MPI found none of the
+    others (``srun`` without ``--mpi=pmix``, another MPI's ``mpiexec``): each such process
+    would train alone as rank 0 of a job of its own, every one a chief writing the same
+    checkpoints, and each would end in a success of no use.
+
+    Raises:
+        ConfigError: The launcher started several processes and MPI's world has one.
+    """
+    if MPI.COMM_WORLD.Get_size() != 1:
+        return
+    for var, launcher in _LAUNCHED_SIZES:
+        started = os.environ.get(var, "")
+        if not started.isdigit():
+            continue
+        if int(started) > 1:
+            raise ConfigError(
+                f"{launcher} started this process as one of {started} ({var}={started}), but "
+                "MPI found none of the others: it would train alone, as rank 0 of a job of "
+                "one, like each of the others. Start the ranks with syncdp-run (or horovodrun), "
+                "or inside a Slurm allocation with `srun --mpi=pmix`; another MPI's launcher "
+                "cannot start Open MPI's processes as one job."
+            )
+        return
 
 
 def _rank_from_launcher() -> int | None:

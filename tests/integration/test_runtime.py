@@ -1,6 +1,10 @@
 """init() and shutdown() through the real launcher: importing starts no MPI, shutdown releases
 everything and a later init() works, and init() accepts an existing mpi4py communicator."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from tests.launcher import check, launch, python_script
@@ -92,3 +96,32 @@ def test_init_on_a_list_of_world_ranks(tmp_path, np_):
         else:
             line = "refused"
         assert f"[{world_rank}]<stdout>:world rank {world_rank}: {line}" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "variable, launcher",
+    [("SLURM_STEP_NUM_TASKS", "srun"), ("PMI_SIZE", "a PMI launcher")],
+)
+def test_a_process_started_as_one_of_several_whose_mpi_found_no_other_is_refused(
+    variable, launcher
+):
+    # `srun -n 2 python train.py` without --mpi=pmix (or another MPI's mpiexec) starts
+    # processes whose MPI finds no other: each would train alone as a rank 0 of its own.
+    program = "import syncdp; syncdp.init(); print('SIZE', syncdp.size())"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_"))}
+    for started, refused in (("2", True), ("1", False)):
+        result = subprocess.run(
+            [sys.executable, "-c", program],
+            env={**base, variable: started},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if refused:
+            assert result.returncode != 0, result.stdout
+            assert f"{launcher}" in result.stderr and f"({variable}=2)" in result.stderr
+            assert "MPI found none of the others" in result.stderr
+            assert "SIZE" not in result.stdout
+        else:
+            assert result.returncode == 0, result.stderr[-3000:]
+            assert "SIZE 1" in result.stdout
