@@ -167,6 +167,9 @@ print(f"{{MODE}} rank {r}/{n} on {socket.gethostname()} local {syncdp.local_rank
 """
 
 
+ALONE = "import syncdp; syncdp.init(); print('alone size', syncdp.size(), flush=True)"
+
+
 def test_sbatch_with_syncdp_run_and_srun_direct_launch(slurm, tmp_path):
     d, env, hosts = slurm
     for mode in ("launcher", "direct"):
@@ -180,6 +183,12 @@ def test_sbatch_with_syncdp_run_and_srun_direct_launch(slurm, tmp_path):
         'echo "syncdp-run exit $?"\n'
         f"srun --mpi=pmix python {tmp_path}/direct.py\n"
         'echo "srun exit $?"\n'
+        # One process in the batch step is a job of one; srun without PMIx starts processes
+        # whose MPI finds no other: refused, not a rank 0 each.
+        f"python -c {ALONE!r}\n"
+        'echo "batch step exit $?"\n'
+        f"srun --mpi=none python -c {ALONE!r}\n"
+        'echo "srun without pmix exit $?"\n'
     )
     out = tmp_path / "job.out"
     subprocess.run(
@@ -203,6 +212,10 @@ def test_sbatch_with_syncdp_run_and_srun_direct_launch(slurm, tmp_path):
             ("2", "n2", "0", "1"),
             ("3", "n2", "1", "1"),
         ], text[-4000:]
+    assert "alone size 1" in text and "batch step exit 0" in text, text[-4000:]
+    assert "srun started this process as one of 4 (SLURM_STEP_NUM_TASKS=4)" in text, text[-4000:]
+    assert re.search(r"srun without pmix exit [1-9]", text), text[-4000:]
+    assert text.count("alone size") == 1, text[-4000:]
     # Through the launcher every line carries its rank.
     assert re.search(r"\[2\]<stdout>:launcher rank 2/4 on n2", text), text[-4000:]
 
