@@ -271,10 +271,13 @@ class ElasticLog:
             code = -report["signal"] if report.get("signal") else report.get("code") or 0
             with self._lock:
                 raised = (report.get("host"), report.get("pid")) in self._raised
+                ending = bool(self._raised)
             if raised:  # an exception, not a loss: the job ends (the verdict says why)
                 then = "it raised an exception, so the job ends"
             elif code == -signal.SIGALRM:
                 then = "its training had ended"
+            elif ending:  # taken down with the rank that raised: nothing to recover from
+                then = "another rank raised an exception, so the job ends"
             else:
                 then = "recovering"
             self._say(f"lost {_who(report)}: it {describe_exit(code)}; {then}.")

@@ -123,10 +123,19 @@ def test_a_rank_that_raised_is_not_said_to_be_recovered_from(capsys):
     log = elastic.ElasticLog()
     assert not log.handle({"kind": "exception", "rank": 1, "host": "h", "pid": 11})
     log.handle(_exit(11, code=1))
-    log.handle(_exit(12, code=1, rank=2))  # no exception of its own: a loss
+    log.handle(_exit(12, code=1, rank=2))  # no exception of its own: ended with the job
     err = capsys.readouterr().err
     ended = "lost rank 1 (pid 11 on h): it exited with code 1; it raised an exception, so the job"
     assert ended + " ends." in err
+    taken = "lost rank 2 (pid 12 on h): it exited with code 1; another rank raised an exception"
+    assert taken + ", so the job ends." in err
+    assert "recovering" not in err
+
+
+def test_a_loss_before_any_rank_raised_is_recovered_from(capsys):
+    log = elastic.ElasticLog()
+    log.handle(_exit(12, code=1, rank=2))
+    err = capsys.readouterr().err
     assert "lost rank 2 (pid 12 on h): it exited with code 1; recovering." in err
 
 
