@@ -392,7 +392,8 @@ class CheckpointManager:
         comm = runtime.communicator()
         self._variables()  # creates the optimizer's slots, so they are in every checkpoint
         # A checkpoint of step N exists only once every rank has reached step N.
-        comm.enter("CheckpointManager.save", step=step)
+        # Steps are compared only where they agree (not while an elastic job re-forms).
+        comm.enter("CheckpointManager.save", **({"step": step} if runtime.steps_agree() else {}))
         outcome = (None, None, ())
         if comm.rank == 0:
             try:

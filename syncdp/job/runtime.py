@@ -165,7 +165,7 @@ def init(comm=None, process_sets=None, **options) -> None:
         # adds nothing they need (a program that started MPI itself gets it from syncdp-run).
         os.environ.setdefault(ASYNC_FINALIZE_VAR, "1")
     MPI = mpi.load()
-    if not replacement:
+    if not replacement and comm is None:  # a given communicator is the program's choice
         _check_started_together(MPI)
     if world_rank is None:
         report.send("started", MPI.COMM_WORLD.Get_rank())
@@ -684,7 +684,8 @@ def _check_started_together(MPI) -> None:
                 "MPI found none of the others: it would train alone, as rank 0 of a job of "
                 "one, like each of the others. Start the ranks with syncdp-run (or horovodrun), "
                 "or inside a Slurm allocation with `srun --mpi=pmix`; another MPI's launcher "
-                "cannot start Open MPI's processes as one job."
+                "cannot start Open MPI's processes as one job. To train alone on purpose, pass "
+                "`syncdp.init(comm=MPI.COMM_SELF)`."
             )
         return
 

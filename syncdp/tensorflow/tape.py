@@ -125,15 +125,16 @@ def _mark_computed(grads, variables):
     return out
 
 
-def _verify_every(agreed_step, variables, every: int):
-    """The periodic replica check, as an ordered collective after the buckets."""
+def _verify_every(agreed_step, variables, every: int, process_set=None):
+    """The periodic replica check, as an ordered collective after the buckets, among the
+    ranks that reduced them (``process_set``)."""
     variables = list(variables)
     names = [verify.variable_name(v, i) for i, v in enumerate(variables)]
     values = [tf.convert_to_tensor(v) for v in variables]
 
     def check(step, *arrays):
         if int(step) % every == 0:
-            verify.verify_arrays(names, arrays)
+            verify.verify_arrays(names, arrays, comm=collectives._comm(process_set))
         return (np.int64(step),)
 
     return graph.ordered_call(
@@ -256,6 +257,7 @@ def reduce_gradients(
     agreed = None
     every = runtime.get_config().verify_every
     check_replicas = bool(every) and variables is not None
+    missing = _missing(grads, variables)
     if dense_at:
         reduced, agreed = collectives.fused_allreduce(
             [grads[i] for i in dense_at],
@@ -268,7 +270,7 @@ def reduce_gradients(
             step=step_tensor,
             process_set=process_set,
             return_step=check_replicas,
-            fields=_missing(grads, variables),
+            fields=missing,
         )
         for i, r in zip(dense_at, reduced):
             results[i] = r
@@ -280,6 +282,7 @@ def reduce_gradients(
             step=step_tensor,
             process_set=process_set,
             return_step=check_replicas,
+            fields=missing,
         )
     for i, g in enumerate(grads):
         if isinstance(g, tf.IndexedSlices):
@@ -288,7 +291,7 @@ def reduce_gradients(
                 g, op=op, name=f"{name}.sparse{i}", process_set=process_set
             )
     if check_replicas and agreed is not None:
-        checked = _verify_every(agreed, variables, every)
+        checked = _verify_every(agreed, variables, every, process_set)
         results = _after(checked, results)
     return results
 
@@ -302,15 +305,38 @@ communicator.FIELD_HINTS["no_gradient"] = (
 )
 
 
+class _Absent(tuple):
+    """The positions of the gradients a rank lacks. Ranks compare them by position (their
+    ``repr``, which the argument check's checksum and comparison use): variable names are
+    numbered per process and may differ between ranks. The error shows them by name (``str``).
+    """
+
+    def __new__(cls, positions, names: str):
+        absent = super().__new__(cls, positions)
+        absent.names = names
+        return absent
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+    def __str__(self) -> str:
+        return self.names
+
+    def __reduce__(self):
+        return (_Absent, (tuple(self), self.names))
+
+
 def _missing(grads, variables) -> tuple:
     """The bucket check's field naming the gradients this rank lacks (None), if any: ranks
     that differ in them are told so rather than only that their shapes differ."""
     absent = [i for i, g in enumerate(grads) if g is None]
     if not absent:
         return ()
-    if variables is not None:
-        absent = [getattr(variables[i], "path", None) or variables[i].name for i in absent]
-    return (("no_gradient", ", ".join(map(str, absent))),)
+    names = ", ".join(
+        verify.variable_name(variables[i], i) if variables is not None else f"gradient #{i}"
+        for i in absent
+    )
+    return (("no_gradient", _Absent(absent, names)),)
 
 
 def _reduce_except_local(grads, local: set, divide: int, *, variables, **options):

@@ -86,13 +86,14 @@ def _raise_if_different(names: Sequence[str], table: Sequence[Sequence[bytes]]) 
     )
 
 
-def verify_arrays(names: Sequence[str], arrays: Sequence[np.ndarray]) -> int:
+def verify_arrays(names: Sequence[str], arrays: Sequence[np.ndarray], comm=None) -> int:
     """The eager check on NumPy arrays, one collective; returns how many were checked.
 
-    A synchronization point. Used by :func:`verify_synchronized` and by the
-    ``SYNCDP_VERIFY_EVERY`` hook in :func:`syncdp.tape.reduce_gradients`.
+    A synchronization point of ``comm`` (defaults to the job's). Used by
+    :func:`verify_synchronized` and by the ``SYNCDP_VERIFY_EVERY`` hook in
+    :func:`syncdp.tape.reduce_gradients` (on its process set's communicator).
     """
-    comm = runtime.communicator()
+    comm = comm if comm is not None else runtime.communicator()
     if comm.size > 1:
         digests = [_digest(a) for a in arrays]
         comm.enter("verify_synchronized")

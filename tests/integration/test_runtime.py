@@ -108,7 +108,19 @@ def test_a_process_started_as_one_of_several_whose_mpi_found_no_other_is_refused
     # `srun -n 2 python train.py` without --mpi=pmix (or another MPI's mpiexec) starts
     # processes whose MPI finds no other: each would train alone as a rank 0 of its own.
     program = "import syncdp; syncdp.init(); print('SIZE', syncdp.size())"
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_"))}
+    alone = program.replace("init()", "init(comm=MPI.COMM_SELF)")
+    alone = f"from mpi4py import MPI; {alone}"
+    launchers = ("SLURM_", "PMI_", "PMIX_", "OMPI_")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(launchers)}
+    # On purpose, with the program's own communicator, a process may train alone.
+    result = subprocess.run(
+        [sys.executable, "-c", alone],
+        env={**base, variable: "2"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and "SIZE 1" in result.stdout, result.stderr[-3000:]
     for started, refused in (("2", True), ("1", False)):
         result = subprocess.run(
             [sys.executable, "-c", program],
@@ -121,6 +133,7 @@ def test_a_process_started_as_one_of_several_whose_mpi_found_no_other_is_refused
             assert result.returncode != 0, result.stdout
             assert f"{launcher}" in result.stderr and f"({variable}=2)" in result.stderr
             assert "MPI found none of the others" in result.stderr
+            assert "syncdp.init(comm=MPI.COMM_SELF)" in result.stderr
             assert "SIZE" not in result.stdout
         else:
             assert result.returncode == 0, result.stderr[-3000:]

@@ -131,3 +131,28 @@ def test_verify_every_runs_in_the_ordered_chain_of_collectives(hvd, monkeypatch)
     assert buckets[0] in buckets[1].control_inputs
     assert buckets[1] in checks[0].control_inputs
     np.testing.assert_allclose(gradient()[0].numpy(), np.full([4], 2.0))
+
+
+def test_verify_every_in_a_process_set_checks_its_ranks_only(hvd, monkeypatch):
+    # Ranks outside the set keep their gradients and never reach the check: it runs among
+    # the set's ranks (on the job's communicator it waited for the others until the stall
+    # timeout).
+    if hvd.size() < 3:
+        pytest.skip("needs a set of 2 ranks beside a rank outside it")
+    config = runtime.get_config()
+    monkeypatch.setattr(runtime._state, "config", dataclasses.replace(config, verify_every=1))
+    ps = hvd.add_process_set([0, 1])
+    try:
+        w = tf.Variable(tf.ones([2]), name="w")
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(w * w)
+        (grad,) = hvd.DistributedGradientTape(t, process_set=ps).gradient(loss, [w])
+        np.testing.assert_allclose(grad.numpy(), [2.0, 2.0])
+        if ps.included():
+            w.assign_add([0.0, 1e-3] if hvd.rank() == 1 else [0.0, 0.0])
+            with tf.GradientTape() as t:
+                loss = tf.reduce_sum(w * w)
+            with pytest.raises(hvd.VerificationError, match=r"w\S*: rank 1 differ"):
+                hvd.DistributedGradientTape(t, process_set=ps).gradient(loss, [w])
+    finally:
+        hvd.remove_process_set(ps)

@@ -50,3 +50,21 @@ def test_ranks_not_all_taking_part_are_named_by_their_own_numbers():
     everyone = [("t", (("name", "t"), ("shape", (1,)))), ("t", (("name", "t"), ("shape", (2,))))]
     text = _mismatch_message("t", everyone, [1, 2])
     assert "ranks passed different shape (rank 1: shape=(1,); rank 2: shape=(2,))" in text
+
+
+def test_missing_gradients_are_compared_by_position_and_shown_by_name():
+    import pickle
+
+    from syncdp.tensorflow.tape import _Absent
+    from syncdp.transport.communicator import signature_digest
+
+    # Rank 0's model was built second in its process: its names are numbered differently.
+    mine, theirs = _Absent([3], "dense_1/bias"), _Absent([3], "dense/bias")
+    assert signature_digest((("no_gradient", mine),)) == signature_digest(
+        (("no_gradient", theirs),)
+    )
+    copy = pickle.loads(pickle.dumps(mine))
+    assert copy == (3,) and str(copy) == "dense_1/bias"
+    everyone = [("g", (("name", "g"),)), ("g", (("name", "g"), ("no_gradient", theirs)))]
+    text = _mismatch_message("g", everyone)
+    assert "rank 1: no_gradient=dense/bias" in text
