@@ -78,7 +78,7 @@ def join(comm) -> int:
         spec = comm.join_round(served)
         if spec is None:
             break
-        if spec:
+        if spec:  # an empty task: the others skip a collective while ranks have joined
             stand_in(comm, spec)
             served += 1
     return comm.join_last(arrived_before)

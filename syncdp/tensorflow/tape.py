@@ -134,7 +134,8 @@ def _verify_every(agreed_step, variables, every: int, process_set=None):
 
     def check(step, *arrays):
         if int(step) % every == 0:
-            verify.verify_arrays(names, arrays, comm=collectives._comm(process_set))
+            comm = collectives._comm(process_set)
+            verify.verify_arrays(names, arrays, comm=comm, periodic=True)
         return (np.int64(step),)
 
     return graph.ordered_call(

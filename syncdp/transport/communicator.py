@@ -111,6 +111,9 @@ def _mismatch_message(name: str, everyone: list, ranks: list | None = None) -> s
 
 _ABSENT = object()
 
+# The task joined ranks get for a collective the active ranks skip while a rank has joined.
+NOTHING_TO_RUN: dict = {}
+
 # Signature fields whose difference has a known cause: what to add to the error, by field.
 FIELD_HINTS: dict[str, str] = {}
 
@@ -640,7 +643,7 @@ class Communicator:
         )
         return out
 
-    def enter(self, name: str, **fields) -> None:
+    def enter(self, name: str, *, unless_joined: bool = False, **fields) -> tuple[int, ...]:
         """The argument check of an operation that runs several collectives of its own (a
         checkpoint's save, adding a process set), made as the operation begins: every rank
         must be entering ``name``. A rank that skipped it (a call wrapped in ``if rank() ==
@@ -648,11 +651,26 @@ class Communicator:
         naming where each rank is, instead of collectives that pair wrongly. Returns once
         every rank has entered (a barrier). ``fields`` must match too (e.g. ``step=``).
 
+        Args:
+            name: The operation.
+            unless_joined: While a rank has called ``join()``, the caller skips the operation
+                (the joined ranks stand in with nothing to run) instead of raising. Defaults
+                to False.
+            **fields: More ``(name, value)`` pairs every rank must pass alike.
+
+        Returns:
+            The ranks that have joined (with ``unless_joined``: skip the operation if any).
+
         Raises:
             MismatchError: On every rank, when a rank is in another collective.
-            CollectiveError: A rank has called ``join()``.
+            CollectiveError: A rank has called ``join()`` (without ``unless_joined``).
         """
-        self.agree((("collective", name), *fields.items()), name=name, label=name)
+        return self.agree(
+            (("collective", name), *fields.items()),
+            name=name,
+            label=name,
+            join=(lambda: NOTHING_TO_RUN) if unless_joined else None,
+        )
 
     def barrier(self, *, name: str = "barrier", timeout=None) -> None:
         """Returns once every rank has called it. Not checked: for ranks that are known to

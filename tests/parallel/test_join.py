@@ -7,12 +7,15 @@ from the ranks' own numbers: every rank holds the same tensor here, so a sum ove
 active ranks is the tensor times n - 1.
 """
 
+import dataclasses
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from syncdp.base.errors import CollectiveError
+from syncdp.job import runtime
 from syncdp.tensorflow import tape as tape_mod
 
 DTYPES = [tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32, tf.float64]
@@ -158,3 +161,28 @@ def test_active_ranks_that_disagree_while_a_rank_has_joined_are_named_by_their_r
         assert f"uneven.bucket0: ranks passed different shapes ({passed})" in str(info.value)
         hvd.join()
     hvd.barrier()
+
+
+def test_the_periodic_replica_check_is_skipped_while_a_rank_has_joined(hvd, monkeypatch):
+    # A joined rank's replica rightly lags behind: with --verify-every the active ranks' steps
+    # go on (the check waits for every rank to be training) instead of raising.
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        pytest.skip("needs 2 ranks")
+    config = runtime.get_config()
+    monkeypatch.setattr(runtime._state, "config", dataclasses.replace(config, verify_every=1))
+    monkeypatch.setattr(tape_mod, "_counters", {})
+    w = tf.Variable([1.0, 2.0])
+    if r == 0:
+        hvd.join()
+    else:
+        for _ in range(2):
+            with tf.GradientTape() as t:
+                loss = tf.reduce_sum(w * w) * r
+            (grad,) = hvd.DistributedGradientTape(t).gradient(loss, [w])
+            # Each active rank's gradient 2 w r, averaged over all n ranks (rank 0 adds zeros).
+            total = sum(range(1, n))
+            np.testing.assert_allclose(grad.numpy(), 2 * w.numpy() * total / n, rtol=1e-6)
+        hvd.join()
+    # Every rank trains again: the check runs, and finds the replicas identical.
+    assert hvd.verify_synchronized([w]) == 1
