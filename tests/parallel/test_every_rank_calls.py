@@ -84,7 +84,9 @@ def test_removing_a_process_set_on_one_rank_only_raises_on_every_rank(hvd, other
     assert hvd.remove_process_set(ps)
 
 
-def test_a_save_of_different_steps_raises_on_every_rank(hvd, tmp_path, others_allreduce):
+def test_a_save_of_different_steps_raises_on_every_rank(hvd, tmp_path):
+    if hvd.size() == 1:
+        pytest.skip("one rank cannot pass another step than itself")
     manager = CheckpointManager(tmp_path / "ck", v=tf.Variable([1.0]))
     with pytest.raises(hvd.MismatchError) as info:
         manager.save(10 + hvd.rank())

@@ -23,7 +23,6 @@ from syncdp.tensorflow.collectives._common import (
     _spec,
 )
 from syncdp.tensorflow.graph import ordered_call, standalone
-from syncdp.transport.communicator import signature_digest
 
 __all__ = [
     "broadcast_",
@@ -161,18 +160,13 @@ def _agree_object(comm, name: str, collective: str, **fields) -> None:
     comm.agree((("name", name), ("collective", collective), *fields.items()), name=name)
 
 
-# A barrier's argument check is the whole barrier; its checksum is worked out once.
-_BARRIER = (("collective", "barrier"),)
-_BARRIER_DIGEST = signature_digest(_BARRIER)
-
-
 def barrier(process_set=global_process_set) -> None:
     """Waits until every rank of ``process_set`` has called it (a collective).
 
     Raises:
         CollectiveError: A rank of the set has called :func:`join` and not every rank has.
     """
-    _comm(process_set).agree(_BARRIER, name="barrier", digest=_BARRIER_DIGEST, label="barrier")
+    _comm(process_set).enter("barrier")  # the argument check is the whole barrier
 
 
 def join(device: int = -1, process_set=global_process_set) -> tf.Tensor:
