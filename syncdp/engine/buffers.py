@@ -78,10 +78,13 @@ class BufferPool:
         as they were, zero.
         """
         dtype = np.dtype(dtype)
-        kept = self._buffers.setdefault((key, size, dtype.str), [])
+        kept = self._buffers.get((key, size, dtype))
+        if kept is None:
+            kept = self._buffers[(key, size, dtype)] = []
+        idle_buf, idle_base = self._idle_refs
         for i in range(len(kept)):
             counts = self._counts(kept[i])
-            if counts[0] <= self._idle_refs[0] and counts[1] <= self._idle_refs[1]:
+            if counts[0] <= idle_buf and counts[1] <= idle_base:
                 return kept[i]
         buf = aligned_empty(size, dtype)
         buf.view(np.uint8)[...] = 0

@@ -117,6 +117,8 @@ class BucketReducer:
         self.floating = self.dtype.kind == "f" or is_half(self.dtype)
         self._layouts: dict[tuple, Layout] = {}
         self._gather_plans: dict[tuple, _GatherPlan] = {}
+        # By member shapes: (communicator, plan), the plan None where they do not fit.
+        self._riding_plans: dict[tuple, tuple] = {}
 
     def __call__(
         self,
@@ -155,24 +157,23 @@ class BucketReducer:
         if self.carry_step:  # one gradient reduction per training step
             # Unchecked steps are taken while an elastic job re-forms: not a measure of it.
             _stats.RECORDER.step(comm.rank, measured=check_step)
-        flats = [np.asarray(a).reshape(-1) for a in arrays]
-        sizes = tuple(f.size for f in flats)
         n = comm.size
         if check is not None:
-            if n > 1 and self._layout(sizes).total * self.dtype.itemsize <= comm.inline_bytes:
-                plan = self._plan(comm, sizes, inline=True)
-                plan.fill(flats, step)
+            plan = self._riding_plan(comm, arrays) if n > 1 else None
+            if plan is not None:
+                plan.fill(arrays, step)
                 if not check(self.name):  # the check is the reduction: named as it
                     began = time.perf_counter()
-                    done = self._finish_gathered(plan, flats, arrays, check_step)
+                    done = self._finish_gathered(plan, check_step)
                     # The check's time was waiting (the ranks' skew, and microseconds of
                     # transfer); reducing the rows is this bucket's own work on its bytes.
-                    nbytes = plan.total * self.dtype.itemsize
-                    _stats.RECORDER.add("move", time.perf_counter() - began, nbytes)
+                    _stats.RECORDER.add("move", time.perf_counter() - began, plan.nbytes)
                     return done
                 # A rank has joined: it runs this bucket's task, through the usual path.
             else:
                 check(None)
+        flats = [np.asarray(a).reshape(-1) for a in arrays]
+        sizes = tuple(f.size for f in flats)
         if n > 1 and n * (_HEADER + sum(sizes) * self.dtype.itemsize) <= GATHER_BYTES:
             return self._reduce_gathered(comm, flats, arrays, step, check_step)
         step_elems = comm.size * _steps.limbs_for(self.dtype) if self.carry_step else 0
@@ -198,41 +199,48 @@ class BucketReducer:
         the other paths: the prescale on each rank's values, the average's division and the
         postscale after the reduction. Everything but the values is worked out once per
         bucket shape (:class:`_GatherPlan`): this path exists for its small fixed cost."""
-        sizes = tuple(f.size for f in flats)
-        plan = self._plan(comm, sizes, inline=False)
-        plan.fill(flats, step)
+        shapes = tuple(np.shape(a) for a in arrays)
+        key = (shapes, comm.size, False)
+        plan = self._gather_plans.get(key)
+        if plan is None:
+            plan = self._gather_plans[key] = _GatherPlan(self, shapes, comm, inline=False)
+        plan.fill(arrays, step)
         comm.allgather_bytes(
             plan.send,
             plan.rows,
             name=self.name,
             info=self.info,
-            nbytes=sum(sizes) * self.dtype.itemsize,
+            nbytes=plan.nbytes,
             dtype=self.dtype_name,
         )
-        return self._finish_gathered(plan, flats, arrays, check_step)
+        return self._finish_gathered(plan, check_step)
 
-    def _plan(self, comm, sizes: tuple, *, inline: bool) -> _GatherPlan:
-        """The gathered path's plan for ``sizes`` on ``comm``: rows of its own, or (inline)
-        the rows of ``comm``'s argument-check records."""
-        key = (sizes, comm.size, inline)
-        plan = self._gather_plans.get(key)
-        if plan is None or (inline and plan.send is not comm.record):  # a new communicator
-            plan = self._gather_plans[key] = _GatherPlan(self, sizes, comm, inline=inline)
-        return plan
+    def _riding_plan(self, comm, arrays) -> _GatherPlan | None:
+        """The plan of a bucket that rides in ``comm``'s argument-check records, or None when
+        its packed members do not fit there. Looked up by the members' shapes, every step:
+        it is the whole of a small bucket's bookkeeping."""
+        shapes = tuple([a.shape for a in arrays])
+        known = self._riding_plans.get(shapes)
+        if known is None or known[0] is not comm:  # first call, or a new communicator
+            sizes = tuple(int(np.prod(shape)) for shape in shapes)
+            fits = self._layout(sizes).total * self.dtype.itemsize <= comm.inline_bytes
+            known = (comm, _GatherPlan(self, shapes, comm, inline=True) if fits else None)
+            self._riding_plans[shapes] = known
+        return known[1]
 
-    def _finish_gathered(self, plan, flats, arrays, check_step: bool = True):
+    def _finish_gathered(self, plan, check_step: bool = True):
         """The gathered rows reduced: ``(results, agreed step)``."""
         agreed = None
         if self.carry_step:
             steps = plan.steps.tolist()
-            agreed = _steps.check(steps) if check_step else _steps.first_active(steps)
+            agreed = steps[0]
+            if not check_step:
+                agreed = _steps.first_active(steps)
+            elif steps.count(agreed) != len(steps):  # a joined rank's, or a mismatch
+                agreed = _steps.check(steps)
         out = _POOL.get(plan.out_key, plan.total, self.dtype)
         plan.reduce(out)
-        results = tuple(
-            out[off : off + f.size].reshape(np.shape(a))
-            for off, f, a in zip(plan.offsets, flats, arrays)
-        )
-        return results, agreed
+        return tuple([out[lo:hi].reshape(shape) for lo, hi, shape in plan.results]), agreed
 
     def _layout(self, sizes: tuple) -> Layout:
         layout = self._layouts.get(sizes)
@@ -402,17 +410,20 @@ class BucketReducer:
 
 
 class _GatherPlan:
-    """A small bucket's gathered path for one shape and group, worked out once: the row this
-    rank sends (its step, then its packed members) and the rows it receives, as typed views,
-    and the reduction of the rows in rank order.
+    """A small bucket's gathered path for one list of member shapes and one group, worked out
+    once: the row this rank sends (its step, then its packed members) and the rows it
+    receives, as typed views, where each member is written and read back, and the reduction
+    of the rows in rank order.
 
     The rows are the plan's own, or (``inline``) the communicator's argument-check records,
     which carry the step and the members after the checksum."""
 
-    def __init__(self, reducer: BucketReducer, sizes: tuple, comm, *, inline: bool = False):
+    def __init__(self, reducer: BucketReducer, shapes: tuple, comm, *, inline: bool = False):
         dtype, n = reducer.dtype, comm.size
+        sizes = tuple(int(np.prod(shape)) for shape in shapes)
         layout = reducer._layout(sizes)
-        self.offsets, self.total = layout.offsets, layout.total
+        self.total = layout.total
+        self.nbytes = sum(sizes) * dtype.itemsize
         payload = layout.total * dtype.itemsize
         if inline:
             start = 8  # after the checksum
@@ -428,10 +439,15 @@ class _GatherPlan:
         self.values = self.send[values : values + payload].view(dtype)
         self.steps = self.rows[:, start:values].view(np.int64).reshape(n)
         self.members = self.rows[:, values : values + payload].view(dtype)
+        # Where each member goes in this rank's row (shaped as it, so filling is one copy)
+        # and where its result is read from the reduced buffer.
+        spans = [(off, off + size) for off, size in zip(layout.offsets, sizes)]
+        self.slots = [self.values[lo:hi].reshape(shape) for (lo, hi), shape in zip(spans, shapes)]
+        self.results = [(lo, hi, shape) for (lo, hi), shape in zip(spans, shapes)]
         # The padding between members: zeroed at every fill when the records are shared
         # (another bucket's bytes may be there), once otherwise.
-        ends = [o + size for o, size in zip(self.offsets, sizes)]
-        self.gaps = [(e, o) for e, o in zip(ends, [*self.offsets[1:], self.total]) if o > e]
+        ends = [hi for _, hi in spans]
+        self.gaps = [(e, o) for e, o in zip(ends, [*layout.offsets[1:], self.total]) if o > e]
         self.inline = inline
         self.out_key = f"{reducer.name}.out"
         self.half = is_half(dtype)
@@ -441,21 +457,21 @@ class _GatherPlan:
         self.floating, self.dtype, self.n = reducer.floating, dtype, n
         self._combine = reducer._combine
 
-    def fill(self, flats: Sequence[np.ndarray], step: int | None) -> None:
-        """Writes this rank's row: its step, then its members, prescaled."""
+    def fill(self, arrays: Sequence[np.ndarray], step: int | None) -> None:
+        """Writes this rank's row: its step, then its members (shaped as the plan's),
+        prescaled."""
         self.header[0] = 0 if step is None else step
         values, pre = self.values, self.pre
         if self.inline:
             for lo, hi in self.gaps:
                 values[lo:hi] = 0
-        for off, src in zip(self.offsets, flats):
-            dst = values[off : off + src.size]
+        for dst, src in zip(self.slots, arrays):
             if pre == 1.0:
                 np.copyto(dst, src)
             elif self.floating:
                 np.multiply(src, pre, out=dst)
             else:
-                dst[...] = (src * pre).astype(self.dtype)
+                dst[...] = (np.asarray(src) * pre).astype(self.dtype)
 
     def reduce(self, out: np.ndarray) -> None:
         """Writes the reduction of the gathered rows into ``out``."""

@@ -348,14 +348,13 @@ class Communicator:
             nbytes=nbytes,
             dtype=dtype,
         )
-        digests = self._digests
-        first = digests[0]
-        if all(d == first for d in digests.tolist()):
+        digests = self._digests.tolist()
+        if digests.count(digests[0]) == len(digests):
             if label is None:
                 self._checked_at = checked_at
             return ()
-        if (digests < 0).any():
-            return self._serve_joined(signature, digests, name, join)
+        if min(digests) < 0:
+            return self._serve_joined(signature, self._digests, name, join)
         raise MismatchError(_mismatch_message(name, self.mpi.allgather((name, signature))))
 
     def allreduce(self, array: np.ndarray, op: str = "sum", *, name: str = "allreduce"):
