@@ -67,9 +67,9 @@ class BufferPool:
     def __init__(self, per_key: int = 2):
         self.per_key = per_key
         self._buffers: dict[tuple, list[np.ndarray]] = {}
-        # What the counts read for a buffer that only the pool holds, measured the same way.
+        # What the reference counts read (as take() reads them) for a buffer only a shelf holds.
         probe = [aligned_empty(1, np.uint8)]
-        self._idle_refs = self._counts(probe[0])
+        self._idle_refs = (sys.getrefcount(probe[0]), sys.getrefcount(probe[0].base))
 
     def get(self, key, size: int, dtype) -> np.ndarray:
         """A zero-padded aligned buffer of ``size`` elements for ``key``, reused when free.
@@ -78,23 +78,27 @@ class BufferPool:
         as they were, zero.
         """
         dtype = np.dtype(dtype)
+        return self.take(self.shelf(key, size, dtype), size, dtype)
+
+    def shelf(self, key, size: int, dtype: np.dtype) -> list[np.ndarray]:
+        """Where the buffers for ``key`` are kept: a caller that asks for the same buffer at
+        every step looks its shelf up once and passes it to :meth:`take`."""
         kept = self._buffers.get((key, size, dtype))
         if kept is None:
             kept = self._buffers[(key, size, dtype)] = []
+        return kept
+
+    def take(self, kept: list[np.ndarray], size: int, dtype: np.dtype) -> np.ndarray:
+        """A free buffer from the shelf ``kept``, or a new one (kept there when it has room):
+        what :meth:`get` returns."""
         idle_buf, idle_base = self._idle_refs
         for i in range(len(kept)):
-            counts = self._counts(kept[i])
-            if counts[0] <= idle_buf and counts[1] <= idle_base:
+            # Views of a buffer point at its memory-owning base, so both counts matter: the
+            # buffer's for holders of the buffer itself, the base's for every view.
+            if sys.getrefcount(kept[i]) <= idle_buf and sys.getrefcount(kept[i].base) <= idle_base:
                 return kept[i]
         buf = aligned_empty(size, dtype)
         buf.view(np.uint8)[...] = 0
         if len(kept) < self.per_key:
             kept.append(buf)
         return buf
-
-    @staticmethod
-    def _counts(buf: np.ndarray) -> tuple[int, int]:
-        # Views of buf point at its memory-owning base, so both counts matter: buf's for
-        # holders of the buffer itself, the base's for every view. Measured through this one
-        # function, so the references the call itself adds are the same every time.
-        return sys.getrefcount(buf), sys.getrefcount(buf.base)

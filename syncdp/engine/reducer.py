@@ -238,9 +238,13 @@ class BucketReducer:
                 agreed = _steps.first_active(steps)
             elif steps.count(agreed) != len(steps):  # a joined rank's, or a mismatch
                 agreed = _steps.check(steps)
-        out = _POOL.get(plan.out_key, plan.total, self.dtype)
+        out = _POOL.take(plan.out_shelf, plan.total, self.dtype)
         plan.reduce(out)
-        return tuple([out[lo:hi].reshape(shape) for lo, hi, shape in plan.results]), agreed
+        results = [
+            out[lo:hi] if shape is None else out[lo:hi].reshape(shape)
+            for lo, hi, shape in plan.results
+        ]
+        return tuple(results), agreed
 
     def _layout(self, sizes: tuple) -> Layout:
         layout = self._layouts.get(sizes)
@@ -443,13 +447,16 @@ class _GatherPlan:
         # and where its result is read from the reduced buffer.
         spans = [(off, off + size) for off, size in zip(layout.offsets, sizes)]
         self.slots = [self.values[lo:hi].reshape(shape) for (lo, hi), shape in zip(spans, shapes)]
-        self.results = [(lo, hi, shape) for (lo, hi), shape in zip(spans, shapes)]
+        self.results = [  # the shape None where the slice has it already
+            (lo, hi, None if shape == (hi - lo,) else shape)
+            for (lo, hi), shape in zip(spans, shapes)
+        ]
         # The padding between members: zeroed at every fill when the records are shared
         # (another bucket's bytes may be there), once otherwise.
         ends = [hi for _, hi in spans]
         self.gaps = [(e, o) for e, o in zip(ends, [*layout.offsets[1:], self.total]) if o > e]
         self.inline = inline
-        self.out_key = f"{reducer.name}.out"
+        self.out_shelf = _POOL.shelf(f"{reducer.name}.out", self.total, dtype)
         self.half = is_half(dtype)
         pre, self.post, self.divide = reducer._scales(n)
         self.pre = 1.0 if self.half else pre  # half: _combine scales, in float32
