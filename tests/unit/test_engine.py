@@ -163,6 +163,23 @@ def test_pool_reuses_only_free_buffers():
     assert not d[:].any()  # padding and unused elements stay zero
 
 
+def test_pool_hands_a_buffer_out_again_once_nothing_holds_it_or_a_view():
+    pool = BufferPool()
+    shelf = pool.shelf("k", 64, np.dtype(np.float32))
+    first = pool.take(shelf, 64, np.dtype(np.float32))
+    where = first.ctypes.data
+    held = first  # the buffer itself, not a view of it
+    del first
+    second = pool.take(shelf, 64, np.dtype(np.float32))
+    assert not np.shares_memory(second, held)
+    view = second[3:5]
+    del second
+    third = pool.take(shelf, 64, np.dtype(np.float32))  # both kept ones are in use
+    assert not np.shares_memory(third, held) and not np.shares_memory(third, view)
+    del held, third
+    assert pool.get("k", 64, np.float32).ctypes.data == where  # the same shelf, free again
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16])
 def test_every_op_matches_the_formula(size, dtype, engine_path):
