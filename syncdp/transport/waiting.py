@@ -35,8 +35,9 @@ def _tighten_timer_slack() -> None:
         _prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
 
 
-# How a rank waits for the others (wait_politely): spin this long first, then sleep in growing
-# pauses up to the last.
+# How a rank waits for the others (wait_politely): poll without yielding this long, poll
+# yielding the core between polls up to the spin, then sleep in growing pauses up to the last.
+_HOT_SECONDS = 10e-6
 _SPIN_SECONDS = 50e-6
 _PAUSES = (20e-6, 50e-6, 100e-6, 200e-6)
 
@@ -47,9 +48,10 @@ def wait_politely(request, spin: float = _SPIN_SECONDS) -> None:
     Open MPI's blocking calls poll without pause: a rank waiting for the slowest one burns a
     core that other ranks (and TensorFlow's own threads) need for computing, where PyTorch's
     Gloo blocks in the kernel. Here a rank polls for a few tens of microseconds (most waits
-    inside a step are that short), yielding the core to any thread that wants it between
-    polls, then sleeps between polls, which costs a waiting rank at
-    most a fraction of a millisecond of latency when the last rank arrives.
+    inside a step are that short), after the first ten yielding the core to any thread that
+    wants it between polls (a yield is a system call, which a wait for a rank that is about
+    to arrive need not pay), then sleeps between polls, which costs a waiting rank at most a
+    fraction of a millisecond of latency when the last rank arrives.
 
     Args:
         request: The MPI request.
@@ -58,6 +60,10 @@ def wait_politely(request, spin: float = _SPIN_SECONDS) -> None:
     """
     if request.Test():
         return
+    hot_until = time.perf_counter() + _HOT_SECONDS
+    while time.perf_counter() < hot_until:
+        if request.Test():
+            return
     spin_until = time.perf_counter() + spin
     while time.perf_counter() < spin_until:
         os.sched_yield()  # a thread waiting for this core (the rank we wait for?) runs first

@@ -62,3 +62,25 @@ def test_a_request_already_complete_returns_at_once():
     request = _DoneAfter(0)
     waiting.wait_politely(request)
     assert request.tests == 1
+
+
+class _DoneOnTest:
+    """An MPI request stand-in that completes at its ``n``-th test."""
+
+    def __init__(self, n: int):
+        self.n, self.tests = n, 0
+
+    def Test(self) -> bool:
+        self.tests += 1
+        return self.tests >= self.n
+
+
+def test_a_wait_polls_without_a_system_call_first_then_yields_the_core(monkeypatch):
+    yields = []
+    monkeypatch.setattr(waiting.os, "sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr(waiting, "_HOT_SECONDS", 1.0)  # far longer than three polls
+    waiting.wait_politely(_DoneOnTest(3))
+    assert yields == []
+    monkeypatch.setattr(waiting, "_HOT_SECONDS", 0.0)  # past the first polls: yields
+    waiting.wait_politely(_DoneOnTest(3))
+    assert len(yields) == 2
