@@ -117,7 +117,8 @@ class BucketReducer:
         self.floating = self.dtype.kind == "f" or is_half(self.dtype)
         self._layouts: dict[tuple, Layout] = {}
         self._gather_plans: dict[tuple, _GatherPlan] = {}
-        # By member shapes: (communicator, plan), the plan None where they do not fit.
+        # By member shapes: (the communicator's record, plan), the plan None where they do
+        # not fit. The record tells the communicator (an elastic reset makes a new one).
         self._riding_plans: dict[tuple, tuple] = {}
 
     def __call__(
@@ -221,10 +222,10 @@ class BucketReducer:
         it is the whole of a small bucket's bookkeeping."""
         shapes = tuple([a.shape for a in arrays])
         known = self._riding_plans.get(shapes)
-        if known is None or known[0] is not comm:  # first call, or a new communicator
+        if known is None or known[0] is not comm.record:  # first call, or a new communicator
             sizes = tuple(int(np.prod(shape)) for shape in shapes)
             fits = self._layout(sizes).total * self.dtype.itemsize <= comm.inline_bytes
-            known = (comm, _GatherPlan(self, shapes, comm, inline=True) if fits else None)
+            known = (comm.record, _GatherPlan(self, shapes, comm, inline=True) if fits else None)
             self._riding_plans[shapes] = known
         return known[1]
 
