@@ -381,7 +381,7 @@ def allreduce(
         device_sparse: Accepted for Horovod compatibility.
         compression: ``Compression.none`` or ``Compression.fp16``. Defaults to none.
         op: ``Average``, ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``. Defaults to
-            ``Average``. Integer averages are floor-divided.
+            ``Average``. Integer averages are truncated toward zero.
         prescale_factor: Multiplies the tensor before the reduction. Defaults to 1.
         postscale_factor: Multiplies the result after it. Defaults to 1.
         name: Name of the collective in the timeline. Defaults to "allreduce".
