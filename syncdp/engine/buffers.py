@@ -77,18 +77,18 @@ class BufferPool:
         The caller overwrites every element it uses; elements it never writes (padding) stay
         as they were, zero.
         """
-        dtype = np.dtype(dtype)
         return self.take(self.shelf(key, size, dtype), size, dtype)
 
-    def shelf(self, key, size: int, dtype: np.dtype) -> list[np.ndarray]:
+    def shelf(self, key, size: int, dtype) -> list[np.ndarray]:
         """Where the buffers for ``key`` are kept: a caller that asks for the same buffer at
         every step looks its shelf up once and passes it to :meth:`take`."""
+        dtype = np.dtype(dtype)  # np.float32 and np.dtype("float32") are one shelf
         kept = self._buffers.get((key, size, dtype))
         if kept is None:
             kept = self._buffers[(key, size, dtype)] = []
         return kept
 
-    def take(self, kept: list[np.ndarray], size: int, dtype: np.dtype) -> np.ndarray:
+    def take(self, kept: list[np.ndarray], size: int, dtype) -> np.ndarray:
         """A free buffer from the shelf ``kept``, or a new one (kept there when it has room):
         what :meth:`get` returns."""
         idle_buf, idle_base = self._idle_refs

@@ -173,10 +173,10 @@ class BucketReducer:
                 # A rank has joined: it runs this bucket's task, through the usual path.
             else:
                 check(None)
-        flats = [np.asarray(a).reshape(-1) for a in arrays]
-        sizes = tuple(f.size for f in flats)
+        sizes = tuple(int(np.size(a)) for a in arrays)
         if n > 1 and n * (_HEADER + sum(sizes) * self.dtype.itemsize) <= GATHER_BYTES:
-            return self._reduce_gathered(comm, flats, arrays, step, check_step)
+            return self._reduce_gathered(comm, arrays, step, check_step)
+        flats = [np.asarray(a).reshape(-1) for a in arrays]
         step_elems = comm.size * _steps.limbs_for(self.dtype) if self.carry_step else 0
         layout = self._layout(sizes + ((step_elems,) if step_elems else ()))
         if is_half(self.dtype) and n > 1:
@@ -194,7 +194,7 @@ class BucketReducer:
         )
         return results, agreed
 
-    def _reduce_gathered(self, comm, flats, arrays, step, check_step):
+    def _reduce_gathered(self, comm, arrays, step, check_step):
         """A small bucket: every rank's row (its step, then its packed members) gathered by
         every rank in one collective and reduced locally, in rank order. Same semantics as
         the other paths: the prescale on each rank's values, the average's division and the
@@ -460,7 +460,9 @@ class _GatherPlan:
         self.out_shelf = _POOL.shelf(f"{reducer.name}.out", self.total, dtype)
         self.half = is_half(dtype)
         pre, self.post, self.divide = reducer._scales(n)
-        self.pre = 1.0 if self.half else pre  # half: _combine scales, in float32
+        # Half: _combine scales, in float32. A float prescale is of the bucket's dtype, so that
+        # a 0-d member is scaled in that dtype under NumPy 1's casting rules too.
+        self.pre = 1.0 if self.half else (dtype.type(pre) if reducer.floating else pre)
         self.ufunc = _UFUNC[reducer.op]
         self.floating, self.dtype, self.n = reducer.floating, dtype, n
         self._combine = reducer._combine

@@ -55,8 +55,9 @@ def wait_politely(request, spin: float = _SPIN_SECONDS) -> None:
 
     Args:
         request: The MPI request.
-        spin: Seconds to poll without pause first. Defaults to 50 us; waits that are short
-            by construction (ranks already in step inside one collective) spin longer.
+        spin: Seconds to poll, yielding between polls, after the first 10 us of polling
+            and before sleeping. Defaults to 50 us; waits that are short by construction
+            (ranks already in step inside one collective) spin longer.
     """
     if request.Test():
         return

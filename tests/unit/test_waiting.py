@@ -82,5 +82,5 @@ def test_a_wait_polls_without_a_system_call_first_then_yields_the_core(monkeypat
     waiting.wait_politely(_DoneOnTest(3))
     assert yields == []
     monkeypatch.setattr(waiting, "_HOT_SECONDS", 0.0)  # past the first polls: yields
-    waiting.wait_politely(_DoneOnTest(3))
+    waiting.wait_politely(_DoneOnTest(3), spin=1.0)  # and never sleeps instead
     assert len(yields) == 2
