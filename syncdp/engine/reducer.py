@@ -116,10 +116,8 @@ class BucketReducer:
         self.carry_step = carry_step
         self.floating = self.dtype.kind == "f" or is_half(self.dtype)
         self._layouts: dict[tuple, Layout] = {}
-        self._gather_plans: dict[tuple, _GatherPlan] = {}
-        # By member shapes: (the communicator's record, plan), the plan None where they do
-        # not fit. The record tells the communicator (an elastic reset makes a new one).
-        self._riding_plans: dict[tuple, tuple] = {}
+        # By (member shapes, ranks, inline): (the records an inline plan is in, the plan).
+        self._gather_plans: dict[tuple, tuple] = {}
 
     def __call__(
         self,
@@ -160,7 +158,8 @@ class BucketReducer:
             _stats.RECORDER.step(comm.rank, measured=check_step)
         n = comm.size
         if check is not None:
-            plan = self._riding_plan(comm, arrays) if n > 1 else None
+            shapes = tuple([a.shape for a in arrays])
+            plan = self._plan(comm, shapes, inline=True) if n > 1 else None
             if plan is not None:
                 plan.fill(arrays, step)
                 if not check(self.name):  # the check is the reduction: named as it
@@ -200,11 +199,7 @@ class BucketReducer:
         the other paths: the prescale on each rank's values, the average's division and the
         postscale after the reduction. Everything but the values is worked out once per
         bucket shape (:class:`_GatherPlan`): this path exists for its small fixed cost."""
-        shapes = tuple(np.shape(a) for a in arrays)
-        key = (shapes, comm.size, False)
-        plan = self._gather_plans.get(key)
-        if plan is None:
-            plan = self._gather_plans[key] = _GatherPlan(self, shapes, comm, inline=False)
+        plan = self._plan(comm, tuple(np.shape(a) for a in arrays), inline=False)
         plan.fill(arrays, step)
         comm.allgather_bytes(
             plan.send,
@@ -216,17 +211,21 @@ class BucketReducer:
         )
         return self._finish_gathered(plan, check_step)
 
-    def _riding_plan(self, comm, arrays) -> _GatherPlan | None:
-        """The plan of a bucket that rides in ``comm``'s argument-check records, or None when
-        its packed members do not fit there. Looked up by the members' shapes, every step:
-        it is the whole of a small bucket's bookkeeping."""
-        shapes = tuple([a.shape for a in arrays])
-        known = self._riding_plans.get(shapes)
-        if known is None or known[0] is not comm.record:  # first call, or a new communicator
+    def _plan(self, comm, shapes: tuple, *, inline: bool) -> _GatherPlan | None:
+        """The gathered path's plan for members of ``shapes`` on ``comm``, made at the first
+        call and found again by the shapes at every step after (a small bucket's bookkeeping
+        is all in it): with rows of its own, or (``inline``) in ``comm``'s argument-check
+        records, None when the members do not fit there."""
+        key = (shapes, comm.size, inline)
+        known = self._gather_plans.get(key)
+        # An inline plan is the records' own: a new communicator (an elastic reset) needs
+        # a new one. The plan holds the records, not the communicator.
+        if known is None or (inline and known[0] is not comm.record):
             sizes = tuple(int(np.prod(shape)) for shape in shapes)
-            fits = self._layout(sizes).total * self.dtype.itemsize <= comm.inline_bytes
-            known = (comm.record, _GatherPlan(self, shapes, comm, inline=True) if fits else None)
-            self._riding_plans[shapes] = known
+            plan = None
+            if not inline or self._layout(sizes).total * self.dtype.itemsize <= comm.inline_bytes:
+                plan = _GatherPlan(self, shapes, comm, inline=inline)
+            known = self._gather_plans[key] = (comm.record if inline else None, plan)
         return known[1]
 
     def _finish_gathered(self, plan, check_step: bool = True):
@@ -234,11 +233,7 @@ class BucketReducer:
         agreed = None
         if self.carry_step:
             steps = plan.steps.tolist()
-            agreed = steps[0]
-            if not check_step:
-                agreed = _steps.first_active(steps)
-            elif steps.count(agreed) != len(steps):  # a joined rank's, or a mismatch
-                agreed = _steps.check(steps)
+            agreed = _steps.check(steps) if check_step else _steps.first_active(steps)
         out = _POOL.take(plan.out_shelf, plan.total, self.dtype)
         plan.reduce(out)
         results = [

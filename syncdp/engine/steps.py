@@ -75,6 +75,8 @@ def first_active(steps: list[int]) -> int:
 def check(steps: list[int]) -> int:
     """Returns the step every rank reported; raises StepMismatchError naming the odd ones.
     Joined ranks (:data:`JOINED_STEP`) are left out."""
+    if steps.count(steps[0]) == len(steps):  # every step alike: the check of every step
+        return steps[0]
     first = first_active(steps)
     if all(s == first or s == JOINED_STEP for s in steps):
         return first
