@@ -184,9 +184,7 @@ def _floor_step(model, opt, x, y, kind: str):
     def apart(*arrays):
         return arrays
 
-    host = tf.autograph.experimental.do_not_convert(host)
-    apart = tf.autograph.experimental.do_not_convert(apart)
-
+    # Passed to tf.numpy_function as they are: it keeps AutoGraph out of them itself.
     @tf.function
     def step():
         with tf.GradientTape() as tape:

@@ -75,21 +75,18 @@ def standalone():
 
 
 def host_call(fn, inputs: Sequence[tf.Tensor], out_dtypes, *, stateful: bool = True, name: str):
-    """``tf.numpy_function(fn, ...)``, with ``fn`` kept out of AutoGraph.
+    """``tf.numpy_function(fn, ...)``: ``fn`` runs on NumPy views of ``inputs`` when the graph
+    runs.
 
-    Inside ``tf.function`` AutoGraph would otherwise convert ``fn`` and run every NumPy call in
-    it through its ``converted_call`` machinery, once per call at run time: on ResNet-50's
-    gradients that made packing a fused buffer four times slower than the copy itself. For
-    the same reason the public collectives are marked ``do_not_convert``: AutoGraph would
-    otherwise rewrite the closures they build (the bucket reducers) as it traces them.
+    AutoGraph must not convert the Python that runs at every step: converted code goes through
+    its ``converted_call`` machinery once per call at run time (on ResNet-50's gradients that
+    made packing a fused buffer four times slower than the copy itself). ``tf.numpy_function``
+    already runs ``fn`` as ``do_not_convert`` would, so ``fn`` is passed as it is (wrapping it
+    again would cost each host call a second wrapper); what keeps AutoGraph out of the closures
+    syncdp builds while a step is traced is the public collectives (and ``reduce_gradients``)
+    being marked ``do_not_convert``.
     """
-    return tf.numpy_function(
-        tf.autograph.experimental.do_not_convert(fn),
-        list(inputs),
-        out_dtypes,
-        stateful=stateful,
-        name=name,
-    )
+    return tf.numpy_function(fn, list(inputs), out_dtypes, stateful=stateful, name=name)
 
 
 def ordered_call(fn, inputs: Sequence[tf.Tensor], out_dtypes, out_shapes, name: str):

@@ -37,8 +37,11 @@ def _tighten_timer_slack() -> None:
 
 # How a rank waits for the others (wait_politely): poll without yielding this long, poll
 # yielding the core between polls up to the spin, then sleep in growing pauses up to the last.
+# The spin covers the usual skew between ranks' arrivals: a rank asleep in a pause holds up the
+# others too, since beyond two ranks a collective passes through the ranks in rounds and each
+# round moves on only when its ranks poll (benchmarks/wait_latency.py).
 _HOT_SECONDS = 10e-6
-_SPIN_SECONDS = 50e-6
+_SPIN_SECONDS = 1e-3
 _PAUSES = (20e-6, 50e-6, 100e-6, 200e-6)
 
 
@@ -47,17 +50,18 @@ def wait_politely(request, spin: float = _SPIN_SECONDS) -> None:
 
     Open MPI's blocking calls poll without pause: a rank waiting for the slowest one burns a
     core that other ranks (and TensorFlow's own threads) need for computing, where PyTorch's
-    Gloo blocks in the kernel. Here a rank polls for a few tens of microseconds (most waits
-    inside a step are that short), after the first ten yielding the core to any thread that
-    wants it between polls (a yield is a system call, which a wait for a rank that is about
-    to arrive need not pay), then sleeps between polls, which costs a waiting rank at most a
-    fraction of a millisecond of latency when the last rank arrives.
+    Gloo blocks in the kernel. Here a rank polls for 10 us without a system call (most waits
+    in an even step end there), then up to a millisecond yielding the core to any thread that
+    wants it between polls, then sleeps between polls. The spin is that long because a
+    sleeping rank delays more than itself: an MPI collective among more than two ranks moves
+    in rounds, and a round moves on only when its ranks poll. With a 50 us spin, ranks that
+    arrived 1 ms apart finished a 4-rank allgather 4-6 times later than blocking ranks did;
+    with 1 ms, as soon (benchmarks/wait_latency.py).
 
     Args:
         request: The MPI request.
         spin: Seconds to poll, yielding between polls, after the first 10 us of polling
-            and before sleeping. Defaults to 50 us; waits that are short by construction
-            (ranks already in step inside one collective) spin longer.
+            and before sleeping. Defaults to 1 ms.
     """
     if request.Test():
         return

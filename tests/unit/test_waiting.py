@@ -50,7 +50,7 @@ def test_a_wait_that_sleeps_tightens_its_threads_timer_slack_without_loading_a_l
 
         def wait():
             prctl(_PR_SET_TIMERSLACK, 50_000, 0, 0, 0)  # Linux's default, whatever it inherited
-            request = _DoneAfter(0.002)  # well past the spin: it sleeps
+            request = _DoneAfter(0.02)  # well past the spin: it sleeps
             waiting.wait_politely(request)
             assert request.tests > 1
             return prctl(_PR_GET_TIMERSLACK, 0, 0, 0, 0)
@@ -84,3 +84,16 @@ def test_a_wait_polls_without_a_system_call_first_then_yields_the_core(monkeypat
     monkeypatch.setattr(waiting, "_HOT_SECONDS", 0.0)  # past the first polls: yields
     waiting.wait_politely(_DoneOnTest(3), spin=1.0)  # and never sleeps instead
     assert len(yields) == 2
+
+
+def test_a_wait_shorter_than_the_spin_never_sleeps(monkeypatch):
+    # A rank asleep holds up a collective's later rounds for the other ranks: a wait as long as
+    # ranks usually arrive apart (a few hundred microseconds) polls throughout.
+    sleeps = []
+    monkeypatch.setattr(waiting.time, "sleep", lambda seconds: sleeps.append(seconds))
+    request = _DoneAfter(0.0003)
+    waiting.wait_politely(request)
+    assert time.perf_counter() >= request.at
+    assert sleeps == []
+    waiting.wait_politely(_DoneAfter(0.02))  # far past the spin: it does sleep
+    assert sleeps
