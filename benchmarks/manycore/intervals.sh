@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 34's figures on the 16-core machine, with intervals: the CNN step (syncdp, naive, barrier
-# / no communication) beside PyTorch DDP / no_sync, and the tiny model's fixed cost per step.
+# / no communication) beside PyTorch DDP / no_sync, the tiny model's fixed cost per step, and
+# how soon a collective ends after the last rank arrives (wait_latency.py).
 # Run from the project root after ../shared/manycore/setup.sh; logs to $OUT/intervals.log.
 # NPS and REPEATS shrink it for a dry run on a small machine (NPS="2" REPEATS=3). With
 # REPEATS=16 on 16 cores one pass takes about 6 minutes: more than half of a lease.
@@ -27,6 +28,9 @@ for pass in 1 2; do
   for n in 2 $NPS; do
     run 60 syncdp-run -np "$n" python benchmarks/step_cost.py --model tiny --no-write \
       --repeats $((R * 5))
+  done
+  for n in $NPS; do  # how late a collective ends when ranks arrive apart (seconds each)
+    run 60 syncdp-run -np "$n" python benchmarks/wait_latency.py --no-write --repeats 8
   done
 done
 log "done; load $(cut -d' ' -f1-3 /proc/loadavg)"
