@@ -5,14 +5,16 @@ A rank that reaches a collective early waits for the others. syncdp waits polite
 sleeps between polls, so that a waiting rank leaves its core to the ranks still computing.
 Beyond two ranks an MPI collective moves in rounds, and a round moves on only when its ranks
 poll: a rank asleep holds up the others after the last one has arrived. This benchmark
-measures that delay beside a blocking MPI call (which polls without pause).
+measures that delay beside a blocking MPI call (which polls without pause, or yields the core
+between polls under ``syncdp-run``, which sets Open MPI's ``mpi_yield_when_idle``).
 
 Each rank repeats: sleep for a base time plus a random part up to ``--jitter-us`` (computing
 that leaves the core free, as a GPU step or an input pipeline does), then one allgather of
 ``--bytes`` per rank (the argument check syncdp makes at every step, which carries a small
 bucket of gradients; 9 KB is the tiny model's). It is timed three ways: ``blocking``
-(``MPI.Allgather``), ``syncdp`` (``Iallgather`` waited on with syncdp's default spin) and
-``spin<N>us`` (the same wait with another spin, ``--spins``). Every rank notes when it entered
+(``MPI.Allgather``), ``syncdp <N>us`` (``Iallgather`` waited on as syncdp waits, with its
+default spin of N us) and ``spin <N>us`` (the same wait with another spin, ``--spins``). Every
+collective's rows are checked. Every rank notes when it entered
 and left each collective on the host's monotonic clock, so the figures are:
 
 - ``last``: how long the collective took on the rank that arrived last (the time the job
@@ -77,6 +79,8 @@ def main(argv=None) -> int:
     jitters, spins = _us_list(args.jitter_us), _us_list(args.spins)
     if args.bytes < 1 or args.steps < 1 or args.repeats < 1:
         raise SystemExit("wait_latency.py: --bytes, --steps and --repeats must be at least 1")
+    if args.base_us < 0:
+        raise SystemExit(f"wait_latency.py: --base-us cannot be negative: {args.base_us:g}")
 
     import numpy as np
     from mpi4py import MPI
@@ -92,15 +96,16 @@ def main(argv=None) -> int:
         say("wait_latency.py compares the ranks' clocks: run it on one host", rank=me)
         return 2
 
-    send = np.full(args.bytes, me, np.uint8)
+    send = np.full(args.bytes, me % 251, np.uint8)  # never 255, the mark of a missing row
     recv = np.empty(n * args.bytes, np.uint8)
-    expected = np.repeat(np.arange(n, dtype=np.uint8), args.bytes)
+    expected = np.repeat(np.arange(n) % 251, args.bytes).astype(np.uint8)
+    default = f"syncdp {waiting._SPIN_SECONDS * 1e6:g}us"  # the spin it ran with, named
     variants = {
         "blocking": lambda: world.Allgather(send, recv),
-        "syncdp": lambda: waiting.wait_politely(world.Iallgather(send, recv)),
+        default: lambda: waiting.wait_politely(world.Iallgather(send, recv)),
     }
     for s in spins:
-        variants[f"spin{s:g}us"] = lambda s=s: waiting.wait_politely(
+        variants[f"spin {s:g}us"] = lambda s=s: waiting.wait_politely(
             world.Iallgather(send, recv), spin=s * 1e-6
         )
     names = list(variants)
@@ -108,13 +113,16 @@ def main(argv=None) -> int:
 
     def one_repetition(run, jitter: float) -> tuple[float, float]:
         entered, left = np.empty(args.steps), np.empty(args.steps)
+        wrong = 0
         for i in range(args.steps):
+            recv.fill(255)  # no rank's row: a wait that returned early is caught below
             time.sleep((args.base_us + rng.random() * jitter) * 1e-6)
             entered[i] = time.perf_counter()
             run()
             left[i] = time.perf_counter()
-        if not np.array_equal(recv, expected):
-            raise AssertionError("the allgather returned wrong rows")
+            wrong += not np.array_equal(recv, expected)
+        if world.allreduce(wrong, op=MPI.SUM):  # every rank raises, none waits for the others
+            raise AssertionError("an allgather returned before its rows had all arrived")
         e = np.array(world.allgather(entered))  # ranks x steps
         x = np.array(world.allgather(left))
         last = e.argmax(axis=0)
@@ -144,7 +152,7 @@ def main(argv=None) -> int:
         for v in names:
             ratio = "" if v == "blocking" else fmt_interval(paired_ratio(last[v], last["blocking"]))
             say(
-                f"  {v:12s} last rank {fmt_interval(interval(last[v]), 1)} us, every rank "
+                f"  {v:14s} last rank {fmt_interval(interval(last[v]), 1)} us, every rank "
                 f"{fmt_interval(interval(every[v]), 1)} us"
                 + (f"; / blocking {ratio}" if ratio else ""),
                 rank=me,

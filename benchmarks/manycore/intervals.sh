@@ -30,7 +30,7 @@ for pass in 1 2; do
       --repeats $((R * 5))
   done
   for n in $NPS; do  # how late a collective ends when ranks arrive apart (seconds each)
-    run 60 syncdp-run -np "$n" python benchmarks/wait_latency.py --no-write --repeats 8
+    run 60 syncdp-run -np "$n" python benchmarks/wait_latency.py --no-write --repeats "$R"
   done
 done
 log "done; load $(cut -d' ' -f1-3 /proc/loadavg)"

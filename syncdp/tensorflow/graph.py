@@ -82,9 +82,11 @@ def host_call(fn, inputs: Sequence[tf.Tensor], out_dtypes, *, stateful: bool = T
     its ``converted_call`` machinery once per call at run time (on ResNet-50's gradients that
     made packing a fused buffer four times slower than the copy itself). ``tf.numpy_function``
     already runs ``fn`` as ``do_not_convert`` would, so ``fn`` is passed as it is (wrapping it
-    again would cost each host call a second wrapper); what keeps AutoGraph out of the closures
-    syncdp builds while a step is traced is the public collectives (and ``reduce_gradients``)
-    being marked ``do_not_convert``.
+    again would cost each host call a second wrapper). That wrapper does not undo a conversion
+    made while the step was traced, though: AutoGraph converts the functions that converted code
+    calls, and the closures they define, so a ``fn`` built inside converted code would already
+    be converted code. What keeps syncdp's closures unconverted is the public collectives (and
+    ``reduce_gradients``) being marked ``do_not_convert``, which AutoGraph does not enter.
     """
     return tf.numpy_function(fn, list(inputs), out_dtypes, stateful=stateful, name=name)
 

@@ -38,8 +38,7 @@ def _tighten_timer_slack() -> None:
 # How a rank waits for the others (wait_politely): poll without yielding this long, poll
 # yielding the core between polls up to the spin, then sleep in growing pauses up to the last.
 # The spin covers the usual skew between ranks' arrivals: a rank asleep in a pause holds up the
-# others too, since beyond two ranks a collective passes through the ranks in rounds and each
-# round moves on only when its ranks poll (benchmarks/wait_latency.py).
+# others too, since a collective moves on only when its ranks poll (benchmarks/wait_latency.py).
 _HOT_SECONDS = 10e-6
 _SPIN_SECONDS = 1e-3
 _PAUSES = (20e-6, 50e-6, 100e-6, 200e-6)
@@ -53,10 +52,11 @@ def wait_politely(request, spin: float = _SPIN_SECONDS) -> None:
     Gloo blocks in the kernel. Here a rank polls for 10 us without a system call (most waits
     in an even step end there), then up to a millisecond yielding the core to any thread that
     wants it between polls, then sleeps between polls. The spin is that long because a
-    sleeping rank delays more than itself: an MPI collective among more than two ranks moves
-    in rounds, and a round moves on only when its ranks poll. With a 50 us spin, ranks that
-    arrived 1 ms apart finished a 4-rank allgather 4-6 times later than blocking ranks did;
-    with 1 ms, as soon (benchmarks/wait_latency.py).
+    sleeping rank delays more than itself: an MPI collective moves on only when its ranks poll
+    (among more than two ranks, in rounds), so the last rank to arrive waits for the sleepers
+    to wake. With a 50 us spin, ranks that arrived up to 1 ms apart finished a 4-rank allgather
+    9 times later than blocking ranks did; with 1 ms, within 1.1-1.3 times
+    (benchmarks/wait_latency.py).
 
     Args:
         request: The MPI request.

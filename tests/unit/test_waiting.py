@@ -1,5 +1,7 @@
-"""wait_politely: a wait that sleeps asks for a 1 us timer slack on its own thread, and loads
-nothing to do so."""
+"""wait_politely: how a rank waits for the others. It polls without a system call first, then
+yielding the core, through the spin (a wait shorter than that never sleeps), and only then
+sleeps; a wait that sleeps asks for a 1 us timer slack on its own thread, and loads nothing to
+do so."""
 
 import ctypes
 import threading
@@ -22,6 +24,26 @@ class _DoneAfter:
     def Test(self) -> bool:
         self.tests += 1
         return time.perf_counter() >= self.at
+
+
+class _DoneOnceSlept:
+    """An MPI request stand-in that completes at the first test after ``time.sleep`` was
+    called (really sleeping), so a wait surely reaches its sleeping part however slow the
+    machine."""
+
+    def __init__(self, monkeypatch):
+        self.slept, self.tests = False, 0
+        real = time.sleep
+
+        def sleep(seconds):
+            self.slept = True
+            real(seconds)
+
+        monkeypatch.setattr(waiting.time, "sleep", sleep)
+
+    def Test(self) -> bool:
+        self.tests += 1
+        return self.slept
 
 
 def _in_thread(fn):
@@ -50,9 +72,9 @@ def test_a_wait_that_sleeps_tightens_its_threads_timer_slack_without_loading_a_l
 
         def wait():
             prctl(_PR_SET_TIMERSLACK, 50_000, 0, 0, 0)  # Linux's default, whatever it inherited
-            request = _DoneAfter(0.02)  # well past the spin: it sleeps
-            waiting.wait_politely(request)
-            assert request.tests > 1
+            request = _DoneOnceSlept(monkeypatch)
+            waiting.wait_politely(request, spin=0.0)
+            assert request.slept and request.tests > 1
             return prctl(_PR_GET_TIMERSLACK, 0, 0, 0, 0)
 
         assert _in_thread(wait) == 1000  # nanoseconds
@@ -95,5 +117,10 @@ def test_a_wait_shorter_than_the_spin_never_sleeps(monkeypatch):
     waiting.wait_politely(request)
     assert time.perf_counter() >= request.at
     assert sleeps == []
-    waiting.wait_politely(_DoneAfter(0.02))  # far past the spin: it does sleep
+
+    class _DoneOnceAsleep:  # past the spin (here none): it does sleep
+        def Test(self) -> bool:
+            return bool(sleeps)
+
+    waiting.wait_politely(_DoneOnceAsleep(), spin=0.0)
     assert sleeps
