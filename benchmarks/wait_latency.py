@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bytes", type=int, default=9000, help="bytes each rank contributes")
     p.add_argument("--base-us", type=float, default=300.0, help="fixed part of the computing")
     p.add_argument(
-        "--jitter-us", default="200,1000", help="most random extra computing, comma-separated"
+        "--jitter-us", default="200,1000,5000", help="most random extra computing, comma-separated"
     )
     p.add_argument("--spins", default="50", help="other spins to time, in us, comma-separated")
     p.add_argument("--steps", type=int, default=40, help="collectives per repetition")

@@ -41,7 +41,7 @@ def _tighten_timer_slack() -> None:
 # others too, since a collective moves on only when its ranks poll (benchmarks/wait_latency.py).
 _HOT_SECONDS = 10e-6
 _SPIN_SECONDS = 1e-3
-_PAUSES = (20e-6, 50e-6, 100e-6, 200e-6)
+_PAUSES = (20e-6, 50e-6, 100e-6)  # the longest bounds how long a sleeper holds a round up
 
 
 def wait_politely(request, spin: float = _SPIN_SECONDS) -> None:
