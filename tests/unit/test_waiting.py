@@ -109,8 +109,8 @@ def test_a_wait_polls_without_a_system_call_first_then_yields_the_core(monkeypat
 
 
 def test_a_wait_shorter_than_the_spin_never_sleeps(monkeypatch):
-    # A rank asleep holds up a collective's later rounds for the other ranks: a wait as long as
-    # ranks usually arrive apart (a few hundred microseconds) polls throughout.
+    # A rank asleep holds the collective up for the other ranks too: a wait as long as ranks
+    # usually arrive apart (a few hundred microseconds) polls throughout.
     sleeps = []
     monkeypatch.setattr(waiting.time, "sleep", lambda seconds: sleeps.append(seconds))
     request = _DoneAfter(0.0003)
@@ -124,3 +124,18 @@ def test_a_wait_shorter_than_the_spin_never_sleeps(monkeypatch):
 
     waiting.wait_politely(_DoneOnceAsleep(), spin=0.0)
     assert sleeps
+
+
+def test_a_sleeping_wait_wakes_to_poll_at_least_every_100_us(monkeypatch):
+    # Past the spin a rank sleeps, and the last rank to arrive waits about a pause per round of
+    # the collective for it to wake: the pauses stay short.
+    sleeps = []
+    monkeypatch.setattr(waiting.time, "sleep", lambda seconds: sleeps.append(seconds))
+
+    class _DoneAfterManySleeps:
+        def Test(self) -> bool:
+            return len(sleeps) >= 50
+
+    waiting.wait_politely(_DoneAfterManySleeps(), spin=0.0)
+    assert len(sleeps) == 50
+    assert 0 < max(sleeps) <= 100e-6
