@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import fmt_interval, interval, machine, paired_ratio, say, write_markdown
+from common import alternate, fmt_interval, interval, machine, paired_ratio, say, write_markdown
 
 __all__ = ["main"]
 
@@ -131,6 +131,15 @@ def main(argv=None) -> int:
         everyone = (x.max(axis=0) - e.max(axis=0)) * 1e6
         return float(np.median(on_last)), float(np.median(everyone))
 
+    def repetitions(jitter: float) -> dict[str, list[tuple[float, float]]]:
+        """Each variant's (last rank, every rank) per repetition, the variants alternating."""
+        figures = {v: [] for v in names}
+        timed = {
+            v: lambda v=v: figures[v].append(one_repetition(variants[v], jitter)) for v in names
+        }
+        alternate(timed, args.repeats, sync=world.Barrier, warmup=1)
+        return {v: runs[1:] for v, runs in figures.items()}  # runs[0]: the warm-up round's
+
     say(
         f"np={n}: allgather of {args.bytes} bytes per rank after {args.base_us:g} us plus up to "
         f"the jitter of computing; {args.repeats} alternating repetitions of {args.steps}",
@@ -138,16 +147,9 @@ def main(argv=None) -> int:
     )
     rows = []
     for jitter in jitters:
-        last = {v: [] for v in names}
-        every = {v: [] for v in names}
-        for r in range(1 + args.repeats):  # the first round warms up
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for v in order:
-                world.Barrier()
-                on_last, everyone = one_repetition(variants[v], jitter)
-                if r:
-                    last[v].append(on_last)
-                    every[v].append(everyone)
+        figures = repetitions(jitter)
+        last = {v: [f[0] for f in figures[v]] for v in names}
+        every = {v: [f[1] for f in figures[v]] for v in names}
         say(f"jitter up to {jitter:g} us:", rank=me)
         for v in names:
             ratio = "" if v == "blocking" else fmt_interval(paired_ratio(last[v], last["blocking"]))

@@ -35,13 +35,12 @@ def _tighten_timer_slack() -> None:
         _prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
 
 
-# How a rank waits for the others (wait_politely): poll without yielding this long, poll
-# yielding the core between polls up to the spin, then sleep in growing pauses up to the last.
-# The spin covers the usual skew between ranks' arrivals: a rank asleep in a pause holds up the
-# others too, since a collective moves on only when its ranks poll (benchmarks/wait_latency.py).
+# How a rank waits for the others (wait_politely, which says why these values): poll without
+# yielding this long, poll yielding the core between polls up to the spin, then sleep in
+# growing pauses up to the last.
 _HOT_SECONDS = 10e-6
 _SPIN_SECONDS = 1e-3
-_PAUSES = (20e-6, 50e-6, 100e-6)  # the longest bounds how long a sleeper holds a round up
+_PAUSES = (20e-6, 50e-6, 100e-6)
 
 
 def wait_politely(request, spin: float = _SPIN_SECONDS) -> None:
@@ -55,8 +54,9 @@ def wait_politely(request, spin: float = _SPIN_SECONDS) -> None:
     sleeping rank delays more than itself: an MPI collective moves on only when its ranks poll
     (among more than two ranks, in rounds), so the last rank to arrive waits for the sleepers
     to wake. With a 50 us spin, ranks that arrived up to 1 ms apart finished a 4-rank allgather
-    7-9 times later than blocking ranks did; with 1 ms, within 1.1-1.2 times
-    (benchmarks/wait_latency.py).
+    7-9 times later than blocking ranks did; with 1 ms, within 1.1-1.2 times. A rank that waits
+    longer still sleeps, so the pauses stay short (at most 100 us): the last rank waits about a
+    pause per round for each sleeper (benchmarks/wait_latency.py).
 
     Args:
         request: The MPI request.
