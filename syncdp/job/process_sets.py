@@ -1,11 +1,22 @@
 """Process sets: collectives among a subset of the ranks, as Horovod names them.
 
-A :class:`ProcessSet` is a sorted list of world ranks. Registering it (``init(process_sets=...)``
-or :func:`add_process_set`) is a collective of every rank: each rank splits the job's
-communicator, so the set gets an MPI sub-communicator of its own, and the same id everywhere
-because every rank registers sets in the same order. A collective that names a set runs on
+A :class:`ProcessSet` is a sorted list of world ranks, or an mpi4py communicator whose members
+are the set. Registering sets is a collective of every rank: each rank splits the job's
+communicator, so a set gets an MPI sub-communicator of its own, and the same id everywhere
+because every rank registers the sets in the same order. A collective that names a set runs on
 that communicator only; collectives of different sets never share messages, so two sets used
 one after the other, or by different threads, cannot deadlock each other.
+
+Two ways to register, as in Horovod:
+
+- :func:`add_process_set`: every rank passes the same set, in the same order (otherwise every
+  rank raises ValueError).
+- ``init(process_sets=[...])``: each rank may pass its own sets. The typical case is a
+  communicator split by colour, ``ProcessSet(COMM_WORLD.Split(rank % 2))``, which is the even
+  ranks on even ranks and the odd ones on odd ranks. The ranks gather every rank's list and
+  register the union: first set of rank 0, first set of rank 1, ..., then every rank's second
+  set, and so on. A set already registered, or met earlier in that order, keeps its id. Each
+  rank's :class:`ProcessSet` objects get the ids of their sets.
 
 ``global_process_set`` (id 0) is the whole job; it exists before ``init()`` and follows the
 runtime's current communicator.
@@ -33,6 +44,10 @@ __all__ = [
     "remove_process_set",
     "communicator_of",
     "registered",
+    "get_process_set_ids_and_ranks",
+    "comm_process_set_id",
+    "process_set_by_id",
+    "process_sets",
 ]
 
 
@@ -45,28 +60,30 @@ class ProcessSet:
 
     Args:
         ranks: The world ranks in the set (any order; kept sorted), or an mpi4py communicator
-            whose members form the set.
+            whose members form the set (its ranks are read when the set is registered, so it
+            can be made before ``init()``, as Horovod's programs do).
 
     Attributes:
-        ranks: The sorted world ranks.
+        ranks: The sorted world ranks; None for a communicator's set until it is registered.
+        mpi_comm: The communicator the set was made from, or None.
         process_set_id: The id every rank agrees on once registered; None before.
     """
 
     def __init__(self, ranks: Iterable[int] | object):
-        if hasattr(ranks, "Get_group"):  # an mpi4py communicator
-            ranks = _world_ranks_of(ranks)
-        ranks = list(ranks)
-        if not all(isinstance(r, (int, np.integer)) for r in ranks):
-            raise ValueError(
-                "ProcessSet should be initialized with a list of process ranks or an mpi4py "
-                f"communicator; got {ranks!r}."
-            )
-        ranks = sorted(int(r) for r in ranks)
-        if len(set(ranks)) != len(ranks):
-            raise ValueError(f"A process set lists each rank once; got {ranks}.")
-        self.ranks = ranks
+        self.mpi_comm = None
         self.process_set_id: int | None = None
         self._comm: Communicator | None = None
+        if hasattr(ranks, "Get_group"):  # an mpi4py communicator
+            self.mpi_comm = ranks
+            self.ranks = None
+            return
+        self.ranks = _checked_ranks(ranks)
+
+    def _resolve(self) -> list[int]:
+        """The set's world ranks, read from its communicator the first time (init() has run)."""
+        if self.ranks is None:
+            self.ranks = _world_ranks_of(self.mpi_comm)
+        return self.ranks
 
     def size(self) -> int | None:
         """The number of ranks in the set; None before it is registered."""
@@ -91,16 +108,20 @@ class ProcessSet:
         Raises:
             ValueError: ``root_rank`` is not in the set.
         """
-        if root_rank not in self.ranks:
+        ranks = self._resolve()
+        if root_rank not in ranks:
             raise ValueError(f"root_rank {root_rank} is not in {self}.")
-        return self.ranks.index(root_rank)
+        return ranks.index(root_rank)
 
     def included(self) -> bool:
         """Whether this process is one of the set's ranks."""
-        return runtime.rank() in self.ranks
+        return runtime.rank() in self._resolve()
 
     def __repr__(self) -> str:
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+        return (
+            f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "
+            f"mpi_comm={self.mpi_comm})"
+        )
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, ProcessSet):
@@ -108,7 +129,7 @@ class ProcessSet:
         return self.ranks == other.ranks and self.process_set_id == other.process_set_id
 
     def __hash__(self) -> int:
-        return hash((tuple(self.ranks), self.process_set_id))
+        return hash((None if self.ranks is None else tuple(self.ranks), self.process_set_id))
 
 
 class _GlobalProcessSet(ProcessSet):
@@ -116,6 +137,7 @@ class _GlobalProcessSet(ProcessSet):
 
     def __init__(self):  # no ranks of its own: they are the job's, whatever it is now
         self.process_set_id = 0
+        self.mpi_comm = None
         self._comm = None
 
     @property
@@ -146,18 +168,46 @@ class _GlobalProcessSet(ProcessSet):
 global_process_set = _GlobalProcessSet()
 
 
+def _checked_ranks(ranks) -> list[int]:
+    """``ranks`` as a sorted list of ints; ValueError for anything else or a rank twice."""
+    ranks = list(ranks)
+    if not all(isinstance(r, (int, np.integer)) for r in ranks):
+        raise ValueError(
+            "ProcessSet should be initialized with a list of process ranks or an mpi4py "
+            f"communicator; got {ranks!r}."
+        )
+    ranks = sorted(int(r) for r in ranks)
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"A process set lists each rank once; got {ranks}.")
+    return ranks
+
+
 def _world_ranks_of(mpi_comm) -> list[int]:
-    """The ranks, in the job's communicator, of ``mpi_comm``'s members."""
+    """The ranks, in the job's communicator, of ``mpi_comm``'s members.
+
+    Raises:
+        ValueError: A member is not a rank of the job.
+    """
     from syncdp.base import mpi
 
     MPI = mpi.load()
     world = runtime.communicator().mpi
     members = list(range(mpi_comm.Get_size()))
-    return list(MPI.Group.Translate_ranks(mpi_comm.Get_group(), members, world.Get_group()))
+    ranks = list(MPI.Group.Translate_ranks(mpi_comm.Get_group(), members, world.Get_group()))
+    if MPI.UNDEFINED in ranks:
+        raise ValueError(
+            f"A process set's communicator has {mpi_comm.Get_size()} members, and some are not "
+            "ranks of this job (a communicator made before an elastic reset, or from another "
+            "job?): only the job's ranks can form a set."
+        )
+    return sorted(int(r) for r in ranks)
 
 
 # The registered sets by id, this job's; the global set is not here.
 _registry: dict[int, ProcessSet] = {}
+# Other objects given a registered set's id by init(process_sets=...): a second object for the
+# same ranks, on this rank or another, or a set of every rank (id 0). Their ids end with the set's.
+_aliases: list[ProcessSet] = []
 
 
 def _sets() -> dict[int, ProcessSet]:
@@ -187,20 +237,53 @@ def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
     world = runtime.communicator()
     sets = _sets()
     world.enter("add_process_set")
-    everyone = world.allgather_object(ps.ranks, name="add_process_set")
-    if any(r != ps.ranks for r in everyone):
-        raise ValueError(f"add_process_set: ranks passed different sets: {everyone}.")
-    if not ps.ranks:
-        # Checked after the gather, so that every rank raises here together.
-        raise ValueError(
-            "A process set needs at least one rank; got an empty one (ranks=[]). Leave out a "
-            "set that would be empty, e.g. the odd ranks of a one-rank job: "
-            "`if ranks: syncdp.add_process_set(ranks)`."
+    asked = _ranks_or_problem(ps)
+    everyone = world.allgather_object(asked, name="add_process_set")
+    problem = _first_problem([[a] for a in everyone], world.size)
+    if problem:
+        raise ValueError(problem)
+    if any(r != asked for r in everyone):
+        split = (
+            " A communicator split differently on each rank is registered through "
+            "init(process_sets=[...]) instead."
+            if ps.mpi_comm is not None
+            else ""
         )
-    if not all(0 <= r < world.size for r in ps.ranks):
-        raise ValueError(f"A process set needs ranks in [0, {world.size}); got {ps.ranks}.")
+        raise ValueError(f"add_process_set: ranks passed different sets: {everyone}.{split}")
     if ps.process_set_id is not None or any(s.ranks == ps.ranks for s in sets.values()):
         raise ValueError(f"Attempted to add a duplicate process set: {ps.ranks}.")
+    return _register(ps, world, sets)
+
+
+def _ranks_or_problem(ps: ProcessSet) -> list[int] | str:
+    """The set's ranks, or why they cannot be read (gathered, so that every rank raises)."""
+    try:
+        return ps._resolve()
+    except ValueError as e:
+        return str(e)
+
+
+def _first_problem(everyone: list[list], size: int) -> str | None:
+    """What is wrong with the first bad set of ``everyone`` (each rank's sets: rank lists or
+    problems as strings), naming the rank; None when every set is good."""
+    for rank, asked in enumerate(everyone):
+        for ranks in asked:
+            if isinstance(ranks, str):
+                return f"Rank {rank}: {ranks}"
+            if not ranks:
+                return (
+                    "A process set needs at least one rank; got an empty one (ranks=[]). Leave "
+                    "out a set that would be empty, e.g. the odd ranks of a one-rank job: "
+                    "`if ranks: syncdp.add_process_set(ranks)`."
+                )
+            if not all(0 <= r < size for r in ranks):
+                return f"A process set needs ranks in [0, {size}); got {ranks}."
+    return None
+
+
+def _register(ps: ProcessSet, world, sets: dict[int, ProcessSet]) -> ProcessSet:
+    """Gives ``ps`` (ranks resolved, checked) the next id and a communicator; a collective of
+    every rank of ``world``, which must register the same sets in the same order."""
     from syncdp.base import mpi
 
     MPI = mpi.load()
@@ -235,9 +318,17 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if found._comm is not None:
         found._comm.close()
         found._comm = None
+    _forget(found.process_set_id)
     found.process_set_id = None
     process_set.process_set_id = None
     return True
+
+
+def _forget(process_set_id: int) -> None:
+    """Ends the id of every alias of one set."""
+    for alias in [a for a in _aliases if a.process_set_id == process_set_id]:
+        alias.process_set_id = None
+        _aliases.remove(alias)
 
 
 def communicator_of(process_set: ProcessSet | None) -> Communicator:
@@ -249,6 +340,8 @@ def communicator_of(process_set: ProcessSet | None) -> Communicator:
     """
     if process_set is None or isinstance(process_set, _GlobalProcessSet):
         return runtime.communicator()
+    if isinstance(process_set, ProcessSet) and process_set.process_set_id == 0:
+        return runtime.communicator()  # every rank's set, registered by init() as the job
     if not isinstance(process_set, ProcessSet):
         raise ValueError(f"process_set must be a ProcessSet; got {process_set!r}.")
     found = _sets().get(process_set.process_set_id)
@@ -263,13 +356,101 @@ def communicator_of(process_set: ProcessSet | None) -> Communicator:
     return found._comm
 
 
-def _register_at_init(sets: Iterable, only_new: bool) -> None:
-    """``init(process_sets=...)``: registers the sets in order; with ``only_new``, those not
-    registered yet (Horovod programs may call ``init()`` again)."""
-    for ps in sets:
-        if only_new and isinstance(ps, ProcessSet) and ps.process_set_id is not None:
+def _register_at_init(entries: Iterable, only_new: bool) -> None:
+    """``init(process_sets=...)``: each rank passes its own sets; every rank registers them all.
+
+    Every rank's sets are gathered, then registered in one order on every rank: the first set
+    of each rank (rank 0's first), then the second of each, and so on. A set whose ranks are
+    already registered, or met earlier in that order, is not registered again: the object gets
+    that set's id; a set of every rank of the job gets the global set's id 0. An empty set, a
+    rank outside the job or a communicator with members outside it raises ValueError on every
+    rank, before anything is registered.
+
+    Args:
+        entries: :class:`ProcessSet` objects or lists of ranks.
+        only_new: ``init()`` was called again. Sets registered then keep their ids either way.
+    """
+    del only_new  # a registered set keeps its id whichever init() registered it
+    world = runtime.communicator()
+    sets = _sets()
+    mine: list[ProcessSet | None] = []
+    asked: list[list[int] | str] = []
+    for entry in entries:
+        try:
+            ps = entry if isinstance(entry, ProcessSet) else ProcessSet(entry)
+        except (TypeError, ValueError) as e:
+            ps = None
+            asked.append(str(e))
+        else:
+            asked.append(_ranks_or_problem(ps))
+        mine.append(ps)
+    world.enter("init.process_sets")
+    everyone = world.allgather_object(asked, name="init(process_sets=...)")
+    problem = _first_problem(everyone, world.size)
+    if problem:
+        raise ValueError(f"init(process_sets=...): {problem}")
+    by_ranks = {tuple(ps.ranks): ps for ps in sets.values()}
+    whole = tuple(range(world.size))
+    for position in range(max(map(len, everyone), default=0)):
+        for rank, lists in enumerate(everyone):
+            if position >= len(lists):
+                continue
+            ranks = tuple(lists[position])
+            if ranks == whole or ranks in by_ranks:
+                continue
+            own = mine[position] if rank == world.rank else None
+            if own is None or own.process_set_id is not None:
+                own = ProcessSet(ranks)  # another rank's set, or an object already in use
+            own.ranks = list(ranks)
+            by_ranks[ranks] = _register(own, world, sets)
+    for ps in mine:
+        if ps is None:
             continue
-        add_process_set(ps)
+        found = by_ranks.get(tuple(ps.ranks))
+        if found is ps:
+            continue
+        ps.process_set_id = 0 if found is None else found.process_set_id
+        if ps not in _aliases:
+            _aliases.append(ps)
+
+
+def get_process_set_ids_and_ranks() -> dict[int, list[int]]:
+    """Every registered set's id and ranks, the job's (id 0) first, as Horovod's function."""
+    return {ps.process_set_id: list(ps.ranks) for ps in registered()}
+
+
+def comm_process_set_id(mpi_comm) -> int:
+    """The id of the registered set whose ranks are ``mpi_comm``'s members (0: the job's).
+
+    Raises:
+        ValueError: No registered set has those ranks.
+    """
+    ranks = _world_ranks_of(mpi_comm)
+    if ranks == list(range(runtime.size())):
+        return 0
+    for ps in _sets().values():
+        if ps.ranks == ranks:
+            return ps.process_set_id
+    raise ValueError(f"No process set is registered for the ranks {ranks} of this communicator.")
+
+
+def process_set_by_id(process_set_id: int) -> ProcessSet:
+    """The registered set with this id.
+
+    Raises:
+        ValueError: No set has it.
+    """
+    if process_set_id == 0:
+        return global_process_set
+    found = _sets().get(process_set_id)
+    if found is None:
+        raise ValueError(f"No known process set with id {process_set_id}.")
+    return found
+
+
+def process_sets() -> list[ProcessSet]:
+    """Every registered set, in id order (the job's first): :func:`registered`."""
+    return registered()
 
 
 def _release(broken: bool) -> None:
@@ -285,6 +466,9 @@ def _release(broken: bool) -> None:
             ps._comm = None
         ps.process_set_id = None
     _registry.clear()
+    for alias in _aliases:
+        alias.process_set_id = None
+    _aliases.clear()
 
 
 def _communicators() -> list[Communicator]:

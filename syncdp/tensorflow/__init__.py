@@ -40,6 +40,8 @@ from syncdp.base.errors import (
 from syncdp.job.process_sets import (
     ProcessSet,
     add_process_set,
+    comm_process_set_id,
+    get_process_set_ids_and_ranks,
     global_process_set,
     remove_process_set,
 )
@@ -159,6 +161,8 @@ __all__ = [
     "global_process_set",
     "add_process_set",
     "remove_process_set",
+    "get_process_set_ids_and_ranks",
+    "comm_process_set_id",
     "ReduceOp",
     "Average",
     "Sum",

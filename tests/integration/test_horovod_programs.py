@@ -8,6 +8,10 @@ is compared, on every rank, with one process that trains the same model on the w
 (the mathematics of synchronous data parallelism with equal shards: the average of the shards'
 mean gradients is the whole batch's mean gradient):
 
+- ``hvd.init(comm, process_sets=[ProcessSet(split)])`` with ``COMM_WORLD`` split by colour,
+  made before ``init()``: each rank's set is its colour's ranks, its sum is over them, and every
+  rank registers both colours;
+
 - custom loop: ``DistributedGradientTape`` after ``broadcast_variables`` from rank 0 (each rank
   starts from different weights);
 - ``fit`` with ``DistributedOptimizer``, ``BroadcastGlobalVariablesCallback`` and
@@ -47,7 +51,13 @@ KERAS2 = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
 assert KERAS2 == keras.__name__.startswith("tf_keras"), keras.__name__
 workdir = sys.argv[1]
 
-hvd.init()
+# A process set from a communicator split by colour, made before init (Horovod's "static
+# process sets from MPI communicators"): the even ranks' set on even ranks, the odd on odd.
+from mpi4py import MPI
+
+world = MPI.COMM_WORLD
+split = hvd.ProcessSet(world.Split(color=world.rank % 2, key=world.rank))
+hvd.init(world, process_sets=[split])
 rank, size = hvd.rank(), hvd.size()
 G = 12
 n = G // size
@@ -55,7 +65,11 @@ rng = np.random.default_rng(0)
 X = rng.normal(size=(G, 4)).astype("float32")
 Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], "float32") + 0.1).astype("float32")
 mine = slice(rank * n, (rank + 1) * n)
-out = {"keras": keras.__name__, "size": size}
+out = {"keras": keras.__name__, "size": size, "rank": rank}
+out["split_ranks"] = split.ranks
+total = hvd_tf.allreduce(tf.constant([rank + 1.0]), op=hvd_tf.Sum, process_set=split)
+out["split_sum"] = float(total.numpy()[0])
+out["sets"] = hvd_tf.get_process_set_ids_and_ranks()
 
 
 def make(seed):
@@ -196,6 +210,12 @@ def test_a_horovod_program_runs_unchanged_under_horovodrun(tmp_path, np, keras2)
         out = json.loads(line.split("RESULT ", 1)[1])
         assert out["size"] == np
         assert out["keras"].startswith("tf_keras" if keras2 else "keras")
+        mine = list(range(out["rank"] % 2, np, 2))  # the ranks of this rank's colour
+        assert out["split_ranks"] == mine and out["split_sum"] == sum(q + 1 for q in mine)
+        # Both colours registered on every rank, even first (JSON keys are strings).
+        evens, odds = list(range(0, np, 2)), list(range(1, np, 2))
+        expected = {"0": list(range(np))} | ({"1": evens, "2": odds} if np > 1 else {})
+        assert out["sets"] == expected, out["sets"]
         for key in ("custom_loop", "fit", "fit_loss", "syncbn_output", "syncbn_moving"):
             assert out[key] < 2e-5, (key, out)
         assert out["partial_shared"] < 2e-5 and out["partial_local"] < 2e-5, out

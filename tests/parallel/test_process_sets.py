@@ -212,21 +212,89 @@ def test_partial_keras_optimizer_and_horovods_gradient_hooks(hvd):
     np.testing.assert_allclose(x.numpy(), [-2 * np.mean([s + 1.0 for s in range(n)])])
 
 
-def test_init_again_registers_new_sets_and_refuses_an_empty_one(hvd):
+def test_init_again_takes_every_rank_as_the_job_and_refuses_an_empty_set(hvd):
     n = hvd.size()
-    whole = hvd.ProcessSet(list(range(n)))  # every rank, as a set of its own
-    hvd.init(process_sets=[whole])  # already initialized: registers the set
-    hvd.init(process_sets=[whole])  # and only once
+    whole = hvd.ProcessSet(list(range(n)))  # every rank: the job's own set, id 0, as in Horovod
+    hvd.init(process_sets=[whole])  # already initialized: gives the set its id
+    hvd.init(process_sets=[whole])  # and again, the same
+    assert whole.process_set_id == 0 and whole.included()
+    total = hvd.allreduce(tf.ones([1]), op=hvd.Sum, process_set=whole)
+    assert total.numpy()[0] == n
+    assert not hvd.remove_process_set(whole)  # the job's set is never removed
+    empty = hvd.ProcessSet([])  # what an "odd ranks" set is at np=1
+    with pytest.raises(ValueError, match="at least one rank"):
+        hvd.init(process_sets=[whole, empty])
+    assert empty.process_set_id is None
+
+
+def test_sets_from_split_communicators_are_registered_as_horovods_init_does(hvd):
+    """Horovod's "static process sets from MPI communicators": each rank passes its own half
+    of a split; every rank registers both halves, in one order, and each object gets its id."""
+    from mpi4py import MPI
+
+    from syncdp.job import process_sets
+
+    r, n = hvd.rank(), hvd.size()
+    split = MPI.COMM_WORLD.Split(color=r % 2, key=r)
+    clone, split_clone = MPI.COMM_WORLD.Dup(), split.Dup()
+    even, odd = list(range(0, n, 2)), list(range(1, n, 2))
+    mine = even if r % 2 == 0 else odd
+    before = hvd.get_process_set_ids_and_ranks()
+    sets = [
+        hvd.ProcessSet(split),
+        hvd.ProcessSet(even),  # the same ranks as the even ranks' split: one set
+        hvd.ProcessSet(clone),  # every rank: the job's set
+        hvd.ProcessSet(split_clone),
+        hvd.ProcessSet([0]),
+    ]
+    hvd.init(process_sets=sets)
+    after = hvd.get_process_set_ids_and_ranks()
     try:
-        assert whole.process_set_id is not None and whole.included()
-        total = hvd.allreduce(tf.ones([1]), op=hvd.Sum, process_set=whole)
-        assert total.numpy()[0] == n
-        empty = hvd.ProcessSet([])  # what an "odd ranks" set is at np=1
-        with pytest.raises(ValueError, match="at least one rank"):
-            hvd.init(process_sets=[whole, empty])
-        assert empty.process_set_id is None
+        assert hvd.allgather_object(after) == [after] * n
+        # Registered in Horovod's order: rank 0's first set (the even ranks), rank 1's (the odd
+        # ones), ..., then the next position; each set once; every rank is the job's (id 0).
+        expected = dict(before)
+        for ranks in (even, odd, [0]):
+            if ranks and ranks != list(range(n)) and ranks not in expected.values():
+                expected[max(expected) + 1] = ranks
+        assert after == expected
+        id_of = {tuple(v): k for k, v in sorted(after.items(), reverse=True)}  # lowest id wins
+        assert [ps.process_set_id for ps in sets] == [
+            id_of[tuple(mine)],
+            id_of[tuple(even)],
+            0,
+            id_of[tuple(mine)],
+            id_of[(0,)],
+        ]
+        assert sets[0].ranks == mine and sets[0].included()
+        assert hvd.comm_process_set_id(split) == id_of[tuple(mine)]
+        assert hvd.comm_process_set_id(clone) == 0
+        total = hvd.allreduce(tf.constant([r + 1.0]), op=hvd.Sum, process_set=sets[0])
+        assert total.numpy()[0] == sum(q + 1.0 for q in mine)
     finally:
-        assert hvd.remove_process_set(whole)
+        added = sorted(set(after) - set(before))
+        for i in added:
+            assert hvd.remove_process_set(process_sets.process_set_by_id(i))
+        for c in (split, clone, split_clone):
+            c.Free()
+    # Every object of a removed set loses its id, as in Horovod; the others keep theirs.
+    removed = [after[i] for i in added]
+    assert [ps.process_set_id is None for ps in sets] == [ps.ranks in removed for ps in sets]
+    assert hvd.get_process_set_ids_and_ranks() == before
+
+
+@pytest.mark.parametrize("bad", ["empty", "outside"])
+def test_a_bad_set_on_one_rank_at_init_is_refused_on_every_rank(hvd, bad):
+    r, n = hvd.rank(), hvd.size()
+    before = hvd.get_process_set_ids_and_ranks()
+    wrong = [] if bad == "empty" else [n]
+    asked = [hvd.ProcessSet([0]), hvd.ProcessSet(wrong if r == n - 1 else [0])]
+    with pytest.raises(ValueError, match="at least one rank" if bad == "empty" else "ranks in"):
+        hvd.init(process_sets=asked)
+    # Nothing was registered, nobody waits: the job goes on.
+    assert hvd.get_process_set_ids_and_ranks() == before
+    assert all(ps.process_set_id is None or ps.ranks == list(range(n)) for ps in asked)
+    assert hvd.allreduce(tf.ones([1]), op=hvd.Sum).numpy()[0] == n
 
 
 @pytest.mark.parametrize("empty", [[], (), "ProcessSet"], ids=["list", "tuple", "ProcessSet"])
