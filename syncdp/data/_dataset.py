@@ -169,7 +169,10 @@ def tfrecord_dataset(
             calling ``tf.io.parse_single_example``. ``None`` yields the raw records.
         batch_size: Records per batch on this rank (the global batch is ``size()`` times it).
         shuffle_buffer: Records in the shuffle buffer; 0 reads in a fixed order. Defaults to 0.
-        seed: Seed for the shuffles, the same on every rank. Defaults to 0.
+        seed: Seed for the shuffles. Where it decides which rank reads which file (with
+            ``shuffle_files``) it must be the same on every rank: ranks that pass different
+            ones raise MismatchError, as for ``batch_size``, ``shard_by``, ``epoch``,
+            ``compression_type`` and ``skip_corrupt``. Defaults to 0.
         epoch: Combined with ``seed`` to reshuffle which rank reads which file each epoch
             (identically on every rank); build the dataset again with the new epoch. Defaults
             to 0.
@@ -202,8 +205,11 @@ def tfrecord_dataset(
 
     Raises:
         DataError: On every rank: a file is missing or corrupt, a pattern matches nothing, a
-            file is listed twice, ``shard_by="files"`` with fewer files than ranks, or some
-            rank would get fewer than ``batch_size`` records.
+            file is listed twice, ranks see a file with different sizes (or not at all),
+            ``shard_by="files"`` with fewer files than ranks, or some rank would get fewer than
+            ``batch_size`` records.
+        MismatchError: On every rank, when ranks passed different values of an argument that
+            decides who reads what (see ``seed``).
         ValueError: An argument is out of range.
 
     Example:
@@ -219,16 +225,27 @@ def tfrecord_dataset(
     batch_size = int(batch_size)
     size, rank = runtime.size(), runtime.rank()
     paths = _resolve_files(files, "tfrecord_dataset")
+    if shuffle_files is None:
+        shuffle_files = shuffle_buffer > 0
+    file_seed = seed if shuffle_files else None
     counts, damaged = _gather_counts(
         paths,
         verify=verify,
         compression_type=compression_type,
         skip_corrupt=skip_corrupt,
         caller="tfrecord_dataset",
+        # What decides which records each rank reads and how many batches: different on two
+        # ranks, records would be read twice and others never (a per-rank seed is a common
+        # habit). The record shuffle's seed may differ: it only orders this rank's records.
+        agree={
+            "batch_size": batch_size,
+            "shard_by": shard_by,
+            "epoch": epoch,
+            "file_seed": file_seed,
+            "compression_type": compression_type or None,
+            "skip_corrupt": bool(skip_corrupt),
+        },
     )
-    if shuffle_files is None:
-        shuffle_files = shuffle_buffer > 0
-    file_seed = seed if shuffle_files else None
     plan, note = _plan(counts, size, batch_size, shard_by, seed=file_seed, epoch=epoch)
     if plan.steps == 0:
         raise DataError(

@@ -73,8 +73,10 @@ def elastic_tfrecord_dataset(
         A dataset of this rank's batches, one per remaining global batch (its cardinality).
 
     Raises:
-        DataError: A file is missing or corrupt, or the epoch has fewer records than one
-            global batch.
+        DataError: A file is missing or corrupt, ranks see a file with different sizes, or
+            the epoch has fewer records than one global batch.
+        MismatchError: Ranks passed different ``global_batch_size``, ``epoch``,
+            ``start_batch`` or (with ``shuffle_files``) ``seed``.
         ValueError: ``global_batch_size`` is below the number of ranks, or ``start_batch`` is
             outside the epoch.
     """
@@ -92,6 +94,14 @@ def elastic_tfrecord_dataset(
         compression_type=compression_type,
         skip_corrupt=False,
         caller="elastic_tfrecord_dataset",
+        # What decides which records each rank reads: different on two ranks, records would be
+        # read twice and others never.
+        agree={
+            "global_batch_size": global_batch_size,
+            "epoch": epoch,
+            "start_batch": start_batch,
+            "file_order_seed": seed if shuffle_files else None,
+        },
     )
     total = sum(counts)
     steps = elastic_steps(total, global_batch_size)

@@ -1,7 +1,8 @@
 """Which files each rank reads: resolving inputs, counting records together, balancing.
 
-Every rank resolves the same file list, counts a share of the files (by bytes), and one
-``allgather`` gives every rank every count and every error. All later decisions (which rank
+Every rank resolves the same file list; the ranks check that they see the same files (names
+and sizes) and were given the same arguments; each counts a share of the files (by bytes), and
+one ``allgather`` gives every rank every count and every error. All later decisions (which rank
 reads which file, how many batches each rank yields) are computed from that shared view, so
 every rank reaches the same answer with no further communication, and an error found by any
 rank is raised on all of them.
@@ -60,13 +61,6 @@ def _resolve_files(files, caller: str) -> list[str]:
             )
         seen[real] = path
     return paths
-
-
-def _file_bytes(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 def _count_one(
@@ -136,12 +130,64 @@ def _assign(
     ]
 
 
+# How long a rank may wait for the others to count their share of the files before the stall
+# watchdog calls it a stall: counting is I/O (one rank may count every file), so it gets at
+# least this long, as a checkpoint's save does, whatever the stall timeout.
+_COUNT_TIMEOUT_SECONDS = 600.0
+
+
+def _count_timeout() -> float:
+    stall = runtime.get_config().stall_timeout
+    return 0.0 if not stall else max(stall, _COUNT_TIMEOUT_SECONDS)
+
+
+def _file_size(path: str) -> int:
+    """The file's size in bytes, or -1 when it cannot be seen (missing, not a file)."""
+    try:
+        return os.path.getsize(path) if os.path.isfile(path) else -1
+    except OSError:
+        return -1
+
+
+def _differing_files(paths: list[str], sizes_by_rank: list[list[int]]) -> list[str]:
+    """What differs between the ranks' views of the same file names: one line per file that
+    some rank cannot see or sees with another size."""
+    lines = []
+    for i, path in enumerate(paths):
+        seen = [sizes[i] for sizes in sizes_by_rank]
+        if len(set(seen)) > 1:
+            views = ", ".join(
+                f"rank {r}: {'missing' if b < 0 else f'{b} bytes'}" for r, b in enumerate(seen)
+            )
+            lines.append(
+                f"{path}: not the same file on every rank ({views}). Every rank must read the "
+                "same files: check that every host sees the same data."
+            )
+    return lines
+
+
+def _listed(head: str, lines: list[str]) -> DataError:
+    """A DataError of ``head`` and the first ten ``lines``, one per line."""
+    shown = "\n  ".join(lines[:10])
+    more = f"\n  ... and {len(lines) - 10} more" if len(lines) > 10 else ""
+    return DataError(f"{head}:\n  {shown}{more}")
+
+
 def _gather_counts(
-    paths: list[str], *, verify: bool, compression_type: str | None, skip_corrupt: bool, caller: str
+    paths: list[str],
+    *,
+    verify: bool,
+    compression_type: str | None,
+    skip_corrupt: bool,
+    caller: str,
+    agree: dict | None = None,
 ):
     """Counts every file's records, sharing the work and the results among all ranks.
 
     A synchronization point: all ranks must call it, in the same order, with the same files.
+    First the ranks check that they were given the same arguments (``agree``, which decide who
+    reads what) and see the same files (names and sizes); then each counts a share of the files
+    and one ``allgather`` gives every rank every count and every error.
 
     Returns:
         ``(counts, damaged)``: the records each file yields, and ``(path, what was wrong,
@@ -149,11 +195,27 @@ def _gather_counts(
         ``skip_corrupt``).
 
     Raises:
-        DataError: On every rank, when any rank found a file missing or corrupt, or when
-            ranks were given different file lists.
+        MismatchError: On every rank, when ranks passed different ``agree`` values.
+        DataError: On every rank, when any rank found a file missing or corrupt, when ranks
+            were given different file lists, or see a file with different sizes.
     """
     comm = runtime.communicator()
-    mine = _assign([_file_bytes(p) for p in paths], comm.size)[comm.rank]
+    name = f"{caller}.count_records"
+    comm.enter(name, **(agree or {}))
+    sizes = [_file_size(p) for p in paths]
+    views = comm.allgather_object((paths, sizes), name=f"{caller}.files")
+    for rank, (rank_paths, _) in enumerate(views):
+        if rank_paths != paths:
+            raise DataError(
+                f"{caller}: ranks were given different files: rank {comm.rank} has "
+                f"{len(paths)} starting {paths[:2]}, rank {rank} has {len(rank_paths)} "
+                f"starting {rank_paths[:2]}. Pass the same list (or glob) on every rank."
+            )
+    differing = _differing_files(paths, [rank_sizes for _, rank_sizes in views])
+    if differing:
+        raise _listed(f"{caller}: {len(differing)} file(s) differ between ranks", differing)
+    # Every rank sees the same sizes now, so every rank makes the same split of the counting.
+    mine = _assign([max(b, 0) for b in sizes], comm.size)[comm.rank]
     results: dict[int, tuple] = {}
     errors: list[str] = []
     for i in mine:
@@ -161,25 +223,12 @@ def _gather_counts(
             results[i] = _count_one(paths[i], verify, compression_type, skip_corrupt)
         except DataError as error:
             errors.append(str(error))
-    comm.enter(f"{caller}.count_records")
-    gathered = comm.allgather_object((paths, results, errors), name=f"{caller}.count_records")
-    errors = [e for _, _, rank_errors in gathered for e in rank_errors]
-    for rank, (rank_paths, _, _) in enumerate(gathered):
-        if rank_paths != paths:
-            errors.insert(
-                0,
-                f"ranks were given different files: rank {comm.rank} has "
-                f"{len(paths)} starting {paths[:2]}, rank {rank} has {len(rank_paths)} "
-                f"starting {rank_paths[:2]}. Pass the same list (or glob) on every "
-                "rank.",
-            )
-            break
+    gathered = comm.allgather_object((results, errors), name=name, timeout=_count_timeout())
+    errors = [e for _, rank_errors in gathered for e in rank_errors]
     if errors:
-        shown = "\n  ".join(errors[:10])
-        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
-        raise DataError(f"{caller}: {len(errors)} bad input file(s):\n  {shown}{more}")
+        raise _listed(f"{caller}: {len(errors)} bad input file(s)", errors)
     merged: dict[int, tuple] = {}
-    for _, rank_results, _ in gathered:
+    for rank_results, _ in gathered:
         merged.update(rank_results)
     counts = [merged[i][0] for i in range(len(paths))]
     damaged = [
@@ -241,6 +290,7 @@ def shard_files(
             compression_type=compression_type,
             skip_corrupt=False,
             caller="shard_files",
+            agree={"seed": seed, "epoch": epoch, "compression_type": compression_type or None},
         )
         return [paths[i] for i in _assign(weights, size, seed=seed, epoch=epoch)[rank]]
     missing = [p for p in paths if not os.path.isfile(p)]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
+import secrets
 import struct
 from collections.abc import Iterable, Mapping
 
@@ -92,6 +94,11 @@ def _scan_headers(path: str) -> int:
         ) from None
     except PermissionError as e:
         raise DataError(f"{path}: cannot be read ({e.strerror}). Fix its permissions.") from None
+    except OSError as e:  # a path through a file (NotADirectoryError), an I/O error, ...
+        raise DataError(
+            f"{path}: cannot be read ({e.strerror or e}). Check the path, or that every host "
+            "sees the same files."
+        ) from None
 
 
 _readers: dict[tuple, object] = {}
@@ -128,15 +135,30 @@ def _read_with_tensorflow(
         return int(_reader(compression_type, skip_corrupt)(tf.constant(path)))
     except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as e:
         # TensorFlow's message ("corrupted record at 123") does not name the file.
-        where = e.message.split("}}")[-1].split("[Op:")[0].split("\n")[0].strip()
+        where = _data_error_text(e.message)
+        hint = (
+            f", or it is not {compression_type}-compressed (compression_type={compression_type!r})"
+            if compression_type
+            else ""
+        )
         raise DataError(
             f"{path}: corrupt TFRecord file ({where or 'a bad record'}): a record failed its "
-            f"checksum or the file is truncated. {_FIX}"
+            f"checksum or the file is truncated{hint}. {_FIX}"
         ) from None
     except tf.errors.NotFoundError:
         raise DataError(
             f"{path}: no such file. Check the path, or that every host sees the same files."
         ) from None
+
+
+def _data_error_text(message: str) -> str:
+    """What TensorFlow said of the data, without what it says around it: inside a
+    ``tf.function`` the message reads ``Graph execution error: ... Detected at node ... (the
+    trace) ... corrupted record at 322 [[{{node ...}}]] [Op:...]``; the last line, with the node
+    and op names taken out, is the reader's own."""
+    text = re.sub(r"\{\{[^}]*\}\}|\[\[.*?\]\]|\[Op:[^\]]*\]", " ", message, flags=re.S)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
 
 
 def count_records(
@@ -215,8 +237,10 @@ def write_tfrecord_shards(
     """Writes ``tf.train.Example`` records round-robin into ``num_shards`` TFRecord files.
 
     Not a collective: any subset of ranks may call it (usually rank 0 alone, followed by a
-    ``syncdp.barrier()`` before the others read). Each shard is written to a temporary name and
-    renamed when complete, so a reader never sees a half-written shard.
+    ``syncdp.barrier()`` before the others read). Each shard is written to a temporary name of
+    this call's own and renamed when complete, so a reader never sees a half-written shard,
+    and ranks writing the same shards at once each put a whole file in place (the last rename
+    wins: write the same examples on every rank that calls it).
 
     Args:
         examples: Dicts mapping a feature name to an int, float, bytes, str, or a NumPy array
@@ -246,7 +270,10 @@ def write_tfrecord_shards(
         os.path.join(directory, f"shard-{i:05d}-of-{num_shards:05d}.tfrecord")
         for i in range(num_shards)
     ]
-    writers = [tf.io.TFRecordWriter(p + ".tmp") for p in paths]
+    # A name of this call's own: several ranks (or hosts sharing a directory) may write the same
+    # shards at once, and each renames only what it wrote itself.
+    tag = f".{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    writers = [tf.io.TFRecordWriter(p + tag) for p in paths]
     try:
         for i, example in enumerate(examples):
             features = {str(k): _feature(str(k), v) for k, v in example.items()}
@@ -255,9 +282,9 @@ def write_tfrecord_shards(
     except BaseException:
         for writer, path in zip(writers, paths, strict=True):
             writer.close()
-            os.remove(path + ".tmp")
+            os.remove(path + tag)
         raise
     for writer, path in zip(writers, paths, strict=True):
         writer.close()
-        os.replace(path + ".tmp", path)
+        os.replace(path + tag, path)
     return paths

@@ -223,3 +223,28 @@ def test_elastic_dataset_bad_input(hvd, data):
         elastic_tfrecord_dataset(data["abc"], parse_id, 40, start_batch=6)
     with pytest.raises(DataError, match="do not fill one global batch"):
         elastic_tfrecord_dataset(data["abc"], parse_id, 500)
+
+
+def test_every_rank_writing_the_same_shards_at_once_leaves_whole_files(hvd):
+    """write_tfrecord_shards is not a collective: ranks (or hosts sharing a directory) that
+    write the same shards at the same time each put a whole file in place."""
+    from syncdp.data import count_records
+
+    directory = hvd.broadcast_object(tempfile.mkdtemp() if hvd.rank() == 0 else None)
+    try:
+        hvd.barrier()
+        examples = ({"id": i, "pad": b"x" * 200} for i in range(3000))
+        paths = write_tfrecord_shards(examples, directory, 4)
+        hvd.barrier()
+        assert [count_records(p, verify=True) for p in paths] == [750] * 4
+        ids = sorted(
+            i for p in paths for i in tf.data.TFRecordDataset(p).map(parse_id).as_numpy_iterator()
+        )
+        assert ids == list(range(3000))
+        import os
+
+        assert sorted(os.listdir(directory)) == sorted(os.path.basename(p) for p in paths)
+    finally:
+        hvd.barrier()
+        if hvd.rank() == 0:
+            shutil.rmtree(directory)
