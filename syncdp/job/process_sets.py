@@ -326,9 +326,10 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 def _forget(process_set_id: int) -> None:
     """Ends the id of every alias of one set."""
-    for alias in [a for a in _aliases if a.process_set_id == process_set_id]:
+    gone = [a for a in _aliases if a.process_set_id == process_set_id]
+    _aliases[:] = [a for a in _aliases if a.process_set_id != process_set_id]
+    for alias in gone:
         alias.process_set_id = None
-        _aliases.remove(alias)
 
 
 def communicator_of(process_set: ProcessSet | None) -> Communicator:
@@ -370,7 +371,7 @@ def _register_at_init(entries: Iterable, only_new: bool) -> None:
         entries: :class:`ProcessSet` objects or lists of ranks.
         only_new: ``init()`` was called again. Sets registered then keep their ids either way.
     """
-    del only_new  # a registered set keeps its id whichever init() registered it
+    del only_new  # unused: a registered set keeps its id whichever init() registered it
     world = runtime.communicator()
     sets = _sets()
     mine: list[ProcessSet | None] = []
@@ -404,13 +405,13 @@ def _register_at_init(entries: Iterable, only_new: bool) -> None:
             own.ranks = list(ranks)
             by_ranks[ranks] = _register(own, world, sets)
     for ps in mine:
-        if ps is None:
+        if ps is None or isinstance(ps, _GlobalProcessSet):
             continue
         found = by_ranks.get(tuple(ps.ranks))
         if found is ps:
             continue
         ps.process_set_id = 0 if found is None else found.process_set_id
-        if ps not in _aliases:
+        if not any(a is ps for a in _aliases):  # by identity: equal sets are separate objects
             _aliases.append(ps)
 
 
