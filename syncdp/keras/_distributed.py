@@ -14,6 +14,8 @@ traced inside an XLA-compiled function, the wrapper raises a clear error.
 from __future__ import annotations
 
 import copy
+import sys
+import types
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -114,6 +116,9 @@ class Distributed:
         keras_ = keras_of_optimizer(optimizer)
         if keras_ is not None and keras_ is not cls._keras:
             return cls._for_package(keras_)(optimizer, *args, **kwargs)
+        scaler = _loss_scale_class(keras_)
+        if scaler is not None and isinstance(optimizer, scaler):
+            return _inside_loss_scale(cls, optimizer, scaler, args, kwargs)
         return super().__new__(cls)
 
     def __init__(
@@ -170,10 +175,23 @@ class Distributed:
                 "set learning rate, clipping, weight decay and the like on the "
                 "wrapped optimizer."
             )
+        if _is_keras2_loss_scale(optimizer):
+            raise UnsupportedError(
+                "DistributedOptimizer cannot wrap Keras 2's LossScaleOptimizer: compile() would "
+                "wrap the result in a second one, which unscales the gradients twice. Wrap the "
+                "plain optimizer (under the mixed_float16 policy compile adds the "
+                "LossScaleOptimizer around it), or use Keras 3, where "
+                "DistributedOptimizer(LossScaleOptimizer(opt)) is supported."
+            )
         # Keras 2's legacy optimizers keep their name private.
-        inner_name = getattr(optimizer, "name", None) or optimizer._name
+        inner_name = getattr(optimizer, "name", None) or getattr(optimizer, "_name", None)
         # The base class may want a learning rate; the wrapped optimizer's is the one used.
         super().__init__(name=name or f"distributed_{inner_name}", **self._base_arguments)
+        # What the collectives are called must be the same on every rank: not the name Keras 3
+        # numbers per process (sgd, sgd_1, ...: a rank that made one more optimizer, for an
+        # evaluation copy, would call its collectives differently), but the class's, as
+        # Horovod's "Distributed" + class name.
+        self._collective_name = name or f"distributed_{type(optimizer).__name__.lower()}"
         self.built = False
         self.inner_optimizer = optimizer
         self.compression = compression
@@ -197,6 +215,7 @@ class Distributed:
         Args:
             var_list: The model's trainable variables.
         """
+        _agree_on_overflow(self, sys._getframe(1))
         if self.built:
             return
         var_list = tf.nest.flatten(var_list)  # Keras 2 takes nested lists too
@@ -404,7 +423,7 @@ class Distributed:
             compression=self.compression,
             sparse_as_dense=self.sparse_as_dense,
             gradient_predivide_factor=self.gradient_predivide_factor,
-            name=self.name,
+            name=self._collective_name,
             variables=variables,
             step=self.iterations,
         )
@@ -529,3 +548,74 @@ def _check_not_xla() -> None:
             "jit_compile=False), or pass a syncdp.keras callback to fit() (it turns "
             "jit_compile off), or drop jit_compile=True from your tf.function."
         )
+
+
+def _loss_scale_class(keras_: ModuleType | None) -> type | None:
+    """Keras 3's ``LossScaleOptimizer`` class; None for Keras 2 (whose loss scaling decides
+    overflow in a module function, which no optimizer can make agree between ranks)."""
+    if keras_ is None or not hasattr(keras_.optimizers, "LossScaleOptimizer"):
+        return None
+    scaler = keras_.optimizers.LossScaleOptimizer
+    return scaler if hasattr(scaler, "check_finite") else None
+
+
+def _is_keras2_loss_scale(optimizer) -> bool:
+    return "LossScaleOptimizer" in type(optimizer).__name__ and not hasattr(
+        optimizer, "check_finite"
+    )
+
+
+def _inside_loss_scale(cls, scaled, scaler: type, args, kwargs):
+    """``DistributedOptimizer(LossScaleOptimizer(opt))`` under Keras 3, made
+    ``LossScaleOptimizer(DistributedOptimizer(opt))`` with the same scaling: Keras' compile
+    keeps a LossScaleOptimizer as it is, where it would wrap anything else in a second one (which
+    would unscale the gradients twice), and the loss scale's overflow check then runs on every
+    rank alike (:func:`_agree_on_overflow`)."""
+    if scaled.built:
+        raise ValueError(
+            "Wrap the LossScaleOptimizer in DistributedOptimizer before it is built (before "
+            "compile() or its first step)."
+        )
+    inner = cls(scaled.inner_optimizer, *args, **kwargs)
+    return scaler(
+        inner,
+        initial_scale=scaled.initial_scale,
+        dynamic_growth_steps=scaled.dynamic_growth_steps,
+        name=scaled.name,
+    )
+
+
+def _agree_on_overflow(optimizer: Distributed, caller) -> None:
+    """Makes a Keras 3 ``LossScaleOptimizer`` around ``optimizer`` skip a step on every rank or
+    on none.
+
+    A loss scale skips the update when the gradients overflow, and it checks them before the
+    optimizer it wraps sees them: on each rank's own gradients. A rank whose gradients
+    overflowed would skip the step, and its collectives, while the others reduce: the ranks
+    would go on averaging gradients of different batches. So the loss scale's check (found as
+    the caller of ``build()``: it builds the optimizer it wraps before its first check) is made
+    to ask every rank of the set, one small allreduce per step, and every rank then takes the
+    same branch. Keras' compile wraps the optimizer in a loss scale under the mixed_float16
+    policy.
+    """
+    scaler = _loss_scale_class(optimizer._keras)
+    outer = caller.f_locals.get("self")
+    if scaler is None or not isinstance(outer, scaler):
+        return
+    if getattr(outer, "inner_optimizer", None) is not optimizer:
+        return
+    if "check_finite" in vars(outer):  # done already
+        return
+    local_check = type(outer).check_finite
+
+    def check_finite(self, grads):
+        finite = tf.cast(local_check(self, grads), tf.int32)
+        everywhere = ops.allreduce(
+            finite,
+            op=ops.Min,
+            name=f"{optimizer._collective_name}.finite",
+            process_set=optimizer.process_set,
+        )
+        return tf.equal(everywhere, 1)
+
+    outer.check_finite = types.MethodType(check_finite, outer)

@@ -339,3 +339,87 @@ def test_fp16_compression_keeps_replicas_identical():
         callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
     )
     _assert_identical_across_ranks([w.numpy() for w in model.weights])
+
+
+@pytest.mark.parametrize("wrapping", ["compile-adds-the-loss-scale", "loss-scale-given"])
+def test_mixed_precision_overflow_on_one_rank_is_skipped_on_every_rank(wrapping):
+    """Under mixed_float16 a loss scale skips a step whose gradients overflow. It must decide
+    alike on every rank: the last rank's first batch overflows, the others' do not, and every
+    rank must skip that step, as one process on the whole batch (which overflows too) does."""
+    local = _local_batch()
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(3 * GLOBAL_BATCH, FEATURES)).astype("float32")
+    y = rng.normal(size=(3 * GLOBAL_BATCH, 1)).astype("float32")
+    y[GLOBAL_BATCH - 1] = 1e4  # in the first global batch, on the last rank only
+
+    def model(seed):
+        keras.utils.set_random_seed(seed)
+        return keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(8, activation="tanh"),
+                keras.layers.Dense(1),
+            ]
+        )
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        distributed = model(seed=100 + hvd.rank())
+        sgd = keras.optimizers.SGD(0.01)
+        if wrapping == "loss-scale-given":
+            opt = hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(sgd))
+        else:
+            opt = hvd.DistributedOptimizer(sgd)  # compile wraps it in a LossScaleOptimizer
+        distributed.compile(optimizer=opt, loss="mse", jit_compile=False)
+        xs, ys = _my_rows(x, y, local)
+        distributed.fit(
+            xs,
+            ys,
+            batch_size=local,
+            shuffle=False,
+            verbose=0,
+            callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+        )
+        reference = model(seed=100)
+        reference.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=False)
+        reference.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    # One loss scale, around the DistributedOptimizer: the gradients are unscaled once.
+    assert isinstance(distributed.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert isinstance(distributed.optimizer.inner_optimizer, hvd.DistributedOptimizer)
+    assert not isinstance(
+        distributed.optimizer.inner_optimizer.inner_optimizer, keras.optimizers.LossScaleOptimizer
+    )
+    # The first step was skipped (the scale halved), the other two applied, as in one process.
+    scale = float(distributed.optimizer.dynamic_scale.numpy())
+    assert scale == float(reference.optimizer.dynamic_scale.numpy()) == 2.0**14
+    for got, want in zip(distributed.weights, reference.weights, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=0, atol=2e-3)
+    _assert_identical_across_ranks([w.numpy() for w in distributed.weights])
+
+
+def test_an_optimizer_made_on_one_rank_only_leaves_the_collectives_alike():
+    """Keras 3 numbers optimizers' names per process (sgd, sgd_1, ...): an evaluation copy made
+    on rank 0 alone must not give rank 0's DistributedOptimizer other collectives' names."""
+    local = _local_batch()
+    x, y = _data(steps=2)
+    if hvd.rank() == 0:
+        side = _model(seed=1)
+        side.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
+    model = _model(seed=100 + hvd.rank())
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss=_loss())
+    xs, ys = _my_rows(x, y, local)
+    model.fit(
+        xs,
+        ys,
+        batch_size=local,
+        shuffle=False,
+        verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+    )
+    reference = _model(seed=100)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
+    reference.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
+    for got, want in zip(model.weights, reference.weights, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=0, atol=1e-5)
