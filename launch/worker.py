@@ -46,6 +46,10 @@ lifeline closed: it ended, however it was killed; or silent past the stall timeo
 group (SIGTERM, then SIGKILL 2 s later), then Open MPI's daemon above it (prterun or prted),
 then itself: nothing of a job outlives its launcher by more than a few seconds, on any host.
 
+What a rank starts dies with it too: once the rank has ended, the supervisor ends its process
+group and every process the rank left behind outside it (a child in a session of its own: the
+supervisor is the subreaper of its rank's descendants), SIGTERM then SIGKILL a second later.
+
 Usage (by the launcher, not by hand): ``python -m launch.worker COMMAND [ARGS...]``.
 """
 
@@ -70,6 +74,7 @@ from syncdp.watch import report  # none imports TensorFlow or MPI
 __all__ = ["main", "describe_exit"]
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def _rank() -> str:
@@ -120,6 +125,92 @@ _REAP_SECONDS = 1.0
 # supervisor (a spare at the stall timeout itself); see the module docstring.
 _STOPPED_RANK_MARGIN_SECONDS = 10.0
 _STOPPED_POLL_SECONDS = 1.0
+# What a rank started and left running when it ended gets this long after SIGTERM, then SIGKILL;
+# the supervisor gives up on a process that outlives SIGKILL by _REAP_SECONDS (one stuck in
+# the kernel).
+_LEFTOVER_GRACE_SECONDS = 1.0
+
+
+def _become_subreaper() -> None:
+    """Makes this supervisor, not init, the parent of what the rank starts and leaves behind
+    when it ends (a process in a session of its own included), so that it can end it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError, TypeError):  # not Linux: the process group still is ended
+        pass
+
+
+def _own_children() -> list[int]:
+    """The processes whose parent is this supervisor: once the rank is reaped, what it left."""
+    me, found = os.getpid(), []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        if int(stat.rsplit(b")", 1)[1].split()[1]) == me:  # field 4, after the name
+            found.append(int(entry))
+    return found
+
+
+def _reap_children() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _end_leftovers(child: subprocess.Popen) -> None:
+    """Ends what the rank started and left running, once the rank itself has ended: its process
+    group, and the processes that left the group but not this supervisor's care (see
+    :func:`_become_subreaper`). SIGTERM, then SIGKILL after :data:`_LEFTOVER_GRACE_SECONDS`.
+    A child still holding the rank's output pipes would otherwise keep this supervisor, and the
+    job, from ever ending; and nothing of a job may outlive it."""
+    killed_at = None
+    signalled: set[int] = set()
+    hard_deadline = time.monotonic() + _LEFTOVER_GRACE_SECONDS + _REAP_SECONDS
+    while True:
+        _reap_children()
+        group = _signal_group(child.pid, 0)
+        left = _own_children()
+        if not group and not left:
+            return
+        now = time.monotonic()
+        if now > hard_deadline:
+            return
+        if killed_at is None and now > hard_deadline - _REAP_SECONDS:
+            killed_at = now
+            _signal_group(child.pid, signal.SIGKILL)
+            for pid in left:
+                _kill(pid, signal.SIGKILL)
+        if killed_at is None:
+            if group and child.pid not in signalled:
+                _signal_group(child.pid, signal.SIGTERM)
+                _signal_group(child.pid, signal.SIGCONT)
+                signalled.add(child.pid)
+            for pid in left:
+                if pid not in signalled:
+                    _kill(pid, signal.SIGTERM)
+                    _kill(pid, signal.SIGCONT)
+                    signalled.add(pid)
+        time.sleep(0.02)
+
+
+def _kill(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except OSError:
+        pass
 
 
 def _comm(pid: int) -> str:
@@ -351,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             env[spares.NEW_SPARE_VAR] = "1"
             new_spare = spare = True
     elastic = config.elastic
+    _become_subreaper()
     try:
         child = subprocess.Popen(
             argv,
@@ -395,12 +487,18 @@ def main(argv: list[str] | None = None) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(signum, forward)
+    # Daemons: a process the rank started may hold its output pipes open after it ended, and
+    # the interpreter must not wait for them at exit (_end_leftovers ends such a process).
     pumps = [
         threading.Thread(
-            target=_pump, args=(child.stdout, sys.stdout.buffer, f"[{rank}]<stdout>:".encode())
+            target=_pump,
+            args=(child.stdout, sys.stdout.buffer, f"[{rank}]<stdout>:".encode()),
+            daemon=True,
         ),
         threading.Thread(
-            target=_pump, args=(child.stderr, sys.stderr.buffer, f"[{rank}]<stderr>:".encode())
+            target=_pump,
+            args=(child.stderr, sys.stderr.buffer, f"[{rank}]<stderr>:".encode()),
+            daemon=True,
         ),
     ]
     for p in pumps:
@@ -420,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     # The report first: when the job is ending, mpirun may kill this supervisor at any moment,
     # and its output pipes may already be gone.
     _send_exit_report(rank, child.pid, returncode, bool(forwarded), message)
+    _end_leftovers(child)
     for p in pumps:
         p.join(timeout=5)
     if returncode != 0:

@@ -241,3 +241,49 @@ def test_a_program_without_init_is_never_stopped_for_the_start_timeout(tmp_path)
     script = python_script(tmp_path, "import time; time.sleep(8); print('done', flush=True)")
     result = check(launch(2, "python", script, launcher_args=("--start-timeout", "1"), timeout=120))
     assert "[0]<stdout>:done" in result.stdout and "[1]<stdout>:done" in result.stdout
+
+
+LEAVES_CHILDREN = """
+import subprocess, sys
+import syncdp
+
+syncdp.init()
+marker = sys.argv[1]
+if syncdp.rank() == syncdp.size() - 1:
+    # One child in a session of its own that keeps the rank's output pipes open, one that
+    # stays in the rank's process group.
+    subprocess.Popen(["sleep", marker], start_new_session=True)
+    subprocess.Popen(["sleep", marker], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+syncdp.barrier()
+print("done", flush=True)
+"""
+
+
+def _running_with(marker: str) -> list[int]:
+    """Processes whose command line holds ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.parametrize("np", [1, 2])
+def test_what_a_rank_starts_and_leaves_running_ends_with_the_job(tmp_path, np):
+    """A child that outlives its rank (holding the rank's stdout, or in a new session) neither
+    keeps the job from ending nor survives it."""
+    marker = str(4000 + os.getpid() % 1000 + np)  # seconds of sleep, unique to this test
+    script = python_script(tmp_path, LEAVES_CHILDREN)
+    try:
+        result = check(launch(np, "python", script, marker, timeout=60))
+        assert result.stdout.count("done") == np
+        assert result.elapsed < 30, result.elapsed
+        assert _running_with(marker) == []
+    finally:
+        for pid in _running_with(marker):
+            os.kill(pid, signal.SIGKILL)
