@@ -134,17 +134,41 @@ class Verdict:
                 if self._first_start is None:
                     self._first_start = time.monotonic()
                 self.started.setdefault(report.get("rank"), report)
-                return
-            if kind == "exit":
+                # A rank that already ended without init() never will: the one that arrived
+                # would wait for it until the start timeout.
+                failure = self._ended_before_init()
+            elif kind == "exit":
                 self.exits[report.get("rank")] = report
                 failure = bool(report.get("code") or report.get("signal"))
                 failure = failure and not report.get("requested")
+                if not failure and self._first_start is not None:
+                    failure = self._ended_before_init()
             else:
                 failure = kind in _FAILURE_KINDS
             if failure:
-                self._failures.append(report)
+                self._failures.append(failure if isinstance(failure, dict) else report)
         if failure:
             self.failed.set()
+
+    def _ended_before_init(self) -> dict | None:
+        """A failure for a rank that exited cleanly without reaching ``syncdp.init()`` while
+        another rank did (a program that never calls it ends well: no rank starts); None if
+        there is none. Called with the lock held."""
+        if self._first_start is None or self._failures:
+            return None
+        for rank, ended in sorted(self.exits.items(), key=lambda item: str(item[0])):
+            if rank is not None and rank not in self.started and not ended.get("requested"):
+                waiting = sorted(r for r in self.started if r is not None)
+                return {
+                    "kind": "exit_before_init",
+                    "rank": rank,
+                    "ranks": waiting,
+                    "code": ended.get("code") or 0,
+                    "host": ended.get("host"),
+                    "pid": ended.get("pid"),
+                    "time": _report_time(ended),
+                }
+        return None
 
     def _not_started(self) -> list[int]:
         return [r for r in range(self.num_proc) if r not in self.started]
@@ -422,6 +446,16 @@ class Verdict:
             )
         if kind == "elastic_abort":
             return f"elastic mode could not go on: {report.get('message')}"
+        if kind == "exit_before_init":
+            them = (
+                f"{_ranks_text(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
+                if ranks
+                else "other ranks wait"
+            )
+            return (
+                f"{_who(report)} exited with code {report.get('code', 0)} before it reached "
+                f"syncdp.init(), where {them} for it: every rank must call init()"
+            )
         if kind == "exit_early":
             waiting = "other ranks wait"
             if ranks:

@@ -287,3 +287,24 @@ def test_what_a_rank_starts_and_leaves_running_ends_with_the_job(tmp_path, np):
     finally:
         for pid in _running_with(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+BEFORE_INIT = """
+import os, sys
+if os.environ["OMPI_COMM_WORLD_RANK"] == "1":
+    sys.exit(0)  # never reaches init(): the others would wait for it
+import syncdp
+syncdp.init()
+syncdp.barrier()
+"""
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_a_rank_that_exits_cleanly_before_init_ends_the_job_at_once(tmp_path, np):
+    script = python_script(tmp_path, BEFORE_INIT)
+    result = launch(np, "python", script, timeout=90)
+    assert result.returncode != 0
+    assert result.elapsed < 60, result.elapsed  # not the start timeout (120 s)
+    assert "rank 1 (pid" in result.stderr and "exited with code 0 before it reached" in (
+        result.stderr
+    ), result.stderr[-3000:]
