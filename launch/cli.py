@@ -425,6 +425,8 @@ def parse_args(
         parser.error("missing the command to run, e.g. syncdp-run -np 2 python train.py")
     if args.slots_per_host is not None and args.slots_per_host < 1:
         parser.error(f"--slots-per-host must be at least 1; got {args.slots_per_host}")
+    if args.hostfile and os.path.isdir(args.hostfile):
+        parser.error(f"--hostfile {args.hostfile!r} is a directory, not a hostfile")
     if args.hostfile and not os.path.isfile(args.hostfile):
         parser.error(f"--hostfile {args.hostfile!r} does not exist")
     try:

@@ -111,9 +111,15 @@ def parse_hostfile(path: str, *, default_slots: int = 1) -> list[Host]:
             slot count is not a positive integer, a host is listed twice, or no host is left.
     """
     try:
-        lines = open(path).read().splitlines()
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
     except OSError as e:
         raise HostError(f"hostfile {path!r} cannot be read: {e.strerror}.") from None
+    except UnicodeDecodeError as e:
+        raise HostError(
+            f"hostfile {path!r} is not text (byte {e.start} is not UTF-8): a hostfile lists "
+            "'HOST slots=N' lines."
+        ) from None
     hosts = []
     for number, line in enumerate(lines, start=1):
         words = line.split("#", 1)[0].split()

@@ -48,6 +48,7 @@ def test_settings_flags_are_kept_by_name_in_the_flags_unit():
         (["-np", "0", "python"], "-np must be at least 1; got 0"),
         (["python", "x.py"], "-np"),
         (["-np", "2", "--hostfile", "/nonexistent/hosts", "python"], "does not exist"),
+        (["-np", "2", "--hostfile", "/", "python"], "'/' is a directory, not a hostfile"),
         (["-np", "2", "--min-np", "3", "python"], "--min-np (3) must not exceed -np (2)"),
         (["-np", "3", "--max-np", "2", "python"], "--max-np (2) must be at least -np (3)"),
     ],
@@ -288,3 +289,12 @@ def test_pmix_keeps_its_job_data_in_the_hash_store_unless_the_caller_chooses():
     assert gds(["--min-np", "1", "-H", "a:1,b:1"], {}) == ["hash"]
     assert gds(["--mpi-args", "--pmixmca gds shmem2,hash"], {}) == ["shmem2,hash"]
     assert gds([], {"PMIX_MCA_gds": "shmem2"}) == []
+
+
+def test_a_hostfile_that_is_not_text_is_named_not_a_traceback(tmp_path, capsys):
+    hosts = tmp_path / "hosts"
+    hosts.write_bytes(b"\xff\xfe\n")
+    with pytest.raises(SystemExit) as e:
+        run.parse_args(["-np", "2", "--hostfile", str(hosts), "python"], environ={})
+    assert e.value.code == 2
+    assert "is not text (byte 0 is not UTF-8)" in capsys.readouterr().err
