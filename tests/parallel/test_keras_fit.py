@@ -341,6 +341,20 @@ def test_fp16_compression_keeps_replicas_identical():
     _assert_identical_across_ranks([w.numpy() for w in model.weights])
 
 
+def _fit_my_rows(model, x, y, local):
+    """One epoch of ``model.fit`` on this rank's rows of the global batches, rank 0's weights
+    broadcast first."""
+    xs, ys = _my_rows(x, y, local)
+    model.fit(
+        xs,
+        ys,
+        batch_size=local,
+        shuffle=False,
+        verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+    )
+
+
 @pytest.mark.parametrize("wrapping", ["compile-adds-the-loss-scale", "loss-scale-given"])
 def test_mixed_precision_overflow_on_one_rank_is_skipped_on_every_rank(wrapping):
     """Under mixed_float16 a loss scale skips a step whose gradients overflow. It must decide
@@ -371,15 +385,7 @@ def test_mixed_precision_overflow_on_one_rank_is_skipped_on_every_rank(wrapping)
         else:
             opt = hvd.DistributedOptimizer(sgd)  # compile wraps it in a LossScaleOptimizer
         distributed.compile(optimizer=opt, loss="mse", jit_compile=False)
-        xs, ys = _my_rows(x, y, local)
-        distributed.fit(
-            xs,
-            ys,
-            batch_size=local,
-            shuffle=False,
-            verbose=0,
-            callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
-        )
+        _fit_my_rows(distributed, x, y, local)
         reference = model(seed=100)
         reference.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=False)
         reference.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
@@ -409,15 +415,7 @@ def test_an_optimizer_made_on_one_rank_only_leaves_the_collectives_alike():
         side.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
     model = _model(seed=100 + hvd.rank())
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss=_loss())
-    xs, ys = _my_rows(x, y, local)
-    model.fit(
-        xs,
-        ys,
-        batch_size=local,
-        shuffle=False,
-        verbose=0,
-        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
-    )
+    _fit_my_rows(model, x, y, local)
     reference = _model(seed=100)
     reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
     reference.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
