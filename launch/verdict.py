@@ -141,8 +141,7 @@ class Verdict:
                 self.exits[report.get("rank")] = report
                 failure = bool(report.get("code") or report.get("signal"))
                 failure = failure and not report.get("requested")
-                if not failure and self._first_start is not None:
-                    failure = self._ended_before_init()
+                failure = failure or self._ended_before_init()
             else:
                 failure = kind in _FAILURE_KINDS
             if failure:

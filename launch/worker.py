@@ -65,6 +65,7 @@ import threading
 import time
 from collections.abc import Mapping
 
+from launch.cleanup import _descendants
 from launch.lifeline import LIFELINE_VAR, Lifeline, lost_after
 from launch.output import CONTINUED, PIECE_BYTES
 from syncdp.base import settings
@@ -140,26 +141,6 @@ def _become_subreaper() -> None:
         pass
 
 
-def _own_children() -> list[int]:
-    """The processes whose parent is this supervisor: once the rank is reaped, what it left."""
-    me, found = os.getpid(), []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # ended meanwhile
-            continue
-        if int(stat.rsplit(b")", 1)[1].split()[1]) == me:  # field 4, after the name
-            found.append(int(entry))
-    return found
-
-
 def _reap_children() -> None:
     while True:
         try:
@@ -172,37 +153,31 @@ def _reap_children() -> None:
 
 def _end_leftovers(child: subprocess.Popen) -> None:
     """Ends what the rank started and left running, once the rank itself has ended: its process
-    group, and the processes that left the group but not this supervisor's care (see
+    group, and every process below this supervisor (those that left the group stay here: see
     :func:`_become_subreaper`). SIGTERM, then SIGKILL after :data:`_LEFTOVER_GRACE_SECONDS`.
     A child still holding the rank's output pipes would otherwise keep this supervisor, and the
     job, from ever ending; and nothing of a job may outlive it."""
-    killed_at = None
-    signalled: set[int] = set()
-    hard_deadline = time.monotonic() + _LEFTOVER_GRACE_SECONDS + _REAP_SECONDS
+    me = os.getpid()
+    kill_at = time.monotonic() + _LEFTOVER_GRACE_SECONDS
+    give_up_at = kill_at + _REAP_SECONDS
+    termed: set[int] = set()
     while True:
         _reap_children()
         group = _signal_group(child.pid, 0)
-        left = _own_children()
-        if not group and not left:
-            return
+        left = [pid for pid in _descendants(me) if pid != me]
         now = time.monotonic()
-        if now > hard_deadline:
+        if (not group and not left) or now > give_up_at:
             return
-        if killed_at is None and now > hard_deadline - _REAP_SECONDS:
-            killed_at = now
+        if now > kill_at:
             _signal_group(child.pid, signal.SIGKILL)
             for pid in left:
                 _kill(pid, signal.SIGKILL)
-        if killed_at is None:
-            if group and child.pid not in signalled:
-                _signal_group(child.pid, signal.SIGTERM)
-                _signal_group(child.pid, signal.SIGCONT)
-                signalled.add(child.pid)
-            for pid in left:
-                if pid not in signalled:
+        else:
+            for pid in [-child.pid] * group + left:  # -pgid: the rank's group
+                if pid not in termed:
+                    termed.add(pid)
                     _kill(pid, signal.SIGTERM)
                     _kill(pid, signal.SIGCONT)
-                    signalled.add(pid)
         time.sleep(0.02)
 
 

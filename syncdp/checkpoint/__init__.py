@@ -71,11 +71,6 @@ from syncdp.tensorflow import keras2_names, verify
 __all__ = ["CheckpointManager", "list_checkpoints"]
 
 
-# Rank 0 may spend a while on the disk while the other ranks wait in the save/restore
-# collective: they wait at least this long (or forever with the stall timeout off).
-_IO_TIMEOUT_SECONDS = 600.0
-
-
 # The manager checks and hashes through these two names, looked up at each call, so that a
 # test can count the checks or stand in for a disk that fails.
 _sha256 = _files.sha256
@@ -122,11 +117,6 @@ def _variables_of(name: str, obj) -> list:
             "the objects whose state must be saved and kept identical on every rank."
         )
     return list(variables)
-
-
-def _io_timeout() -> float:
-    stall = runtime.get_config().stall_timeout
-    return 0.0 if not stall else max(stall, _IO_TIMEOUT_SECONDS)
 
 
 class _Outcome(NamedTuple):
@@ -249,7 +239,7 @@ class CheckpointManager:
         if comm.rank == 0:
             outcome = self._read_newest(allow_fresh=allow_fresh)
         everyone = comm.allgather_object(
-            (signature, outcome), name="checkpoint.restore", timeout=_io_timeout()
+            (signature, outcome), name="checkpoint.restore", timeout=runtime.io_timeout()
         )
         step, metadata, error, warnings = everyone[0][1]
         _warn(warnings)
@@ -407,7 +397,9 @@ class CheckpointManager:
                     (),
                 )
         path, error, warnings = comm.allgather_object(
-            outcome if comm.rank == 0 else None, name="checkpoint.save.end", timeout=_io_timeout()
+            outcome if comm.rank == 0 else None,
+            name="checkpoint.save.end",
+            timeout=runtime.io_timeout(),
         )[0]
         _warn(warnings)
         if error:

@@ -14,6 +14,7 @@ import glob
 import heapq
 import os
 from collections.abc import Sequence
+from stat import S_ISREG
 
 import numpy as np
 
@@ -130,23 +131,13 @@ def _assign(
     ]
 
 
-# How long a rank may wait for the others to count their share of the files before the stall
-# watchdog calls it a stall: counting is I/O (one rank may count every file), so it gets at
-# least this long, as a checkpoint's save does, whatever the stall timeout.
-_COUNT_TIMEOUT_SECONDS = 600.0
-
-
-def _count_timeout() -> float:
-    stall = runtime.get_config().stall_timeout
-    return 0.0 if not stall else max(stall, _COUNT_TIMEOUT_SECONDS)
-
-
 def _file_size(path: str) -> int:
     """The file's size in bytes, or -1 when it cannot be seen (missing, not a file)."""
     try:
-        return os.path.getsize(path) if os.path.isfile(path) else -1
+        st = os.stat(path)
     except OSError:
         return -1
+    return st.st_size if S_ISREG(st.st_mode) else -1
 
 
 def _differing_files(paths: list[str], sizes_by_rank: list[list[int]]) -> list[str]:
@@ -223,7 +214,8 @@ def _gather_counts(
             results[i] = _count_one(paths[i], verify, compression_type, skip_corrupt)
         except DataError as error:
             errors.append(str(error))
-    gathered = comm.allgather_object((results, errors), name=name, timeout=_count_timeout())
+    # Counting is I/O, and one rank may count every file: not a stall.
+    gathered = comm.allgather_object((results, errors), name=name, timeout=runtime.io_timeout())
     errors = [e for _, rank_errors in gathered for e in rank_errors]
     if errors:
         raise _listed(f"{caller}: {len(errors)} bad input file(s)", errors)

@@ -357,7 +357,7 @@ def communicator_of(process_set: ProcessSet | None) -> Communicator:
     return found._comm
 
 
-def _register_at_init(entries: Iterable, only_new: bool) -> None:
+def _register_at_init(entries: Iterable) -> None:
     """``init(process_sets=...)``: each rank passes its own sets; every rank registers them all.
 
     Every rank's sets are gathered, then registered in one order on every rank: the first set
@@ -369,9 +369,7 @@ def _register_at_init(entries: Iterable, only_new: bool) -> None:
 
     Args:
         entries: :class:`ProcessSet` objects or lists of ranks.
-        only_new: ``init()`` was called again. Sets registered then keep their ids either way.
     """
-    del only_new  # unused: a registered set keeps its id whichever init() registered it
     world = runtime.communicator()
     sets = _sets()
     mine: list[ProcessSet | None] = []
@@ -402,7 +400,6 @@ def _register_at_init(entries: Iterable, only_new: bool) -> None:
             own = mine[position] if rank == world.rank else None
             if own is None or own.process_set_id is not None:
                 own = ProcessSet(ranks)  # another rank's set, or an object already in use
-            own.ranks = list(ranks)
             by_ranks[ranks] = _register(own, world, sets)
     for ps in mine:
         if ps is None or isinstance(ps, _GlobalProcessSet):

@@ -144,7 +144,7 @@ def init(comm=None, process_sets=None, **options) -> None:
         >>> syncdp.init(comm=[0, 2])  # on COMM_WORLD ranks 0 and 2 only: a job of two
     """
     if _state.comm is not None:
-        _register(process_sets, only_new=True)  # Horovod programs may call init() again
+        _register(process_sets)  # Horovod programs may call init() again
         return
     config = settings.from_env(**options)
     stats.RECORDER.reset()
@@ -590,8 +590,8 @@ def elastic_plan():
     return _state.plan
 
 
-def _register(process_sets, only_new: bool = False) -> None:
-    """Registers ``init(process_sets=...)``; with ``only_new``, those not registered yet."""
+def _register(process_sets) -> None:
+    """Registers ``init(process_sets=...)`` (a set registered already keeps its id)."""
     if process_sets in (None, "dynamic"):
         return
     if _state.sets is None:  # nothing imported syncdp.job.process_sets, so no ProcessSet exists
@@ -599,18 +599,18 @@ def _register(process_sets, only_new: bool = False) -> None:
             "init(process_sets=...) takes syncdp.ProcessSet objects; got "
             f"{process_sets!r}. Pass e.g. [syncdp.ProcessSet([0, 1])]."
         )
-    _state.sets.register(process_sets, only_new)
+    _state.sets.register(process_sets)
 
 
 class _SetHooks(NamedTuple):
-    register: Callable[[Iterable, bool], None]
+    register: Callable[[Iterable], None]
     release: Callable[[bool], None]
     communicators: Callable[[], list]
 
 
 def plug_process_sets(
     *,
-    register: Callable[[Iterable, bool], None],
+    register: Callable[[Iterable], None],
     release: Callable[[bool], None],
     communicators: Callable[[], list],
 ) -> None:
@@ -620,8 +620,8 @@ def plug_process_sets(
     runtime must call.
 
     Args:
-        register: ``register(sets, only_new)`` registers ``init(process_sets=sets)`` (a
-            collective); with ``only_new``, only the sets not registered yet.
+        register: ``register(sets)`` registers ``init(process_sets=sets)`` (a collective; a
+            set registered already keeps its id).
         release: ``release(broken)`` drops every registered set and its communicator (at
             shutdown and before a reset); ``broken`` communicators are dropped, not freed.
         communicators: ``communicators()`` lists the sets' communicators this rank is in.
@@ -901,6 +901,18 @@ def get_config() -> settings.Config:
     """The settings ``init()`` read."""
     communicator()
     return _state.config
+
+
+# A collective that waits for a rank on the disk (a checkpoint's save, counting TFRecord files)
+# may last this long whatever the stall timeout, and forever with the stall timeout off.
+IO_TIMEOUT_SECONDS = 600.0
+
+
+def io_timeout() -> float:
+    """The ``timeout=`` of a collective in which ranks wait for another's disk I/O: at least
+    :data:`IO_TIMEOUT_SECONDS`, 0 (none) when the stall timeout is off."""
+    stall = get_config().stall_timeout
+    return 0.0 if not stall else max(stall, IO_TIMEOUT_SECONDS)
 
 
 def topology() -> Topology:
