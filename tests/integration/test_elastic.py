@@ -59,19 +59,29 @@ def _run(tmp_path, np_, *kills, launcher=(), extra=(), timeout=300):
     )
 
 
-def _assert_finished(result, size: int, changes: int) -> None:
-    """Exit 0, every rank done and bit-identical, equal to one process, the log right."""
+def _assert_finished(result, size: int, changes: int) -> list[dict]:
+    """Exit 0, every rank done and bit-identical, equal to one process, the log right.
+
+    Returns the results of the run in which the ranks were lost and replaced (the only run,
+    unless Open MPI lost a daemon as the job ended; see below)."""
     out = f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
     assert result.returncode == 0, out
     results = _results(result.stdout)
+    summary = f"{changes} membership change(s); the job finished with {size} rank(s)"
     if len(results) == 2 * size and "1 restart(s) after a lost Open MPI daemon" in result.stderr:
         # Open MPI lost a daemon as the job ended, before the ranks there reported how they
-        # ended (seen once in a full run under load): the launcher cannot tell their program's
-        # end was done, so it restarts from the last commit and the end runs again
-        # (docs/elastic-host-loss.md). Both runs' results must be whole and agree.
+        # ended (seen in full runs under load, about once in 30): the launcher cannot tell their
+        # program's end was done, so it restarts from the last commit and the end runs again
+        # (docs/elastic-host-loss.md). Both runs' results must be whole and agree, and the
+        # last line counts the restart; the restart itself loses no rank.
         earlier, results = results[:size], results[size:]
         assert sorted(r["rank"] for r in earlier) == list(range(size)), out
         assert all(r["w"] == results[0]["w"] and r["b"] == results[0]["b"] for r in earlier), out
+        summary = "1 restart(s) after a lost Open MPI daemon"
+        last_line = result.stderr.strip().splitlines()[-1]
+        assert summary in last_line and "since then, no rank was lost" in last_line, out
+    else:
+        earlier = results
     assert len(results) == size, out
     assert sorted(r["rank"] for r in results) == list(range(size)), out
     assert all(r["size"] == size and r["epoch"] == EPOCHS for r in results), out
@@ -82,21 +92,20 @@ def _assert_finished(result, size: int, changes: int) -> None:
     assert abs(first["b"] - b) < 1e-9
     logged = re.findall(r"syncdp-run: elastic: .*recovered in ([0-9.]+) s", result.stderr)
     assert len(logged) == changes, out
-    assert f"{changes} membership change(s); the job finished with {size} rank(s)" in (
-        result.stderr
-    ), out
+    assert summary in result.stderr, out
+    return earlier
 
 
 @pytest.mark.parametrize("label", [1, 0])
 def test_killed_rank_is_replaced_and_training_matches_one_process(tmp_path, label):
     result = _run(tmp_path, 3, f"{label}:0:4")
-    _assert_finished(result, size=3, changes=1)
+    results = _assert_finished(result, size=3, changes=1)
     assert re.search(
         rf"elastic: lost rank {label} \(pid \d+ on .*\): it was killed by signal 9", result.stderr
     )
     assert "size 3 -> 3" in result.stderr
     # The replacement's output is labelled 3, and it finished as the last rank.
-    assert any(r["label"] == 3 and r["rank"] == 2 for r in _results(result.stdout))
+    assert any(r["label"] == 3 and r["rank"] == 2 for r in results)
 
 
 def test_two_failures_and_a_failure_during_recovery(tmp_path):

@@ -284,9 +284,9 @@ def test_a_spare_on_a_remote_host_takes_over_and_a_new_one_is_started_there(clus
     # in the background by spawn; both on remote hosts with bare environments. The new spare
     # used to train alone and the job ended with a SIGSEGV on rank 0.
     result = _run(cluster, tmp_path, 2, "ha:1,hb:2", "", "1:0:4", launcher=("--spares", "1"))
-    _assert_finished(result, size=2, changes=1)
+    results = _assert_finished(result, size=2, changes=1)
     assert "1 spare(s) took over, 0 replacement(s) started" in result.stderr, result.stderr[-3000:]
     assert "starting a new spare [3]" in result.stderr, result.stderr[-3000:]
-    assert sorted(r["label"] for r in _results(result.stdout)) == [0, 2]
+    assert sorted(r["label"] for r in results) == [0, 2]
     assert "lacks the job's settings" not in result.stderr
     _assert_nothing_left(cluster)

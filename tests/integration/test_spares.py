@@ -48,11 +48,11 @@ def _assert_nothing_left(data) -> None:
 @pytest.mark.parametrize(("np_", "label"), [(2, 1), (3, 0)])
 def test_a_spare_takes_the_place_of_a_killed_rank(tmp_path, np_, label):
     result = _run(tmp_path, np_, f"{label}:0:4", launcher=("--spares", "1"))
-    _assert_finished(result, size=np_, changes=1)
+    results = _assert_finished(result, size=np_, changes=1)
     assert "1 spare(s) took over, 0 replacement(s) started, 0 spare(s) left" in result.stderr
     assert f"output labelled [{np_}]" in result.stderr
     # The spare (label np_) finished as the last rank; nothing was spawned.
-    assert any(r["label"] == np_ and r["rank"] == np_ - 1 for r in _results(result.stdout))
+    assert any(r["label"] == np_ and r["rank"] == np_ - 1 for r in results)
     _assert_nothing_left(tmp_path / "data")
 
 
@@ -61,10 +61,10 @@ def test_a_spare_being_started_takes_the_next_lost_place(tmp_path):
     # then label 2 dies too, before [3] waits: the recovery waits for [3] and seats it rather
     # than spawning a process of its own (both at once left MPI_Finalize hanging).
     result = _run(tmp_path, 2, "1:0:3", "2:1:2", launcher=("--spares", "1"))
-    _assert_finished(result, size=2, changes=2)
+    results = _assert_finished(result, size=2, changes=2)
     assert "starting a new spare [3]" in result.stderr
     assert result.stderr.count("1 spare(s) took over, 0 replacement(s) started") == 2
-    assert sorted(r["label"] for r in _results(result.stdout)) == [0, 3]
+    assert sorted(r["label"] for r in results) == [0, 3]
     _assert_nothing_left(tmp_path / "data")
 
 
