@@ -445,6 +445,14 @@ def parse_args(
             parser.error("-np is required outside a Slurm allocation and without hosts")
     if args.num_proc < 1:
         parser.error(f"-np must be at least 1; got {args.num_proc}")
+    if listed and args.num_proc > sum(h.slots for h in listed):
+        # As horovodrun and mpirun refuse it: the slots a user lists are what the job may use
+        # (oversubscription is for a job on this host given no hosts).
+        parser.error(
+            f"-np {args.num_proc} needs {args.num_proc} slots, and the hosts listed have "
+            f"{sum(h.slots for h in listed)} ({_hosts.format_hosts(listed)}); add slots "
+            f"(HOST:N) or use a smaller -np"
+        )
     if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
         parser.error(f"--ssh-port must be a TCP port (1-65535); got {args.ssh_port}")
     if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
