@@ -393,6 +393,52 @@ class Distributed:
             self._reduced = tuple(id(g) for g in grads)
         return list(zip(grads, var_list))
 
+    def aggregate_gradients(self, grads_and_vars):
+        """Keras 2's loss scale's hook: the gradients every rank's overflow check sees.
+
+        tf-keras' ``LossScaleOptimizer`` (which ``compile()`` puts around this optimizer under
+        the ``mixed_float16`` policy) calls this on the optimizer it wraps, checks what it
+        returns for overflow, and only then applies it, through :meth:`apply_gradients`, or
+        skips the step. So the gradients are reduced here (a collective), and a value that
+        overflowed on one rank overflows in the sum on every rank: every rank skips the step,
+        or none does. With ``backward_passes_per_step > 1`` the gradients are accumulated
+        locally instead; the ranks then agree on overflow with one small allreduce, and every
+        rank's gradients are made NaN when any rank's overflowed.
+
+        Args:
+            grads_and_vars: Pairs of (gradient, variable).
+
+        Returns:
+            The pairs, the gradients reduced (or, when accumulating, checked).
+        """
+        pairs = list(grads_and_vars)
+        if not pairs:
+            return pairs
+        grads, variables = (list(t) for t in zip(*pairs, strict=True))
+        if not self.built:
+            with self._creation_scope():
+                self.build(variables)
+        if self.backward_passes_per_step == 1:
+            _check_not_xla()
+            grads = self._reduce(grads, variables)
+            self._reduced = tuple(id(g) for g in grads)
+        else:
+            grads = self._nan_unless_finite_everywhere(grads)
+        return list(zip(grads, variables, strict=True))
+
+    def _nan_unless_finite_everywhere(self, grads):
+        finite = tf.reduce_all(
+            [tf.reduce_all(tf.math.is_finite(_values(g))) for g in grads if g is not None]
+        )
+        everywhere = ops.allreduce(
+            tf.cast(finite, tf.int32),
+            op=ops.Min,
+            name=f"{self._collective_name}.finite",
+            process_set=self.process_set,
+        )
+        keep = tf.where(tf.equal(everywhere, 1), 1.0, float("nan"))
+        return [None if g is None else _scaled(g, keep) for g in grads]
+
     @property
     def _agg_helper(self):
         """Horovod's view of the accumulation: ``counter`` = passes since the last update."""
@@ -523,6 +569,17 @@ class _PassCounter:
         return tf.math.floormod(tf.convert_to_tensor(0 if passes is None else passes), k)
 
 
+def _values(grad):
+    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
+
+
+def _scaled(grad, factor):
+    if isinstance(grad, tf.IndexedSlices):
+        values = grad.values * tf.cast(factor, grad.values.dtype)
+        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+    return grad * tf.cast(factor, grad.dtype)
+
+
 def _optimizer_bases(keras_: ModuleType) -> tuple[type, ...]:
     """``keras_``'s optimizer base classes: Keras 2 adds its legacy ``OptimizerV2``."""
     legacy = getattr(getattr(keras_.optimizers, "legacy", None), "Optimizer", None)
@@ -551,8 +608,8 @@ def _check_not_xla() -> None:
 
 
 def _loss_scale_class(keras_: ModuleType | None) -> type | None:
-    """Keras 3's ``LossScaleOptimizer`` class; None for Keras 2 (whose loss scaling decides
-    overflow in a module function, which no optimizer can make agree between ranks)."""
+    """Keras 3's ``LossScaleOptimizer`` class; None for Keras 2 (whose loss scale checks what
+    :meth:`Distributed.aggregate_gradients` returns, so its check needs no patch)."""
     if keras_ is None or not hasattr(keras_.optimizers, "LossScaleOptimizer"):
         return None
     scaler = keras_.optimizers.LossScaleOptimizer

@@ -271,6 +271,100 @@ def test_by_default_2_passes_apply_the_sum_of_their_averaged_gradients(legacy):
     _assert_identical_across_ranks(model.get_weights())
 
 
+def _overflowing_data():
+    """3 global batches for a regression whose first batch overflows in float16 on the last
+    rank's rows only (the other ranks' rows do not)."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(3 * GLOBAL_BATCH, FEATURES)).astype("float32")
+    y = rng.normal(size=(3 * GLOBAL_BATCH, 1)).astype("float32")
+    y[GLOBAL_BATCH - 1] = 1e4
+    return x, y
+
+
+def _regression(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)]
+    )
+
+
+@pytest.mark.parametrize("op", ["average", "sum"])
+def test_mixed_precision_overflow_on_one_rank_is_skipped_on_every_rank(op):
+    """Under mixed_float16, tf-keras' compile wraps the DistributedOptimizer in a loss scale,
+    which skips a step whose gradients overflow. It must decide alike on every rank: the last
+    rank's first batch overflows, and every rank must skip that step, as one process on the
+    whole batch does. (With Sum, a second reduction of the reduced gradients would show.)"""
+    x, y = _overflowing_data()
+    lr = 0.01
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _regression(seed=100 + hvd.rank())
+        if op == "sum":
+            opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr / hvd.size()), op=syncdp.Sum)
+        else:
+            opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr))
+        model.compile(optimizer=opt, loss="mse")
+        xs, ys = _mine(x, y)
+        _fit(
+            model,
+            xs,
+            ys,
+            _local(),
+            epochs=1,
+            callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+        )
+        reference = _regression(seed=100)
+        reference.compile(optimizer=keras.optimizers.SGD(lr), loss="mse")
+        _fit(reference, x, y, GLOBAL_BATCH, epochs=1)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert isinstance(model.optimizer, keras.mixed_precision.LossScaleOptimizer)
+    # The first step was skipped (the scale halved), the other two applied, as in one process.
+    scale = float(model.optimizer.loss_scale.numpy())
+    assert scale == float(reference.optimizer.loss_scale.numpy()) == 2.0**14
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 3
+    _assert_close(model.get_weights(), reference.get_weights(), atol=2e-3)
+    _assert_identical_across_ranks(model.get_weights())
+
+
+def test_mixed_precision_overflow_while_accumulating_is_skipped_on_every_rank():
+    """With backward_passes_per_step=2 the gradients are accumulated locally: the ranks still
+    skip the overflowing first pass together, then apply the sum of the next two passes'
+    rank-averaged gradients, taken at the broadcast weights."""
+    x, y = _overflowing_data()
+    lr = 0.01
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _regression(seed=100 + hvd.rank())
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr), backward_passes_per_step=2)
+        model.compile(optimizer=opt, loss="mse")
+        xs, ys = _mine(x, y)
+        _fit(
+            model,
+            xs,
+            ys,
+            _local(),
+            epochs=1,
+            callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+        )
+        reference = _regression(seed=100)
+        summed = [tf.zeros_like(v) for v in reference.trainable_variables]
+        for i in (1, 2):
+            rows = slice(i * GLOBAL_BATCH, (i + 1) * GLOBAL_BATCH)
+            with tf.GradientTape() as tape:
+                out = tf.cast(reference(x[rows], training=True), tf.float32)
+                loss = tf.reduce_mean(tf.square(out - y[rows]))
+            grads = tape.gradient(loss, reference.trainable_variables)
+            summed = [s + tf.cast(g, s.dtype) for s, g in zip(summed, grads, strict=True)]
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    want = [v.numpy() - lr * g.numpy() for v, g in zip(reference.trainable_variables, summed)]
+    assert float(model.optimizer.loss_scale.numpy()) == 2.0**14
+    assert int(model.optimizer.iterations) == 3
+    _assert_close([v.numpy() for v in model.trainable_variables], want, atol=2e-3)
+    _assert_identical_across_ranks(model.get_weights())
+
+
 class _PassesBefore(keras.callbacks.Callback):
     """Sets a one-process reference's iterations to what they are under Horovod when update
     ``batch`` is applied after ``passes`` passes each: every pass before it counted."""
