@@ -98,7 +98,10 @@ def test_an_elastic_job_in_a_slurm_allocation_takes_its_nodes_as_hosts(monkeypat
     assert restart.Restarts.possible(c)
     # Not elastic: mpirun reads the allocation itself; -H given: it is the user's.
     assert run.parse_args(["python", "x.py"]).hosts is None
-    assert run.parse_args(["-np", "4", "--min-np", "2", "-H", "n1:2,n2:2", "python"]).hosts == "n1:2,n2:2"
+    assert (
+        run.parse_args(["-np", "4", "--min-np", "2", "-H", "n1:2,n2:2", "python"]).hosts
+        == "n1:2,n2:2"
+    )
 
 
 def test_an_allocation_slurm_cannot_list_leaves_the_hosts_unset(monkeypatch, tmp_path):
