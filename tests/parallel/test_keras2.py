@@ -288,8 +288,8 @@ def _regression(seed):
     )
 
 
-@pytest.mark.parametrize("op", ["average", "sum"])
-def test_mixed_precision_overflow_on_one_rank_is_skipped_on_every_rank(op):
+@pytest.mark.parametrize(("op", "run_eagerly"), [("average", False), ("sum", False), ("sum", True)])
+def test_mixed_precision_overflow_on_one_rank_is_skipped_on_every_rank(op, run_eagerly):
     """Under mixed_float16, tf-keras' compile wraps the DistributedOptimizer in a loss scale,
     which skips a step whose gradients overflow. It must decide alike on every rank: the last
     rank's first batch overflows, and every rank must skip that step, as one process on the
@@ -303,7 +303,7 @@ def test_mixed_precision_overflow_on_one_rank_is_skipped_on_every_rank(op):
             opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr / hvd.size()), op=syncdp.Sum)
         else:
             opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr))
-        model.compile(optimizer=opt, loss="mse")
+        model.compile(optimizer=opt, loss="mse", run_eagerly=run_eagerly)
         xs, ys = _mine(x, y)
         _fit(
             model,
