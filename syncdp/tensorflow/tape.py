@@ -368,11 +368,13 @@ def local_positions(variables, local_variables) -> list[int]:
     return [i for i, v in enumerate(variables) if id(v) in keys]
 
 
-class DistributedGradientTape:
+class DistributedGradientTape(tf.GradientTape):
     """Wraps a ``tf.GradientTape`` so that ``gradient()`` returns gradients averaged over ranks.
 
     Use it like Horovod's: record with a tape, wrap it, and ask for gradients; or open it as
     the context manager itself. ``gradient()`` is a synchronization point of the process set.
+    It is a ``tf.GradientTape`` (as Horovod's is), whose recording is the wrapped tape's: every
+    other method and attribute is the wrapped tape's own.
 
     Args:
         gradtape: The ``tf.GradientTape`` to wrap.
@@ -416,7 +418,8 @@ class DistributedGradientTape:
         op = collectives.reduce_op(op)
         if gradient_predivide_factor != 1.0 and op is not collectives.Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average.")
-        self._tape = gradtape
+        # Not GradientTape.__init__: this object records nothing itself.
+        self._wrapped = gradtape
         self._step = step
         self._local_sources: list = []
         self._options = dict(
@@ -429,15 +432,45 @@ class DistributedGradientTape:
         )
 
     def __enter__(self):
-        self._tape.__enter__()
+        self._wrapped.__enter__()
         return self
 
     def __exit__(self, *exc):
-        return self._tape.__exit__(*exc)
+        return self._wrapped.__exit__(*exc)
 
     def __getattr__(self, name):
-        # watch(), stop_recording(), reset(), jacobian() ... belong to the wrapped tape.
-        return getattr(self._tape, name)
+        # Attributes GradientTape.__init__ would have set (_persistent, ...) are the wrapped
+        # tape's.
+        return getattr(self._wrapped, name)
+
+    # tf.GradientTape's other methods, on the wrapped tape (inherited, they would read this
+    # object's own recording, which is empty).
+    def watch(self, tensor):
+        return self._wrapped.watch(tensor)
+
+    def stop_recording(self):
+        return self._wrapped.stop_recording()
+
+    def reset(self):
+        return self._wrapped.reset()
+
+    def watched_variables(self):
+        return self._wrapped.watched_variables()
+
+    def jacobian(self, *args, **kwargs):
+        return self._wrapped.jacobian(*args, **kwargs)
+
+    def batch_jacobian(self, *args, **kwargs):
+        return self._wrapped.batch_jacobian(*args, **kwargs)
+
+    def _push_tape(self):
+        return self._wrapped._push_tape()
+
+    def _pop_tape(self):
+        return self._wrapped._pop_tape()
+
+    def _ensure_recording(self):
+        return self._wrapped._ensure_recording()
 
     def register_local_source(self, source) -> None:
         """Keeps the gradient of ``source`` on this rank: it is never reduced."""
@@ -460,7 +493,7 @@ class DistributedGradientTape:
         """
         if isinstance(use_generic_names, tf.UnconnectedGradients):
             unconnected_gradients = use_generic_names
-        grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
+        grads = self._wrapped.gradient(target, sources, output_gradients, unconnected_gradients)
         flat = tf.nest.flatten(grads, expand_composites=False)
         variables = tf.nest.flatten(sources)
         reduced = reduce_gradients(

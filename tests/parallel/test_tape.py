@@ -151,3 +151,30 @@ def test_resnet50_gradient_list_is_averaged_exactly(hvd):
         for i, (g, s) in enumerate(zip(grads, shapes)):
             assert tuple(g.shape) == s
             np.testing.assert_array_equal(g.numpy(), np.full(s, mean_rank_plus_one * (i % 5 + 1)))
+
+
+def test_the_distributed_tape_is_a_gradient_tape_that_records_on_the_wrapped_one(hvd):
+    # Horovod's DistributedGradientTape is a subclass of the tape's class; code that checks
+    # isinstance(tape, tf.GradientTape) must take it.
+    n, r = hvd.size(), hvd.rank()
+    x = tf.constant([1.0, 2.0])
+    inner = tf.GradientTape(persistent=True)
+    tape = hvd.DistributedGradientTape(inner)
+    assert isinstance(tape, tf.GradientTape)
+    with tape:
+        tape.watch(x)
+        y = x * x * (r + 1.0)
+        with tape.stop_recording():
+            ignored = x * 3.0
+    assert tape._persistent and tape.watched_variables() == inner.watched_variables() == ()
+    # The wrapped tape's own methods, on this rank's recording: d(y)/dx = 2x(r+1), unreduced.
+    np.testing.assert_allclose(tape.jacobian(y, x).numpy(), np.diag([2.0, 4.0]) * (r + 1))
+    assert inner.gradient(ignored, x) is None
+    # gradient(), reduced: the mean over ranks of 2x(r+1); persistent, so twice.
+    for _ in range(2):
+        np.testing.assert_allclose(tape.gradient(y, x).numpy(), [n + 1.0, 2.0 * (n + 1)])
+    with tape:
+        tape.reset()  # forgets y: only z is recorded
+        tape.watch(x)
+        z = tf.reduce_sum(x) * (r + 1.0)
+    np.testing.assert_allclose(tape.gradient(z, x).numpy(), [(n + 1) / 2] * 2)
