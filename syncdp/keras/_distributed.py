@@ -183,10 +183,8 @@ class Distributed:
                 "LossScaleOptimizer around it), or use Keras 3, where "
                 "DistributedOptimizer(LossScaleOptimizer(opt)) is supported."
             )
-        # Keras 2's legacy optimizers keep their name private.
-        inner_name = getattr(optimizer, "name", None) or getattr(optimizer, "_name", None)
         # The base class may want a learning rate; the wrapped optimizer's is the one used.
-        super().__init__(name=name or f"distributed_{inner_name}", **self._base_arguments)
+        super().__init__(name=name or _default_name(optimizer), **self._base_arguments)
         # What the collectives are called must be the same on every rank: not the name Keras 3
         # numbers per process (sgd, sgd_1, ...: a rank that made one more optimizer, for an
         # evaluation copy, would call its collectives differently), but the class's, as
@@ -548,6 +546,10 @@ class Distributed:
                     objects.setdefault(key, found)
         config["compression"] = _compression.from_name(name, objects)
         config["op"] = ops.ReduceOp(config.get("op", ops.Average.value))
+        if config.get("name") == _default_name(optimizer):
+            # The name was not chosen: loaded on rank 0 alone (Horovod's resume), the collectives
+            # must be named as those of a new DistributedOptimizer on the other ranks are.
+            config["name"] = None
         return cls(optimizer, **config)
 
 
@@ -567,6 +569,12 @@ class _PassCounter:
         passes = self._optimizer._passes
         k = self._optimizer.backward_passes_per_step
         return tf.math.floormod(tf.convert_to_tensor(0 if passes is None else passes), k)
+
+
+def _default_name(optimizer) -> str:
+    # Keras 2's legacy optimizers keep their name private.
+    inner_name = getattr(optimizer, "name", None) or getattr(optimizer, "_name", None)
+    return f"distributed_{inner_name}"
 
 
 def _values(grad):

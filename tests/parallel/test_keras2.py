@@ -627,6 +627,39 @@ def test_load_model_resumes_with_the_wrapped_optimizer(fmt, shared_dir):
     _assert_identical_across_ranks(resumed.get_weights())
 
 
+@pytest.mark.parametrize("inner_name", [None, "my_adam"])
+def test_a_model_loaded_on_rank_0_alone_trains_beside_new_ones(inner_name, shared_dir):
+    # Horovod's resume (keras_imagenet_resnet50.py): rank 0 loads the checkpoint, the other
+    # ranks build and compile a new model, and the broadcast callback hands rank 0's state
+    # on. The loaded optimizer's collectives must go by the new ones' names.
+    x, y = _data(steps=2, seed=13)
+    xs, ys = _mine(x, y)
+    path = os.path.join(shared_dir, "model.h5")
+
+    def adam():
+        return keras.optimizers.Adam(0.01, **({"name": inner_name} if inner_name else {}))
+
+    def new_model(seed):
+        model = _model(seed=seed)
+        model.compile(optimizer=hvd.DistributedOptimizer(adam()), loss=_loss())
+        return model
+
+    model = new_model(seed=71)
+    _fit(model, xs, ys, _local(), callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    if hvd.rank() == 0:
+        model.save(path)
+    hvd.barrier()
+
+    resumed = hvd.load_model(path) if hvd.rank() == 0 else new_model(seed=300 + hvd.rank())
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
+    _fit(resumed, xs, ys, _local(), epochs=3, initial_epoch=2, callbacks=callbacks)
+    reference = _model(seed=71)
+    reference.compile(optimizer=adam(), loss=_loss())
+    _fit(reference, x, y, GLOBAL_BATCH, epochs=3)
+    _assert_close(resumed.get_weights(), reference.get_weights())
+    _assert_identical_across_ranks(resumed.get_weights())
+
+
 def test_best_model_checkpoint_on_rank_0_loads_with_the_wrapped_optimizer(shared_dir):
     x, y = _data(steps=2, seed=12)
     xs, ys = _mine(x, y)
