@@ -391,6 +391,33 @@ class Distributed:
             self._reduced = tuple(id(g) for g in grads)
         return list(zip(grads, var_list))
 
+    def get_gradients(self, loss, params):
+        """Keras 2's graph mode (a TF1 graph, ``disable_eager_execution()``): the wrapped
+        optimizer's gradients of ``loss``, reduced over the ranks (a collective when run).
+
+        Args:
+            loss: The loss tensor.
+            params: The variables.
+
+        Returns:
+            The reduced gradients, one per variable.
+        """
+        if self.backward_passes_per_step != 1:
+            raise UnsupportedError(
+                "backward_passes_per_step > 1 needs eager execution (TensorFlow 2's default); "
+                "in a TF1 graph (disable_eager_execution) use backward_passes_per_step=1."
+            )
+        grads = self.inner_optimizer.get_gradients(loss, params)
+        if not self.built:
+            with self._creation_scope():
+                self.build(params)
+        return self._reduce(list(grads), list(params))
+
+    def get_updates(self, loss, params):
+        """Keras 2's graph mode: the update ops, made from :meth:`get_gradients`."""
+        grads = self.get_gradients(loss, params)
+        return [self.inner_optimizer.apply_gradients(list(zip(grads, params, strict=True)))]
+
     def aggregate_gradients(self, grads_and_vars):
         """Keras 2's loss scale's hook: the gradients every rank's overflow check sees.
 

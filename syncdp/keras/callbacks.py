@@ -41,6 +41,7 @@ from syncdp.job import runtime
 from syncdp.keras import _callback, _display
 from syncdp.keras.optimizer import turn_off_jit
 from syncdp.tensorflow import collectives as ops
+from syncdp.tensorflow import graph
 from syncdp.tensorflow.keras2_names import (
     create_optimizer_variables,
     optimizer_variables,
@@ -163,7 +164,15 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
                 variables += optimizer_variables(optimizer)
             local = {id(v) for v in self.local_variables}
             variables = [v for v in variables if id(v) not in local]
-            ops.broadcast_variables(variables, root_rank=self.root_rank)
+            if graph.in_v1_graph():
+                # Keras 2 in a TF1 graph (disable_eager_execution): the broadcast is an op of
+                # its own (not chained to the training step's collectives), run in Keras'
+                # session.
+                with graph.standalone():
+                    assign = ops.broadcast_variables(variables, root_rank=self.root_rank)
+                tf.compat.v1.keras.backend.get_session().run(assign)
+            else:
+                ops.broadcast_variables(variables, root_rank=self.root_rank)
             self.broadcast_done = True
 
         def on_train_begin(self, logs=None):

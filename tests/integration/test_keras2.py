@@ -6,10 +6,13 @@ One pytest session per rank for the whole module (TensorFlow and tf-keras load o
 """
 
 import importlib.util
+import json
+import re
 
+import numpy
 import pytest
 
-from tests.launcher import check, pytest_on_ranks
+from tests.launcher import check, launch, pytest_on_ranks, python_script
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("tf_keras") is None,
@@ -35,3 +38,57 @@ def test_keras2_suite(np):
     assert len(summaries) == np, result.stdout[-3000:]
     for line in summaries:  # nothing skipped: tf.keras was tf-keras in every rank
         assert "failed" not in line and "skipped" not in line and "error" not in line, line
+
+
+GRAPH_MODE_JOB = """
+import json
+import numpy as np
+import tensorflow as tf
+tf.compat.v1.disable_eager_execution()
+import horovod.tensorflow.keras as hvd
+
+keras = tf.keras
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+tf.compat.v1.keras.backend.set_session(tf.compat.v1.Session())
+rng = np.random.default_rng(0)
+x = rng.normal(size=(3 * 6, 3)).astype("float32")  # 3 global batches of 6 rows
+y = rng.normal(size=(3 * 6, 1)).astype("float32")
+mine = np.concatenate([np.arange(s + r * 6 // n, s + (r + 1) * 6 // n) for s in range(0, 18, 6)])
+model = keras.Sequential([keras.layers.Dense(1, input_shape=(3,),
+                          kernel_initializer=keras.initializers.Constant(r + 1.0))])
+model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.legacy.SGD(0.1)), loss="mse")
+model.fit(x[mine], y[mine], batch_size=6 // n, epochs=1, shuffle=False, verbose=0,
+          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+w, b = model.get_weights()
+print("RESULT " + json.dumps({"rank": r, "w": w.ravel().tolist(), "b": b.tolist()}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_keras2_in_a_tf1_graph_broadcasts_and_averages(np, tmp_path):
+    # Horovod's old keras_mnist.py: disable_eager_execution(), then fit. Keras 2 trains
+    # through the optimizer's get_updates/get_gradients there, and the broadcast must run in
+    # Keras' session: before, every rank trained alone from its own weights and exited 0.
+    result = check(
+        launch(
+            np,
+            "python",
+            python_script(tmp_path, GRAPH_MODE_JOB),
+            env={"TF_USE_LEGACY_KERAS": "1"},
+            timeout=180,
+        )
+    )
+    found = [json.loads(m) for m in re.findall(r"RESULT (\{.*\})", result.stdout)]
+    assert sorted(f["rank"] for f in found) == list(range(np)), result.stdout[-3000:]
+    # One process on the whole batches: mean squared error, rank 0's initial weights.
+    rng = numpy.random.default_rng(0)
+    x = rng.normal(size=(18, 3)).astype("float32")
+    y = rng.normal(size=(18, 1)).astype("float32")
+    w, b = numpy.ones((3, 1)), numpy.zeros(1)
+    for s in range(0, 18, 6):
+        error = x[s : s + 6] @ w + b - y[s : s + 6]
+        w, b = w - 0.1 * 2 * x[s : s + 6].T @ error / 6, b - 0.1 * 2 * error.mean(0)
+    for f in found:
+        numpy.testing.assert_allclose(f["w"], w.ravel(), rtol=0, atol=1e-5)
+        numpy.testing.assert_allclose(f["b"], b, rtol=0, atol=1e-5)
