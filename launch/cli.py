@@ -203,7 +203,7 @@ def _add_launcher_flags(p: argparse.ArgumentParser) -> None:
         dest="num_proc",
         type=int,
         metavar="N",
-        help="number of ranks (default: the Slurm allocation's tasks, or the hosts' slots)",
+        help="number of ranks (default: the listed hosts' slots, or the Slurm allocation's tasks)",
     )
     p.add_argument(
         "-cb",
@@ -437,10 +437,10 @@ def parse_args(
         # mpirun counts one slot for a host without a count: give each its slots on -H.
         args.hosts, args.hostfile = _hosts.format_hosts(listed), None
     if args.num_proc is None:
-        if environ.get("SLURM_NTASKS", "").isdigit():
-            args.num_proc = int(environ["SLURM_NTASKS"])  # the allocation decides
-        elif listed:
+        if listed:
             args.num_proc = sum(h.slots for h in listed)
+        elif environ.get("SLURM_NTASKS", "").isdigit():
+            args.num_proc = int(environ["SLURM_NTASKS"])  # the allocation decides
         else:
             parser.error("-np is required outside a Slurm allocation and without hosts")
     if args.num_proc < 1:

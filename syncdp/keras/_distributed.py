@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import types
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -24,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from syncdp.base.errors import UnsupportedError
-from syncdp.keras import _display
+from syncdp.keras import _display, _loss_scale
 from syncdp.tensorflow import collectives as ops
 from syncdp.tensorflow import compression as _compression
 from syncdp.tensorflow import graph
@@ -116,9 +115,9 @@ class Distributed:
         keras_ = keras_of_optimizer(optimizer)
         if keras_ is not None and keras_ is not cls._keras:
             return cls._for_package(keras_)(optimizer, *args, **kwargs)
-        scaler = _loss_scale_class(keras_)
+        scaler = _loss_scale.loss_scale_class(keras_)
         if scaler is not None and isinstance(optimizer, scaler):
-            return _inside_loss_scale(cls, optimizer, scaler, args, kwargs)
+            return _loss_scale.inside_loss_scale(cls, optimizer, scaler, args, kwargs)
         return super().__new__(cls)
 
     def __init__(
@@ -175,7 +174,7 @@ class Distributed:
                 "set learning rate, clipping, weight decay and the like on the "
                 "wrapped optimizer."
             )
-        if _is_keras2_loss_scale(optimizer):
+        if _loss_scale.is_keras2_loss_scale(optimizer):
             raise UnsupportedError(
                 "DistributedOptimizer cannot wrap Keras 2's LossScaleOptimizer: compile() would "
                 "wrap the result in a second one, which unscales the gradients twice. Wrap the "
@@ -190,6 +189,7 @@ class Distributed:
         # evaluation copy, would call its collectives differently), but the class's, as
         # Horovod's "Distributed" + class name.
         self._collective_name = name or f"distributed_{type(optimizer).__name__.lower()}"
+        self._given_name = name  # what the config keeps: a default is made again on loading
         self.built = False
         self.inner_optimizer = optimizer
         self.compression = compression
@@ -201,7 +201,8 @@ class Distributed:
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
         self._local_vars: list = []
-        self._reduced: tuple | None = None  # ids of gradients _compute_gradients reduced
+        # The gradients _compute_gradients or aggregate_gradients reduced, until applied.
+        self._reduced: list | None = None
         self._accumulators = []
         self._passes = None
         self._built_for = self._no_dependency([])  # the variables build() was given
@@ -213,7 +214,7 @@ class Distributed:
         Args:
             var_list: The model's trainable variables.
         """
-        _agree_on_overflow(self, sys._getframe(1))
+        _loss_scale.agree_on_overflow(self, sys._getframe(1))
         if self.built:
             return
         var_list = tf.nest.flatten(var_list)  # Keras 2 takes nested lists too
@@ -299,16 +300,25 @@ class Distributed:
             grads_and_vars: Pairs of (gradient, variable), as for any Keras optimizer.
             name: Accepted for Keras 2; the wrapped optimizer names its own ops.
             **kwargs: Keras 2's ``skip_gradients_aggregation`` and
-                ``experimental_aggregate_gradients``, accepted and not needed: the
-                gradients are aggregated over the ranks here.
+                ``experimental_aggregate_gradients``. The gradients are reduced over the ranks
+                here, unless :meth:`aggregate_gradients` reduced them since the last update
+                and either these say they were aggregated or they are the very tensors it
+                returned (its result, clipped, say, is not reduced twice).
 
         Returns:
             The wrapped optimizer's ``iterations``.
         """
         grads_and_vars = list(grads_and_vars)
+        # Keras 2's word that the gradients were aggregated already: taken only when they were
+        # aggregated here (aggregate_gradients), never as a reason to skip the ranks' reduction.
+        aggregated = kwargs.get("skip_gradients_aggregation", False) or not kwargs.get(
+            "experimental_aggregate_gradients", True
+        )
         if grads_and_vars:
             grads, variables = zip(*grads_and_vars, strict=True)
-            self.apply(grads, variables)
+            self._apply(grads, variables, aggregated)
+        else:
+            self._reduced = None
         return self.iterations
 
     def apply(self, grads, trainable_variables=None):
@@ -328,7 +338,11 @@ class Distributed:
                 :func:`syncdp.tape.reduce_gradients`, which also runs the
                 ``SYNCDP_VERIFY_EVERY`` replica check on the variables.
         """
+        self._apply(grads, trainable_variables, aggregated=False)
+
+    def _apply(self, grads, trainable_variables, aggregated: bool) -> None:
         grads = list(grads)
+        reduced_before, self._reduced = self._reduced, None
         if not grads:
             return
         if trainable_variables is None:
@@ -345,11 +359,10 @@ class Distributed:
                 self.build(trainable_variables)
         _check_not_xla()
         if self.backward_passes_per_step == 1:
-            if self._reduced is not None and self._reduced == tuple(id(g) for g in grads):
-                reduced = grads  # from _compute_gradients, reduced already
+            if reduced_before is not None and (aggregated or _same(reduced_before, grads)):
+                reduced = grads  # from _compute_gradients or aggregate_gradients
             else:
                 reduced = self._reduce(grads, trainable_variables)
-            self._reduced = None
             self._apply_inner(reduced, trainable_variables)
         else:
             self._accumulate(grads, trainable_variables)
@@ -388,7 +401,7 @@ class Distributed:
                 with self._creation_scope():
                     self.build(var_list)
             grads = self._reduce(list(grads), var_list)
-            self._reduced = tuple(id(g) for g in grads)
+            self._reduced = list(grads)
         return list(zip(grads, var_list))
 
     def get_gradients(self, loss, params):
@@ -414,7 +427,15 @@ class Distributed:
         return self._reduce(list(grads), list(params))
 
     def get_updates(self, loss, params):
-        """Keras 2's graph mode: the update ops, made from :meth:`get_gradients`."""
+        """Keras 2's graph mode: the update ops, made from :meth:`get_gradients`.
+
+        Args:
+            loss: The loss tensor.
+            params: The variables.
+
+        Returns:
+            A list of one op: the wrapped optimizer's update with the reduced gradients.
+        """
         grads = self.get_gradients(loss, params)
         return [self.inner_optimizer.apply_gradients(list(zip(grads, params, strict=True)))]
 
@@ -446,23 +467,12 @@ class Distributed:
         if self.backward_passes_per_step == 1:
             _check_not_xla()
             grads = self._reduce(grads, variables)
-            self._reduced = tuple(id(g) for g in grads)
+            self._reduced = list(grads)
         else:
-            grads = self._nan_unless_finite_everywhere(grads)
+            grads = _loss_scale.nan_unless_finite_everywhere(
+                grads, name=f"{self._collective_name}.finite", process_set=self.process_set
+            )
         return list(zip(grads, variables, strict=True))
-
-    def _nan_unless_finite_everywhere(self, grads):
-        finite = tf.reduce_all(
-            [tf.reduce_all(tf.math.is_finite(_values(g))) for g in grads if g is not None]
-        )
-        everywhere = ops.allreduce(
-            tf.cast(finite, tf.int32),
-            op=ops.Min,
-            name=f"{self._collective_name}.finite",
-            process_set=self.process_set,
-        )
-        keep = tf.where(tf.equal(everywhere, 1), 1.0, float("nan"))
-        return [None if g is None else _scaled(g, keep) for g in grads]
 
     @property
     def _agg_helper(self):
@@ -536,7 +546,9 @@ class Distributed:
         # Only this wrapper's settings and the wrapped optimizer; the base class's arguments
         # (clipping, weight decay, ...) belong to the wrapped optimizer.
         return {
-            "name": self.name,
+            # None unless chosen: loaded on rank 0 alone (Horovod's resume), the optimizer must
+            # name its collectives as a new one on the other ranks does.
+            "name": self._given_name,
             "optimizer": self._keras.optimizers.serialize(self.inner_optimizer),
             "compression": self._compression_name(),
             "sparse_as_dense": self.sparse_as_dense,
@@ -573,10 +585,6 @@ class Distributed:
                     objects.setdefault(key, found)
         config["compression"] = _compression.from_name(name, objects)
         config["op"] = ops.ReduceOp(config.get("op", ops.Average.value))
-        if config.get("name") == _default_name(optimizer):
-            # The name was not chosen: loaded on rank 0 alone (Horovod's resume), the collectives
-            # must be named as those of a new DistributedOptimizer on the other ranks are.
-            config["name"] = None
         return cls(optimizer, **config)
 
 
@@ -598,21 +606,16 @@ class _PassCounter:
         return tf.math.floormod(tf.convert_to_tensor(0 if passes is None else passes), k)
 
 
+def _same(reduced: list, grads: list) -> bool:
+    """Whether ``grads`` are the very tensors reduced before (kept alive, so never mistaken for
+    new tensors at a reused address)."""
+    return len(reduced) == len(grads) and all(r is g for r, g in zip(reduced, grads))
+
+
 def _default_name(optimizer) -> str:
     # Keras 2's legacy optimizers keep their name private.
     inner_name = getattr(optimizer, "name", None) or getattr(optimizer, "_name", None)
     return f"distributed_{inner_name}"
-
-
-def _values(grad):
-    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
-
-
-def _scaled(grad, factor):
-    if isinstance(grad, tf.IndexedSlices):
-        values = grad.values * tf.cast(factor, grad.values.dtype)
-        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-    return grad * tf.cast(factor, grad.dtype)
 
 
 def _optimizer_bases(keras_: ModuleType) -> tuple[type, ...]:
@@ -640,74 +643,3 @@ def _check_not_xla() -> None:
             "jit_compile=False), or pass a syncdp.keras callback to fit() (it turns "
             "jit_compile off), or drop jit_compile=True from your tf.function."
         )
-
-
-def _loss_scale_class(keras_: ModuleType | None) -> type | None:
-    """Keras 3's ``LossScaleOptimizer`` class; None for Keras 2 (whose loss scale checks what
-    :meth:`Distributed.aggregate_gradients` returns, so its check needs no patch)."""
-    if keras_ is None or not hasattr(keras_.optimizers, "LossScaleOptimizer"):
-        return None
-    scaler = keras_.optimizers.LossScaleOptimizer
-    return scaler if hasattr(scaler, "check_finite") else None
-
-
-def _is_keras2_loss_scale(optimizer) -> bool:
-    return "LossScaleOptimizer" in type(optimizer).__name__ and not hasattr(
-        optimizer, "check_finite"
-    )
-
-
-def _inside_loss_scale(cls, scaled, scaler: type, args, kwargs):
-    """``DistributedOptimizer(LossScaleOptimizer(opt))`` under Keras 3, made
-    ``LossScaleOptimizer(DistributedOptimizer(opt))`` with the same scaling: Keras' compile
-    keeps a LossScaleOptimizer as it is, where it would wrap anything else in a second one (which
-    would unscale the gradients twice), and the loss scale's overflow check then runs on every
-    rank alike (:func:`_agree_on_overflow`)."""
-    if scaled.built:
-        raise ValueError(
-            "Wrap the LossScaleOptimizer in DistributedOptimizer before it is built (before "
-            "compile() or its first step)."
-        )
-    inner = cls(scaled.inner_optimizer, *args, **kwargs)
-    return scaler(
-        inner,
-        initial_scale=scaled.initial_scale,
-        dynamic_growth_steps=scaled.dynamic_growth_steps,
-        name=scaled.name,
-    )
-
-
-def _agree_on_overflow(optimizer: Distributed, caller) -> None:
-    """Makes a Keras 3 ``LossScaleOptimizer`` around ``optimizer`` skip a step on every rank or
-    on none.
-
-    A loss scale skips the update when the gradients overflow, and it checks them before the
-    optimizer it wraps sees them: on each rank's own gradients. A rank whose gradients
-    overflowed would skip the step, and its collectives, while the others reduce: the ranks
-    would go on averaging gradients of different batches. So the loss scale's check (found as
-    the caller of ``build()``: it builds the optimizer it wraps before its first check) is made
-    to ask every rank of the set, one small allreduce per step, and every rank then takes the
-    same branch. Keras' compile wraps the optimizer in a loss scale under the mixed_float16
-    policy.
-    """
-    scaler = _loss_scale_class(optimizer._keras)
-    outer = caller.f_locals.get("self")
-    if scaler is None or not isinstance(outer, scaler):
-        return
-    if getattr(outer, "inner_optimizer", None) is not optimizer:
-        return
-    if "check_finite" in vars(outer):  # done already
-        return
-    local_check = type(outer).check_finite
-
-    def check_finite(self, grads):
-        finite = tf.cast(local_check(self, grads), tf.int32)
-        everywhere = ops.allreduce(
-            finite,
-            op=ops.Min,
-            name=f"{optimizer._collective_name}.finite",
-            process_set=optimizer.process_set,
-        )
-        return tf.equal(everywhere, 1)
-
-    outer.check_finite = types.MethodType(check_finite, outer)

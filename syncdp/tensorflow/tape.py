@@ -440,11 +440,14 @@ class DistributedGradientTape(tf.GradientTape):
 
     def __getattr__(self, name):
         # Attributes GradientTape.__init__ would have set (_persistent, ...) are the wrapped
-        # tape's.
+        # tape's. (_wrapped itself is missing only before __init__, e.g. in copy.copy.)
+        if name == "_wrapped":
+            raise AttributeError(name)
         return getattr(self._wrapped, name)
 
-    # tf.GradientTape's other methods, on the wrapped tape (inherited, they would read this
-    # object's own recording, which is empty).
+    # tf.GradientTape's other methods, on the wrapped tape: inherited, those that record
+    # (reset, _push_tape, ...) would set _tape and _recording on this object, where they would
+    # hide the wrapped tape's.
     def watch(self, tensor):
         return self._wrapped.watch(tensor)
 

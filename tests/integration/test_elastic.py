@@ -74,14 +74,14 @@ def _assert_finished(result, size: int, changes: int) -> list[dict]:
         # program's end was done, so it restarts from the last commit and the end runs again
         # (docs/elastic-host-loss.md). Both runs' results must be whole and agree, and the
         # last line counts the restart; the restart itself loses no rank.
-        earlier, results = results[:size], results[size:]
-        assert sorted(r["rank"] for r in earlier) == list(range(size)), out
-        assert all(r["w"] == results[0]["w"] and r["b"] == results[0]["b"] for r in earlier), out
+        replaced, results = results[:size], results[size:]
+        assert sorted(r["rank"] for r in replaced) == list(range(size)), out
+        assert all(r["w"] == results[0]["w"] and r["b"] == results[0]["b"] for r in replaced), out
         summary = "1 restart(s) after a lost Open MPI daemon"
         last_line = result.stderr.strip().splitlines()[-1]
         assert summary in last_line and "since then, no rank was lost" in last_line, out
     else:
-        earlier = results
+        replaced = results
     assert len(results) == size, out
     assert sorted(r["rank"] for r in results) == list(range(size)), out
     assert all(r["size"] == size and r["epoch"] == EPOCHS for r in results), out
@@ -93,7 +93,7 @@ def _assert_finished(result, size: int, changes: int) -> list[dict]:
     logged = re.findall(r"syncdp-run: elastic: .*recovered in ([0-9.]+) s", result.stderr)
     assert len(logged) == changes, out
     assert summary in result.stderr, out
-    return earlier
+    return replaced
 
 
 @pytest.mark.parametrize("label", [1, 0])

@@ -365,6 +365,26 @@ def test_mixed_precision_overflow_while_accumulating_is_skipped_on_every_rank():
     _assert_identical_across_ranks(model.get_weights())
 
 
+def test_aggregated_gradients_are_reduced_once_whatever_happens_between():
+    # tf-keras' own pattern for custom aggregation: aggregate, transform, then apply with
+    # skip_gradients_aggregation=True. And a step whose aggregation was never applied (a loss
+    # scale skipped it) must not let the next step's gradients pass unreduced.
+    n, r = hvd.size(), hvd.rank()
+    v = tf.Variable([0.0])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=syncdp.Sum)
+    pairs = opt.aggregate_gradients([(tf.constant([float(r + 1)]), v)])
+    np.testing.assert_allclose(pairs[0][0].numpy(), [n * (n + 1) / 2])
+    clipped = [(tf.clip_by_norm(g, 1e6), w) for g, w in pairs]
+    opt.apply_gradients(clipped, skip_gradients_aggregation=True)
+    np.testing.assert_allclose(v.numpy(), [-n * (n + 1) / 2])  # reduced once, not n times
+
+    v.assign([0.0])
+    for _ in range(3):  # aggregated, never applied; the tensors freed
+        opt.aggregate_gradients([(tf.constant([float(r + 1)]), v)])
+    opt.apply_gradients([(tf.constant([float(r + 1)]), v)])
+    np.testing.assert_allclose(v.numpy(), [-n * (n + 1) / 2])  # reduced, on every rank alike
+
+
 class _PassesBefore(keras.callbacks.Callback):
     """Sets a one-process reference's iterations to what they are under Horovod when update
     ``batch`` is applied after ``passes`` passes each: every pass before it counted."""
@@ -627,11 +647,14 @@ def test_load_model_resumes_with_the_wrapped_optimizer(fmt, shared_dir):
     _assert_identical_across_ranks(resumed.get_weights())
 
 
-@pytest.mark.parametrize("inner_name", [None, "my_adam"])
-def test_a_model_loaded_on_rank_0_alone_trains_beside_new_ones(inner_name, shared_dir):
+@pytest.mark.parametrize(
+    ("inner_name", "name"), [(None, None), ("my_adam", None), (None, "distributed_Adam")]
+)
+def test_a_model_loaded_on_rank_0_alone_trains_beside_new_ones(inner_name, name, shared_dir):
     # Horovod's resume (keras_imagenet_resnet50.py): rank 0 loads the checkpoint, the other
     # ranks build and compile a new model, and the broadcast callback hands rank 0's state
-    # on. The loaded optimizer's collectives must go by the new ones' names.
+    # on. The loaded optimizer's collectives must go by the new ones' names, a chosen name
+    # (here the same as the default display name) included.
     x, y = _data(steps=2, seed=13)
     xs, ys = _mine(x, y)
     path = os.path.join(shared_dir, "model.h5")
@@ -641,7 +664,7 @@ def test_a_model_loaded_on_rank_0_alone_trains_beside_new_ones(inner_name, share
 
     def new_model(seed):
         model = _model(seed=seed)
-        model.compile(optimizer=hvd.DistributedOptimizer(adam()), loss=_loss())
+        model.compile(optimizer=hvd.DistributedOptimizer(adam(), name=name), loss=_loss())
         return model
 
     model = new_model(seed=71)

@@ -57,9 +57,11 @@ def test_bad_hosts_are_usage_errors(tmp_path, capsys):
     assert "slots must be at least 1" in capsys.readouterr().err
 
 
-def test_np_defaults_to_the_slurm_allocation_then_to_the_hosts_slots(monkeypatch, capsys):
+def test_np_defaults_to_the_listed_hosts_slots_then_to_the_slurm_allocation(monkeypatch, capsys):
     monkeypatch.setenv("SLURM_NTASKS", "6")
     assert run.parse_args(["python", "x.py"]).num_proc == 6
+    # Hosts listed inside an allocation: their slots, not a task count they cannot hold.
+    assert run.parse_args(["-H", "a:2,b:3", "python", "x.py"]).num_proc == 5
     monkeypatch.delenv("SLURM_NTASKS")
     assert run.parse_args(["-H", "a:2,b:3", "python", "x.py"]).num_proc == 5
     with pytest.raises(SystemExit):
@@ -98,10 +100,8 @@ def test_an_elastic_job_in_a_slurm_allocation_takes_its_nodes_as_hosts(monkeypat
     assert restart.Restarts.possible(c)
     # Not elastic: mpirun reads the allocation itself; -H given: it is the user's.
     assert run.parse_args(["python", "x.py"]).hosts is None
-    assert (
-        run.parse_args(["-np", "4", "--min-np", "2", "-H", "n1:2,n2:2", "python"]).hosts
-        == "n1:2,n2:2"
-    )
+    given = run.parse_args(["--min-np", "2", "-H", "n1:2,n2:2", "python"])
+    assert given.hosts == "n1:2,n2:2" and given.num_proc == 4  # -np: the hosts' slots
 
 
 def test_an_allocation_slurm_cannot_list_leaves_the_hosts_unset(monkeypatch, tmp_path):
