@@ -12,6 +12,7 @@ the learning rates come from the warmup formula; the averaged metrics from the r
 values, gathered here; the batch statistics of SyncBatchNormalization from the whole batch.
 """
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -288,6 +289,26 @@ def _regression(seed):
     )
 
 
+@contextlib.contextmanager
+def _mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def _fit_regression_on_shards(optimizer, x, y, run_eagerly=False):
+    """A new regression model, each rank's initial weights its own, trained one epoch on this
+    rank's rows of every global batch with rank 0's weights broadcast first."""
+    model = _regression(seed=100 + hvd.rank())
+    model.compile(optimizer=optimizer, loss="mse", run_eagerly=run_eagerly)
+    xs, ys = _mine(x, y)
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
+    _fit(model, xs, ys, _local(), epochs=1, callbacks=callbacks)
+    return model
+
+
 @pytest.mark.parametrize(("op", "run_eagerly"), [("average", False), ("sum", False), ("sum", True)])
 def test_mixed_precision_overflow_on_one_rank_is_skipped_on_every_rank(op, run_eagerly):
     """Under mixed_float16, tf-keras' compile wraps the DistributedOptimizer in a loss scale,
@@ -296,28 +317,15 @@ def test_mixed_precision_overflow_on_one_rank_is_skipped_on_every_rank(op, run_e
     whole batch does. (With Sum, a second reduction of the reduced gradients would show.)"""
     x, y = _overflowing_data()
     lr = 0.01
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        model = _regression(seed=100 + hvd.rank())
+    with _mixed_float16():
         if op == "sum":
             opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr / hvd.size()), op=syncdp.Sum)
         else:
             opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr))
-        model.compile(optimizer=opt, loss="mse", run_eagerly=run_eagerly)
-        xs, ys = _mine(x, y)
-        _fit(
-            model,
-            xs,
-            ys,
-            _local(),
-            epochs=1,
-            callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
-        )
+        model = _fit_regression_on_shards(opt, x, y, run_eagerly=run_eagerly)
         reference = _regression(seed=100)
         reference.compile(optimizer=keras.optimizers.SGD(lr), loss="mse")
         _fit(reference, x, y, GLOBAL_BATCH, epochs=1)
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
     assert isinstance(model.optimizer, keras.mixed_precision.LossScaleOptimizer)
     # The first step was skipped (the scale halved), the other two applied, as in one process.
     scale = float(model.optimizer.loss_scale.numpy())
@@ -333,20 +341,9 @@ def test_mixed_precision_overflow_while_accumulating_is_skipped_on_every_rank():
     rank-averaged gradients, taken at the broadcast weights."""
     x, y = _overflowing_data()
     lr = 0.01
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        model = _regression(seed=100 + hvd.rank())
+    with _mixed_float16():
         opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr), backward_passes_per_step=2)
-        model.compile(optimizer=opt, loss="mse")
-        xs, ys = _mine(x, y)
-        _fit(
-            model,
-            xs,
-            ys,
-            _local(),
-            epochs=1,
-            callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
-        )
+        model = _fit_regression_on_shards(opt, x, y)
         reference = _regression(seed=100)
         summed = [tf.zeros_like(v) for v in reference.trainable_variables]
         for i in (1, 2):
@@ -356,8 +353,6 @@ def test_mixed_precision_overflow_while_accumulating_is_skipped_on_every_rank():
                 loss = tf.reduce_mean(tf.square(out - y[rows]))
             grads = tape.gradient(loss, reference.trainable_variables)
             summed = [s + tf.cast(g, s.dtype) for s, g in zip(summed, grads, strict=True)]
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
     want = [v.numpy() - lr * g.numpy() for v, g in zip(reference.trainable_variables, summed)]
     assert float(model.optimizer.loss_scale.numpy()) == 2.0**14
     assert int(model.optimizer.iterations) == 3
