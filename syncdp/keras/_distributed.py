@@ -414,11 +414,22 @@ class Distributed:
 
         Returns:
             The reduced gradients, one per variable.
+
+        Raises:
+            UnsupportedError: The wrapped optimizer is not one of Keras 2's legacy ones, the
+                only ones Keras 2 trains with in a TF1 graph.
         """
         if self.backward_passes_per_step != 1:
             raise UnsupportedError(
                 "backward_passes_per_step > 1 needs eager execution (TensorFlow 2's default); "
                 "in a TF1 graph (disable_eager_execution) use backward_passes_per_step=1."
+            )
+        if not hasattr(self.inner_optimizer, "get_gradients"):
+            raise UnsupportedError(
+                f"{type(self.inner_optimizer).__name__} cannot train in a TF1 graph "
+                "(disable_eager_execution): Keras 2 trains there only with its legacy "
+                "optimizers. Wrap tf.keras.optimizers.legacy."
+                f"{type(self.inner_optimizer).__name__}(...) instead, or run eagerly."
             )
         grads = self.inner_optimizer.get_gradients(loss, params)
         if not self.built:

@@ -92,3 +92,15 @@ def test_keras2_in_a_tf1_graph_broadcasts_and_averages(np, tmp_path):
     for f in found:
         numpy.testing.assert_allclose(f["w"], w.ravel(), rtol=0, atol=1e-5)
         numpy.testing.assert_allclose(f["b"], b, rtol=0, atol=1e-5)
+
+
+def test_keras2_in_a_tf1_graph_names_a_current_optimizer_it_cannot_train_with(tmp_path):
+    # Keras 2 trains in a TF1 graph only with its legacy optimizers; a current one is refused
+    # with the fix, not an AttributeError from deep inside Keras.
+    job = GRAPH_MODE_JOB.replace("keras.optimizers.legacy.SGD(0.1)", "keras.optimizers.SGD(0.1)")
+    result = launch(
+        1, "python", python_script(tmp_path, job), env={"TF_USE_LEGACY_KERAS": "1"}, timeout=180
+    )
+    assert result.returncode != 0
+    assert "SGD cannot train in a TF1 graph" in result.stdout + result.stderr, result.stderr[-3000:]
+    assert "tf.keras.optimizers.legacy.SGD(...)" in result.stdout + result.stderr
