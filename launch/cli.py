@@ -436,22 +436,22 @@ def parse_args(
     if args.slots_per_host is not None and listed:
         # mpirun counts one slot for a host without a count: give each its slots on -H.
         args.hosts, args.hostfile = _hosts.format_hosts(listed), None
+    slots = sum(h.slots for h in listed) if listed else None
     if args.num_proc is None:
-        if listed:
-            args.num_proc = sum(h.slots for h in listed)
+        if slots is not None:
+            args.num_proc = slots
         elif environ.get("SLURM_NTASKS", "").isdigit():
             args.num_proc = int(environ["SLURM_NTASKS"])  # the allocation decides
         else:
             parser.error("-np is required outside a Slurm allocation and without hosts")
     if args.num_proc < 1:
         parser.error(f"-np must be at least 1; got {args.num_proc}")
-    if listed and args.num_proc > sum(h.slots for h in listed):
+    if slots is not None and args.num_proc > slots:
         # As horovodrun and mpirun refuse it: the slots a user lists are what the job may use
         # (oversubscription is for a job on this host given no hosts).
         parser.error(
             f"-np {args.num_proc} needs {args.num_proc} slots, and the hosts listed have "
-            f"{sum(h.slots for h in listed)} ({_hosts.format_hosts(listed)}); add slots "
-            f"(HOST:N) or use a smaller -np"
+            f"{slots} ({_hosts.format_hosts(listed)}); add slots (HOST:N) or use a smaller -np"
         )
     if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
         parser.error(f"--ssh-port must be a TCP port (1-65535); got {args.ssh_port}")

@@ -130,6 +130,7 @@ class Verdict:
         if self.elastic is not None and self.elastic.handle(report):
             return
         with self._lock:
+            failure = None  # the report that names the failure, if this one makes one
             if kind == "started":
                 if self._first_start is None:
                     self._first_start = time.monotonic()
@@ -139,14 +140,16 @@ class Verdict:
                 failure = self._ended_before_init()
             elif kind == "exit":
                 self.exits[report.get("rank")] = report
-                failure = bool(report.get("code") or report.get("signal"))
-                failure = failure and not report.get("requested")
-                failure = failure or self._ended_before_init()
-            else:
-                failure = kind in _FAILURE_KINDS
-            if failure:
-                self._failures.append(failure if isinstance(failure, dict) else report)
-        if failure:
+                failed = report.get("code") or report.get("signal")
+                if failed and not report.get("requested"):
+                    failure = report
+                else:
+                    failure = self._ended_before_init()
+            elif kind in _FAILURE_KINDS:
+                failure = report
+            if failure is not None:
+                self._failures.append(failure)
+        if failure is not None:
             self.failed.set()
 
     def _ended_before_init(self) -> dict | None:

@@ -163,17 +163,18 @@ def _end_leftovers(child: subprocess.Popen) -> None:
     termed: set[int] = set()
     while True:
         _reap_children()
-        group = _signal_group(child.pid, 0)
-        left = [pid for pid in _descendants(me) if pid != me]
+        # os.kill(-pgid) signals the rank's process group; then each process left below this
+        # supervisor.
+        targets = [-child.pid] if _signal_group(child.pid, 0) else []
+        targets += [pid for pid in _descendants(me) if pid != me]
         now = time.monotonic()
-        if (not group and not left) or now > give_up_at:
+        if not targets or now > give_up_at:
             return
         if now > kill_at:
-            _signal_group(child.pid, signal.SIGKILL)
-            for pid in left:
+            for pid in targets:
                 _kill(pid, signal.SIGKILL)
         else:
-            for pid in [-child.pid] * group + left:  # -pgid: the rank's group
+            for pid in targets:
                 if pid not in termed:
                     termed.add(pid)
                     _kill(pid, signal.SIGTERM)

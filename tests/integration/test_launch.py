@@ -273,7 +273,7 @@ def _running_with(marker: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("np", [1, 2])
+@pytest.mark.parametrize("np", [1, 2, 3])
 def test_what_a_rank_starts_and_leaves_running_ends_with_the_job(tmp_path, np):
     """A child that outlives its rank (holding the rank's stdout, or in a new session) neither
     keeps the job from ending nor survives it."""
