@@ -314,11 +314,8 @@ class Distributed:
         aggregated = kwargs.get("skip_gradients_aggregation", False) or not kwargs.get(
             "experimental_aggregate_gradients", True
         )
-        if grads_and_vars:
-            grads, variables = zip(*grads_and_vars, strict=True)
-            self._apply(grads, variables, aggregated)
-        else:
-            self._reduced = None
+        grads = [g for g, _ in grads_and_vars]
+        self._apply(grads, [v for _, v in grads_and_vars], aggregated)
         return self.iterations
 
     def apply(self, grads, trainable_variables=None):
@@ -354,9 +351,7 @@ class Distributed:
                 )
             trainable_variables = self._built_for
         trainable_variables = list(trainable_variables)
-        if not self.built:
-            with self._creation_scope():
-                self.build(trainable_variables)
+        self._build_once(trainable_variables)
         _check_not_xla()
         if self.backward_passes_per_step == 1:
             if reduced_before is not None and (aggregated or _same(reduced_before, grads)):
@@ -397,9 +392,7 @@ class Distributed:
             value = loss() if callable(loss) else loss
         grads = tape.gradient(value, var_list, grad_loss)
         if self.backward_passes_per_step == 1:
-            if not self.built:
-                with self._creation_scope():
-                    self.build(var_list)
+            self._build_once(var_list)
             grads = self._reduce(list(grads), var_list)
             self._reduced = list(grads)
         return list(zip(grads, var_list))
@@ -432,9 +425,7 @@ class Distributed:
                 f"{type(self.inner_optimizer).__name__}(...) instead, or run eagerly."
             )
         grads = self.inner_optimizer.get_gradients(loss, params)
-        if not self.built:
-            with self._creation_scope():
-                self.build(params)
+        self._build_once(params)
         return self._reduce(list(grads), list(params))
 
     def get_updates(self, loss, params):
@@ -472,9 +463,7 @@ class Distributed:
         if not pairs:
             return pairs
         grads, variables = (list(t) for t in zip(*pairs, strict=True))
-        if not self.built:
-            with self._creation_scope():
-                self.build(variables)
+        self._build_once(variables)
         if self.backward_passes_per_step == 1:
             _check_not_xla()
             grads = self._reduce(grads, variables)
@@ -491,6 +480,12 @@ class Distributed:
         if self.backward_passes_per_step == 1:
             return None
         return _PassCounter(self)
+
+    def _build_once(self, variables) -> None:
+        """Builds for ``variables`` on first use (whichever of Keras' entry points comes first)."""
+        if not self.built:
+            with self._creation_scope():
+                self.build(variables)
 
     def _creation_scope(self):
         # Keras 3 names variables by its own scopes (its base class's apply() opens this one);
