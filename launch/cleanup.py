@@ -28,7 +28,10 @@ Files too: each Open MPI process on a host keeps a shared-memory segment in ``/d
 killed (a lost rank, a spare that died) leaves its segment there for good. While the job runs,
 :class:`ShmLeftovers` learns from the job's processes on the launcher's host which segments are
 theirs (the upper half of the job id is mpirun's, shared by the processes a recovery spawns),
-and when the job ends it removes the job's segments that no process maps or holds open.
+and when the job ends it removes the job's segments that no process maps or holds open. What
+no launcher was there to remove (a killed launcher's job, a process that ran without one) goes
+when the next job starts: :func:`remove_stale_segments` removes this user's segments on the
+launcher's host that nothing holds and that are older than a minute.
 
 And Open MPI's session directories: mpirun keeps its PMIx rendezvous files in ``ompi.PID``
 under the temporary directory (``$TMPDIR``, else ``/tmp``) and removes it when it exits; a
@@ -48,6 +51,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -362,6 +366,51 @@ def remove_stale_session_dirs(env: Mapping[str, str] | None = None) -> list[str]
     return removed
 
 
+# A segment younger than this is left alone by remove_stale_segments: its process may be
+# between creating and mapping it (Open MPI holds it open meanwhile; this is a second guard).
+STALE_SEGMENT_SECONDS = 60.0
+
+
+def remove_stale_segments(
+    directory: str = "/dev/shm", min_age: float = STALE_SEGMENT_SECONDS
+) -> list[str]:
+    """Removes this user's Open MPI shared-memory segments in ``directory`` that no process on
+    this host maps or holds open and that are older than ``min_age`` seconds: what killed
+    processes of earlier jobs left when no launcher was there to remove them (the launcher was
+    killed too, or the process ran without one, as a singleton).
+
+    Returns:
+        The names removed.
+    """
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    uid, now = os.getuid(), time.time()
+    stale = set()
+    for name in names:
+        mark = ShmLeftovers.parse(name)
+        if mark is None or mark[0] != str(uid):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_uid == uid and now - info.st_mtime > min_age:
+            stale.add(path)
+    if not stale:
+        return []
+    removed = []
+    for path in sorted(stale - _held(stale)):
+        try:
+            os.unlink(path)
+            removed.append(os.path.basename(path))
+        except OSError:
+            pass
+    return removed
+
+
 class ShmLeftovers:
     """The job's Open MPI shared-memory segments on this host (see the module docstring).
 
@@ -383,7 +432,7 @@ class ShmLeftovers:
             return
         for pid in _descendants(self.root):
             for path in _mapped(pid, self.directory):
-                mark = self._parse(os.path.basename(path))
+                mark = self.parse(os.path.basename(path))
                 if mark is not None:
                     self._mark = mark
                     return
@@ -396,7 +445,7 @@ class ShmLeftovers:
             names = os.listdir(self.directory)
         except OSError:
             return []
-        ours = {os.path.join(self.directory, n) for n in names if self._parse(n) == self._mark}
+        ours = {os.path.join(self.directory, n) for n in names if self.parse(n) == self._mark}
         if not ours:
             return []
         held = _held(ours)
@@ -410,7 +459,7 @@ class ShmLeftovers:
         return removed
 
     @classmethod
-    def _parse(cls, name: str) -> tuple[str, str] | None:
+    def parse(cls, name: str) -> tuple[str, str] | None:
         """``sm_segment.HOST.UID.JOBID.N`` -> (UID, the upper half of JOBID): a host's name
         does not matter, hosts that share this directory share it with this job's too."""
         if not name.startswith(cls._PREFIX):

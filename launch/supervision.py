@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from launch.cleanup import ShmLeftovers, remove_stale_session_dirs
+from launch.cleanup import ShmLeftovers, remove_stale_segments, remove_stale_session_dirs
 from launch.elastic import SPARE_GRACE_SECONDS
 
 if TYPE_CHECKING:
@@ -64,8 +64,11 @@ def _end_with_launcher() -> None:
 def start_mpirun(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
     """Starts mpirun (see the module docstring), its output on pipes, once the session
     directories that killed mpiruns left behind are gone (one would stop an mpirun that gets
-    its process id: :func:`launch.cleanup.remove_stale_session_dirs`)."""
+    its process id: :func:`launch.cleanup.remove_stale_session_dirs`) and so are the
+    shared-memory segments that killed processes of earlier jobs left on this host
+    (:func:`launch.cleanup.remove_stale_segments`)."""
     remove_stale_session_dirs(env)
+    remove_stale_segments()
     return subprocess.Popen(
         cmd,
         env=env,

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from launch import cleanup
 from tests.launcher import ROOT, check, launch, python_script, rank_env, start
 
 HELLO = "import syncdp; syncdp.init(); print('hello', syncdp.rank(), syncdp.size())"
@@ -154,6 +155,35 @@ def test_a_killed_mpiruns_session_directory_does_not_stop_a_later_job(tmp_path):
     # Gone, but for those of processes that were running when mpirun started (the launcher's).
     left = [p.name for p in base.iterdir() if p.name.startswith("ompi.")]
     assert len(left) < 20, left
+
+
+def test_segments_that_killed_processes_left_are_gone_after_the_next_job(tmp_path):
+    # A process that ends without MPI_Finalize (killed, or os._exit) keeps its Open MPI segment
+    # in /dev/shm; with no launcher of its own (here a singleton) nothing removed it.
+    leaver = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os\n"
+            "from mpi4py import MPI\n"
+            "from launch.cleanup import _mapped\n"
+            "MPI.COMM_WORLD.Barrier()\n"
+            "print(*_mapped(os.getpid(), '/dev/shm'), flush=True)\n"
+            "os._exit(0)\n",
+        ],
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    left = leaver.stdout.split()
+    assert leaver.returncode == 0 and len(left) == 1, (leaver.stdout, leaver.stderr[-2000:])
+    assert os.path.exists(left[0])
+    old = time.time() - 2 * cleanup.STALE_SEGMENT_SECONDS
+    os.utime(left[0], (old, old))
+    result = launch(1, sys.executable, "-c", "print('ran')", timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not os.path.exists(left[0])
 
 
 def test_sigterm_stops_every_rank(tmp_path):

@@ -1,7 +1,9 @@
 """The shared-memory segments a job's killed processes leave are removed, and nothing else."""
 
+import os
 import subprocess
 import sys
+import time
 
 from launch import cleanup
 from launch.cleanup import ShmLeftovers
@@ -72,3 +74,39 @@ def test_session_directories_of_processes_that_are_gone_are_removed(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"ompi.{alive.pid}", "ompi.notapid", "other"]
     )
+
+
+def test_segments_that_earlier_jobs_left_are_removed_when_nothing_holds_them(tmp_path):
+    uid = os.getuid()
+    old = time.time() - 2 * cleanup.STALE_SEGMENT_SECONDS
+    names = {
+        "killed": f"sm_segment.h.{uid}.abcd0001.0",  # a killed rank's, no launcher left
+        "singleton": f"sm_segment.vm.{uid}.437b0000.0",  # a process that ran without one
+        "held": f"sm_segment.h.{uid}.abcd0001.1",  # a live process maps it
+        "young": f"sm_segment.h.{uid}.ffff0001.0",  # just made: may be about to be mapped
+        "other user": f"sm_segment.h.{uid + 1}.abcd0001.2",
+        "not a segment": f"osc_sm.h.{uid}.abcd0001.3",
+    }
+    for key, name in names.items():
+        path = tmp_path / name
+        path.write_bytes(bytes(4096))
+        if key != "young":
+            os.utime(path, (old, old))
+    link = tmp_path / f"sm_segment.h.{uid}.abcd0001.5"  # not a file of its own
+    link.symlink_to(tmp_path / names["other user"])
+    os.utime(link, (old, old), follow_symlinks=False)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(tmp_path / names["held"])],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "mapped\n"
+        removed = cleanup.remove_stale_segments(str(tmp_path))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert removed == sorted([names["killed"], names["singleton"]])
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == (set(names.values()) | {link.name}) - set(removed)
+    assert cleanup.remove_stale_segments(str(tmp_path / "missing")) == []
