@@ -9,7 +9,8 @@ that reduction's identity (zeros for a sum or an average, so the joined rank add
 largest value for a min, the smallest for a max, ones for a product), so every rank runs the
 same collectives in the same order. An average still divides by every rank of the group, as
 Horovod's does. A joined rank's step is :data:`~syncdp.engine.steps.JOINED_STEP`, which the
-step check leaves out.
+step check leaves out; once every rank has joined, the group's step check counts each rank's
+steps anew (:class:`~syncdp.engine.steps.Agreement`).
 
 Once every rank has joined, ``join()`` returns on every rank the rank that joined last.
 Collectives other than reductions cannot run while a rank has joined: they raise on the active
@@ -81,4 +82,6 @@ def join(comm) -> int:
         if spec:  # an empty task: the others skip a collective while ranks have joined
             stand_in(comm, spec)
             served += 1
-    return comm.join_last(arrived_before)
+    last = comm.join_last(arrived_before)
+    _steps.agreement(comm).rebase()  # the ranks made different numbers of steps before it
+    return last

@@ -164,7 +164,7 @@ class BucketReducer:
                 plan.fill(arrays, step)
                 if not check(self.name):  # the check is the reduction: named as it
                     began = time.perf_counter()
-                    done = self._finish_gathered(plan, check_step)
+                    done = self._finish_gathered(comm, plan, check_step)
                     # The check's time was waiting (the ranks' skew, and microseconds of
                     # transfer); reducing the rows is this bucket's own work on its bytes.
                     _stats.RECORDER.add("move", time.perf_counter() - began, plan.nbytes)
@@ -186,7 +186,9 @@ class BucketReducer:
         if step_elems:
             start = layout.offsets[-1]
             steps = _steps.decode(buf[start : start + step_elems], n)
-            agreed = _steps.check(steps) if check_step else _steps.first_active(steps)
+            agreed = (
+                _steps.agreement(comm).check(steps) if check_step else _steps.first_active(steps)
+            )
         results = tuple(
             buf[off : off + size].reshape(np.shape(a))
             for off, size, a in zip(layout.offsets, sizes, arrays)
@@ -209,7 +211,7 @@ class BucketReducer:
             nbytes=plan.nbytes,
             dtype=self.dtype_name,
         )
-        return self._finish_gathered(plan, check_step)
+        return self._finish_gathered(comm, plan, check_step)
 
     def _plan(self, comm, shapes: tuple, *, inline: bool) -> _GatherPlan | None:
         """The gathered path's plan for members of ``shapes`` on ``comm``, made at the first
@@ -228,12 +230,14 @@ class BucketReducer:
             known = self._gather_plans[key] = (comm.record if inline else None, plan)
         return known[1]
 
-    def _finish_gathered(self, plan, check_step: bool = True):
+    def _finish_gathered(self, comm, plan, check_step: bool = True):
         """The gathered rows reduced: ``(results, agreed step)``."""
         agreed = None
         if self.carry_step:
             steps = plan.steps.tolist()
-            agreed = _steps.check(steps) if check_step else _steps.first_active(steps)
+            agreed = (
+                _steps.agreement(comm).check(steps) if check_step else _steps.first_active(steps)
+            )
         out = _POOL.take(plan.out_shelf, plan.total, self.dtype)
         plan.reduce(out)
         results = [

@@ -7,6 +7,10 @@ for float16/bfloat16, 16 for float32, 32 for float64 and wide integers). The reg
 with the gradients but never scaled; since each slot has one non-zero contribution, the sum is
 exact, and afterwards every rank reads every rank's step. If they differ, every rank raises
 :class:`~syncdp.StepMismatchError` naming the ranks, and the step's update is never applied.
+
+``join()`` ends that agreement on purpose: ranks with uneven data made different numbers of
+steps before it. A group's :class:`Agreement` then counts each rank's steps from where that
+rank stood at its first reduction after the join, so the next epoch's steps agree again.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import numpy as np
 
 from syncdp.base.errors import StepMismatchError
 
-__all__ = ["limbs_for", "encode", "decode", "check", "JOINED_STEP"]
+__all__ = ["limbs_for", "encode", "decode", "check", "Agreement", "agreement", "JOINED_STEP"]
 
 _STEP_BITS = 64
 
@@ -72,9 +76,10 @@ def first_active(steps: list[int]) -> int:
     return next((s for s in steps if s != JOINED_STEP), steps[0])
 
 
-def check(steps: list[int]) -> int:
+def check(steps: list[int], counted: str = "") -> int:
     """Returns the step every rank reported; raises StepMismatchError naming the odd ones.
-    Joined ranks (:data:`JOINED_STEP`) are left out."""
+    Joined ranks (:data:`JOINED_STEP`) are left out. ``counted`` says how the steps were
+    counted, for the message."""
     if steps.count(steps[0]) == len(steps):  # every step alike: the check of every step
         return steps[0]
     first = first_active(steps)
@@ -90,7 +95,79 @@ def check(steps: list[int]) -> int:
     )
     raise StepMismatchError(
         "Ranks must reduce gradients of the same step, but they disagree: "
-        f"{odd}; {_ranks(by_step[majority])} at step {majority}. A rank skipped or repeated a "
-        "step (uneven data, a rank-dependent `continue` or early exit); give every rank the "
-        "same number of steps (syncdp.data.tfrecord_dataset does)."
+        f"{odd}; {_ranks(by_step[majority])} at step {majority}{counted}. A rank skipped or "
+        "repeated a step (uneven data, a rank-dependent `continue` or early exit); give every "
+        "rank the same number of steps (syncdp.data.tfrecord_dataset does), or end each "
+        "rank's data with syncdp.join()."
     )
+
+
+class Agreement:
+    """The step check of one group (a communicator), across ``join()``.
+
+    Until a rank joins, it is :func:`check` itself. When a ``join()`` ends (:meth:`rebase`, on
+    every rank of the group at the same point of its collectives), each rank's step at the
+    group's next reduction it takes part in becomes its new start: from then on a rank's step
+    is counted as the steps it made since, added to the step of a rank that stood at the join
+    (the first such rank's, else the first active rank's). So uneven epochs, each ended by
+    ``join()``, agree again afterwards, and a rank that skips a step later is still caught.
+    When every rank's step falls back to one value below every step of the check before (a
+    count started anew on every rank: a new optimizer's ``iterations``), the shift ends. Every
+    rank reads the same steps in the same checks, so every rank shifts them alike.
+
+    Args:
+        size: The number of ranks in the group.
+    """
+
+    def __init__(self, size: int):
+        self.offsets = [0] * size  # subtracted from each rank's step before the check
+        self.shifted = False  # whether any offset is not 0
+        self.pending: set[int] = set()  # ranks whose start is not known yet since a join
+        self.floor: int | None = None  # while shifted, the lowest step of the last check
+
+    def rebase(self) -> None:
+        """A ``join()`` of the group has ended: every rank's steps start anew."""
+        self.pending = set(range(len(self.offsets)))
+
+    def check(self, steps: list[int]) -> int:
+        """:func:`check` on the steps counted as above; returns the agreed (counted) step."""
+        if self.pending:
+            self._restart(steps)
+        if not self.shifted:
+            self.floor = None
+            return check(steps)
+        active = [s for s in steps if s != JOINED_STEP]
+        if active and self.floor is not None and active[0] < self.floor:
+            if active.count(active[0]) == len(active):
+                # Every rank's count went back to one value: a count started anew on every
+                # rank (a new optimizer's iterations), so no longer shifted.
+                self.offsets = [0] * len(self.offsets)
+                self.shifted = False
+                self.floor = None
+                return active[0]
+        if active:
+            self.floor = min(active)
+        counted = [s if s == JOINED_STEP else s - o for s, o in zip(steps, self.offsets)]
+        return check(counted, " (steps counted on from the last join(), where ranks differed)")
+
+    def _restart(self, steps: list[int]) -> None:
+        active = [r for r, s in enumerate(steps) if s != JOINED_STEP]
+        if not active:
+            return
+        settled = [r for r in active if r not in self.pending]
+        if settled:
+            ref = steps[settled[0]] - self.offsets[settled[0]]
+        else:
+            ref = steps[active[0]]
+        for r in active:
+            if r in self.pending:
+                self.offsets[r] = steps[r] - ref
+                self.pending.discard(r)
+        self.shifted = any(self.offsets)
+
+
+def agreement(comm) -> Agreement:
+    """The step check of communicator ``comm``'s group, made at its first use."""
+    if comm.steps is None:
+        comm.steps = Agreement(comm.size)
+    return comm.steps

@@ -159,6 +159,8 @@ class Communicator:
         self.seq = 0
         self._checked_at: float | None = None  # when the last argument check began
         self._join_notes: list[int] = []  # rank 0 in join(): who arrived after it, in order
+        # The engine's step check across join()s (syncdp.engine.steps.agreement): its own.
+        self.steps = None
         # Set once a rank of this group was found dead: nothing more can run on it.
         self.broken = False
         # Communicators to revoke along with this one (a process set's job communicator).

@@ -112,21 +112,23 @@ def test_ranks_with_uneven_data_train_then_join(hvd, monkeypatch):
 
 
 def test_join_within_a_process_set(hvd):
-    """Rank 1 of the set {0, 1} joins; rank 0's allreduce on the set gets only its own
-    values; a rank outside the set takes no part."""
+    """The set of the last two ranks: its second rank joins; the first's allreduce on the set
+    gets only its own values, then it joins last, and join() names it by its job rank (at
+    np=3 rank 1, the set's rank 0); a rank outside the set takes no part."""
     n, r = hvd.size(), hvd.rank()
     if n == 1:
         pytest.skip("needs 2 ranks")
-    ps = hvd.add_process_set([0, 1])
+    first, second = n - 2, n - 1
+    ps = hvd.add_process_set([first, second])
     try:
         x = tf.constant([1.0, 2.0]) * (r + 1)
-        if r == 1:
+        if r == second:
             last = hvd.join(process_set=ps)
-            assert int(last) == 0
-        elif r == 0:
+            assert int(last) == first
+        elif r == first:
             out = hvd.allreduce(x, op=hvd.Sum, process_set=ps)
-            np.testing.assert_array_equal(out.numpy(), [1.0, 2.0])
-            assert int(hvd.join(process_set=ps)) == 0
+            np.testing.assert_array_equal(out.numpy(), np.array([1.0, 2.0]) * (first + 1))
+            assert int(hvd.join(process_set=ps)) == first
     finally:
         hvd.remove_process_set(ps)
 
@@ -186,3 +188,74 @@ def test_the_periodic_replica_check_is_skipped_while_a_rank_has_joined(hvd, monk
         hvd.join()
     # Every rank trains again: the check runs, and finds the replicas identical.
     assert hvd.verify_synchronized([w]) == 1
+
+
+@pytest.mark.parametrize("source", ["tape", "keras"])
+def test_uneven_epochs_each_ended_by_join_train_on(hvd, source, monkeypatch):
+    """Horovod's pattern for uneven data: every epoch each rank trains on what it has, joins,
+    and the last to join broadcasts. The steps the ranks made differ after each join; the next
+    epoch's must still be taken as agreeing (the tape's own count, or the Keras optimizer's
+    ``iterations``), and a rank that skips a step afterwards must still be caught."""
+    n, r = hvd.size(), hvd.rank()
+    monkeypatch.setattr(tape_mod, "_counters", {})
+    epochs = 3
+    # Rank q has 1 + (q + e) % n batches in epoch e: a different rank joins last each epoch.
+    batches = [[1 + (q + e) % n for q in range(n)] for e in range(epochs)]
+    rng = np.random.default_rng(11)
+    data = [
+        [rng.normal(size=(batches[e][q], 4, 3)).astype(np.float32) for q in range(n)]
+        for e in range(epochs)
+    ]
+    w = tf.Variable(np.ones(3, np.float32))
+
+    def make_step():
+        if source == "keras":
+            opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+        else:
+            opt = keras.optimizers.SGD(0.1)
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(tf.linalg.matvec(x, w))) / 4.0
+            if source == "tape":
+                tape = hvd.DistributedGradientTape(tape)
+            grads = tape.gradient(loss, [w])
+            opt.apply_gradients(zip(grads, [w]))
+
+        return step, opt
+
+    step, opt = make_step()
+
+    want = np.ones(3, np.float64)
+    for e in range(epochs):
+        for x in data[e][r]:
+            step(tf.constant(x))
+        last = int(hvd.join())
+        assert batches[e][last] == max(batches[e])
+        hvd.broadcast_variables([w], root_rank=last)
+        for t in range(max(batches[e])):  # joined ranks add zeros; the average divides by n
+            total = np.zeros(3)
+            for q in range(n):
+                if t < batches[e][q]:
+                    x = data[e][q][t].astype(np.float64)
+                    total += 2.0 * x.T @ (x @ want) / 4.0
+            want = want - 0.1 * total / n
+        np.testing.assert_allclose(w.numpy(), want, rtol=1e-5)
+    # The first step after a join sets where each rank's count starts; a new optimizer's
+    # count, from 0 on every rank, agrees; rank 0 then skips a step: every rank is told.
+    step(tf.constant(data[0][0][0]))
+    step(tf.constant(data[0][0][0]))
+    if source == "keras":
+        step, opt = make_step()
+        step(tf.constant(data[0][0][0]))
+        step(tf.constant(data[0][0][0]))
+    if n > 1:
+        if r == 0:
+            if source == "tape":
+                tape_mod._step_counter().assign_add(1)
+            else:
+                opt.iterations.assign_add(1)
+        skipped = r"StepMismatchError: .*rank \d is at step \d+; ranks? [\d, ]+ at step \d+"
+        with pytest.raises(tf.errors.OpError, match=skipped):  # raised inside the function
+            step(tf.constant(data[0][0][0]))

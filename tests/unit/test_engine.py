@@ -42,6 +42,7 @@ class _Comm:
 
     def __init__(self, job, rank, chunk=7):
         self.job, self.rank, self.size, self.chunk = job, rank, job.size, chunk
+        self.steps = None  # the engine's step agreement, as on a Communicator
 
     def allreduce_inplace(self, buf, op, *, name, before=None, after=None, info=None, nbytes=None):
         fold = {"sum": np.add, "min": np.minimum, "max": np.maximum}[op]
@@ -290,6 +291,29 @@ def test_ranks_at_different_steps_raise_on_every_rank_naming_them(engine_path):
     per_rank = [[np.ones(3, np.float32)]] * 3
     with pytest.raises(StepMismatchError, match=r"rank 2 is at step 8; ranks 0, 1 at step 7"):
         reduce_on_ranks(per_rank, np.float32, "average", steps=[7, 7, 8])
+
+
+def test_after_a_join_each_ranks_steps_count_from_where_it_stood():
+    J = steps_mod.JOINED_STEP
+    agreement = steps_mod.Agreement(3)
+    assert agreement.check([4, 4, 4]) == 4
+    agreement.rebase()  # the ranks made 4, 6 and 5 steps before the join
+    assert agreement.check([5, 7, 6]) == 5  # where each stands: rank 0's count goes on
+    assert agreement.check([6, 8, 7]) == 6
+    with pytest.raises(StepMismatchError, match=r"rank 1 is at step 8; ranks 0, 2 at step 7"):
+        agreement.check([7, 10, 8])  # rank 1 skipped a step
+    # A rank that had joined again when the others restarted takes its place at its next step.
+    agreement = steps_mod.Agreement(3)
+    agreement.rebase()
+    assert agreement.check([J, 10, 12]) == 10
+    assert agreement.check([3, 11, 13]) == 11
+    assert agreement.check([4, 12, 14]) == 12
+    with pytest.raises(StepMismatchError, match=r"rank 0 is at step 12"):
+        agreement.check([4, 13, 15])  # rank 0 repeated its step
+    # A new optimizer: every rank's count back to one value, below the last check's.
+    assert agreement.check([0, 0, 0]) == 0 and not agreement.shifted
+    with pytest.raises(StepMismatchError):
+        agreement.check([1, 2, 1])
 
 
 def test_without_the_step_check_rank_0s_step_is_agreed_and_the_sum_is_exact(engine_path):

@@ -187,8 +187,8 @@ def join(device: int = -1, process_set=global_process_set) -> tf.Tensor:
         process_set: The ranks that join together. Defaults to the whole job.
 
     Returns:
-        The rank that joined last, as an int32 scalar tensor, the same on every rank (inside
-        ``tf.function`` or a TF1 graph, computed when the graph runs).
+        The job rank that joined last, as an int32 scalar tensor, the same on every rank
+        (inside ``tf.function`` or a TF1 graph, computed when the graph runs).
 
     Example:
         >>> for batch in my_uneven_share:
@@ -197,7 +197,8 @@ def join(device: int = -1, process_set=global_process_set) -> tf.Tensor:
     """
 
     def run():
-        return np.int32(joining.join(_comm(process_set)))
+        last = joining.join(_comm(process_set))  # its rank within the set's communicator
+        return np.int32((process_set or global_process_set).ranks[last])
 
     if tf.executing_eagerly():
         return tf.constant(run(), tf.int32)
