@@ -35,6 +35,9 @@ def task(reducer: BucketReducer, sizes) -> dict:
         "sizes": tuple(int(n) for n in sizes),
         "carry_step": reducer.carry_step,
         "name": reducer.name,
+        # A rank may scale a share of every rank's sum (float16's path): the joined one too.
+        "prescale": reducer.prescale,
+        "postscale": reducer.postscale,
     }
 
 
@@ -60,7 +63,14 @@ def _dtype(spec: dict) -> np.dtype:
 def stand_in(comm, spec: dict) -> None:
     """Runs the reduction ``spec`` (a :func:`task`) with this rank's identity contribution."""
     dtype = _dtype(spec)
-    reducer = BucketReducer(dtype, spec["op"], name=spec["name"], carry_step=spec["carry_step"])
+    reducer = BucketReducer(
+        dtype,
+        spec["op"],
+        prescale=spec["prescale"],
+        postscale=spec["postscale"],
+        name=spec["name"],
+        carry_step=spec["carry_step"],
+    )
     fill = _identity(dtype, spec["op"])
     arrays = [np.full(n, fill, dtype) for n in spec["sizes"]]
     step = _steps.JOINED_STEP if spec["carry_step"] else None

@@ -71,6 +71,24 @@ def test_joined_rank_adds_zeros_and_join_returns_the_last(hvd, dtype, graph):
             assert int(last) == 1 - first
 
 
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32], ids=lambda d: d.name)
+def test_a_joined_rank_scales_its_share_of_a_large_reduction(hvd, dtype):
+    """Above the gathered path, a half-precision sum is split into shares that each rank
+    reduces and scales: a joined rank's share must get the prescale and postscale too."""
+    n, r = hvd.size(), hvd.rank()
+    values = tf.cast(tf.fill([300_000], r + 1), dtype)
+    if r == 0:
+        last = hvd.join()
+    else:
+        out = hvd.allreduce(values, op=hvd.Sum, prescale_factor=3.0, postscale_factor=0.5)
+        total = sum(q + 1 for q in range(1, n))  # rank 0 has joined: it adds nothing
+        np.testing.assert_array_equal(
+            tf.cast(out, tf.float64).numpy(), np.full(300_000, 1.5 * total)
+        )
+        last = hvd.join()
+    assert int(last) != 0 or n == 1  # rank 0 joined first
+
+
 def test_ranks_with_uneven_data_train_then_join(hvd, monkeypatch):
     """Rank r has 2 + (r + 1) % n batches; each trains on what it has, then joins. Every
     step averages the active ranks' gradients over all n ranks (joined ranks add zeros), so
