@@ -12,9 +12,12 @@ Horovod's does. A joined rank's step is :data:`~syncdp.engine.steps.JOINED_STEP`
 step check leaves out; once every rank has joined, the group's step check counts each rank's
 steps anew (:class:`~syncdp.engine.steps.Agreement`).
 
+An allgather's task (:func:`gather_task`) has the joined rank give no rows, as Horovod's does,
+so sparse gradients (gathered rows and indices) train on too.
+
 Once every rank has joined, ``join()`` returns on every rank the rank that joined last.
-Collectives other than reductions cannot run while a rank has joined: they raise on the active
-ranks, and the joined ranks wait on.
+Other collectives (broadcasts, alltoall, reducescatter, barriers, objects) cannot run while a
+rank has joined: they raise on the active ranks, and the joined ranks wait on.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ __all__ = ["task", "join"]
 def task(reducer: BucketReducer, sizes) -> dict:
     """What a joined rank needs to stand in for ``reducer`` on members of ``sizes`` elements."""
     return {
+        "kind": "reduce",
         "dtype": reducer.dtype.name,
         "op": reducer.op,
         "sizes": tuple(int(n) for n in sizes),
@@ -38,6 +42,16 @@ def task(reducer: BucketReducer, sizes) -> dict:
         # A rank may scale a share of every rank's sum (float16's path): the joined one too.
         "prescale": reducer.prescale,
         "postscale": reducer.postscale,
+    }
+
+
+def gather_task(array: np.ndarray, name: str) -> dict:
+    """What a joined rank needs to stand in for an allgather of ``array``: it gives no rows."""
+    return {
+        "kind": "allgather",
+        "dtype": array.dtype.name,
+        "trailing": tuple(int(d) for d in array.shape[1:]),
+        "name": name,
     }
 
 
@@ -61,8 +75,12 @@ def _dtype(spec: dict) -> np.dtype:
 
 
 def stand_in(comm, spec: dict) -> None:
-    """Runs the reduction ``spec`` (a :func:`task`) with this rank's identity contribution."""
+    """Runs the collective ``spec`` (a :func:`task` or :func:`gather_task`) with this rank's
+    identity contribution: the op's identity, or no rows."""
     dtype = _dtype(spec)
+    if spec["kind"] == "allgather":
+        comm.allgather(np.empty((0, *spec["trailing"]), dtype), name=spec["name"])
+        return
     reducer = BucketReducer(
         dtype,
         spec["op"],

@@ -697,7 +697,8 @@ class Communicator:
             raise CollectiveError(
                 f"{name}: rank(s) {who} have called join(), and this collective cannot run "
                 "without them. While a rank has joined, the others can run allreduce, "
-                "grouped_allreduce and gradient reductions (the joined ranks add nothing); "
+                "grouped_allreduce, allgather and gradient reductions (the joined ranks add "
+                "nothing); "
                 "call join() on every rank before any other collective."
             )
         return joined

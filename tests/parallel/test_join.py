@@ -129,6 +129,45 @@ def test_ranks_with_uneven_data_train_then_join(hvd, monkeypatch):
     assert len(set(everyone)) == 1  # bit-identical replicas
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_sparse_gradients_and_allgathers_train_on_while_a_rank_has_joined(hvd, graph):
+    """An embedding's gradient is gathered (rows and indices), as Horovod does: a joined rank
+    gives no rows. Rank r has 1 + r batches; the average still divides by every rank."""
+    n, r = hvd.size(), hvd.rank()
+    rng = np.random.default_rng(3)
+    batches = [1 + q for q in range(n)]
+    idx = [rng.integers(0, 6, size=(batches[q], 4)) for q in range(n)]
+    vec = [rng.normal(size=(batches[q], 4, 2)).astype(np.float32) for q in range(n)]
+    table = tf.Variable(np.ones((6, 2), np.float32))
+    opt = keras.optimizers.SGD(0.1)
+
+    def step(i, v):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(table, i) * v)
+        (grad,) = hvd.DistributedGradientTape(tape).gradient(loss, [table])
+        opt.apply_gradients([(grad, table)])
+        return hvd.allgather(tf.cast(i, tf.float32), name="indices_seen")
+
+    step_fn = tf.function(step) if graph else step
+    want = np.ones((6, 2), np.float64)
+    history = [want]  # the weights after each step
+    for t in range(max(batches)):
+        total = np.zeros((6, 2))
+        active = [q for q in range(n) if t < batches[q]]
+        for q in active:
+            np.add.at(total, idx[q][t], vec[q][t].astype(np.float64))
+        want = want - 0.1 * total / n
+        history.append(want)
+        if r in active:
+            seen = step_fn(tf.constant(idx[r][t]), tf.constant(vec[r][t]))
+            np.testing.assert_array_equal(
+                seen.numpy(), np.concatenate([idx[q][t] for q in active]).astype(np.float32)
+            )
+    assert int(hvd.join()) == n - 1
+    # A rank stops updating when it joins: rank n - 1 trained through every step.
+    np.testing.assert_allclose(table.numpy(), history[batches[r]], rtol=1e-5)
+
+
 def test_join_within_a_process_set(hvd):
     """The set of the last two ranks: its second rank joins; the first's allreduce on the set
     gets only its own values, then it joins last, and join() names it by its job rank (at

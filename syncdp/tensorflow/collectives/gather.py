@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from syncdp.engine import joining
 from syncdp.job.process_sets import global_process_set
 from syncdp.tensorflow.collectives._common import (
     _comm,
@@ -36,7 +37,9 @@ def _gather(tensor, name: str, process_set):
 
     def gather(a):
         comm = _comm(process_set)
-        comm.agree(_signature(name, a, rank=a.ndim, trailing=a.shape[1:]), name=name)
+        signature = _signature(name, a, rank=a.ndim, trailing=a.shape[1:])
+        # A rank that has called join() stands in with no rows.
+        comm.agree(signature, name=name, join=lambda: joining.gather_task(a, name))
         return (comm.allgather(a, name=name),)
 
     return ordered_call(gather, [tensor], [tensor.dtype], [shape], name)[0]

@@ -175,9 +175,10 @@ def join(device: int = -1, process_set=global_process_set) -> tf.Tensor:
     Horovod's semantics: until every rank of ``process_set`` has joined, a joined rank stands
     in for the others' reductions (``allreduce``, ``grouped_allreduce``, gradient reductions,
     any dtype), adding nothing: zeros to a sum or an average (which still divides by the
-    set's size, as Horovod's does), the identity to a min, max or product. So ranks with
-    uneven data can each train on what they have, then join. Other collectives raise on the
-    active ranks while a rank has joined. Arrivals are ordered on rank 0's clock alone,
+    set's size, as Horovod's does), the identity to a min, max or product; to an
+    ``allgather`` (sparse gradients' too) it gives no rows. So ranks with uneven data can
+    each train on what they have, then join. Other collectives raise on the active ranks
+    while a rank has joined. Arrivals are ordered on rank 0's clock alone,
     never by comparing hosts' clocks.
 
     A synchronization point: every rank of the set must call it.
