@@ -148,6 +148,38 @@ def test_horovod_keyword_arguments_are_accepted():
         assert not missing, f"{fn.__name__} lacks {missing}"
 
 
+# Horovod 0.28.1's positional parameters, in order (horovod/tensorflow/__init__.py and
+# mpi_ops.py): a program that passes them by position means the same thing in syncdp.
+HOROVOD_POSITIONAL = {
+    "allreduce": "tensor average device_dense device_sparse compression op prescale_factor "
+    "postscale_factor name process_set ignore_name_scope",
+    "grouped_allreduce": "tensors average device_dense device_sparse compression op "
+    "prescale_factor postscale_factor process_set ignore_name_scope name",
+    "reducescatter": "tensor device_dense compression op name process_set ignore_name_scope "
+    "prescale_factor postscale_factor",
+    "grouped_reducescatter": "tensors device_dense compression op process_set prescale_factor "
+    "postscale_factor",
+    "allgather": "tensor name ignore_name_scope process_set",
+    "grouped_allgather": "tensors name ignore_name_scope process_set",
+    "broadcast": "tensor root_rank name ignore_name_scope process_set",
+    "alltoall": "tensor splits name ignore_name_scope process_set",
+    "broadcast_variables": "variables root_rank process_set inplace",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOROVOD_POSITIONAL))
+def test_horovod_positional_arguments_keep_their_order(name):
+    import syncdp.tensorflow as hvd
+
+    positional = [
+        p.name
+        for p in inspect.signature(getattr(hvd, name)).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    horovods = HOROVOD_POSITIONAL[name].split()
+    assert positional[: len(horovods)] == horovods
+
+
 def test_helpers_behave_as_horovods():
     import syncdp.tensorflow as hvd
 

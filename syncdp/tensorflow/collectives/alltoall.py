@@ -215,12 +215,13 @@ def grouped_reducescatter(
     compression=Compression.none,
     op=Average,
     process_set=global_process_set,
-    ignore_name_scope: bool = False,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    ignore_name_scope: bool = False,
     name: str | None = None,
 ) -> list:
-    """:func:`reducescatter` of each tensor of a list, in order."""
+    """:func:`reducescatter` of each tensor of a list, in order (Horovod's arguments, in its
+    order; ``ignore_name_scope`` and ``name`` are syncdp's own, after them)."""
     name = name or "grouped_reducescatter"
     return [
         reducescatter(
