@@ -72,7 +72,7 @@ def check_discovery(script: str) -> str | None:
     Returns:
         The problem, one line for the launcher to say, or None.
     """
-    if membership.discover_slots(script, default_slots=1) is not None:
+    if membership.discover_slots(script, default_slots=1, strict=True) is not None:
         return None
     return (
         f"the host discovery script {script!r} failed (above); elastic mode runs it to find "

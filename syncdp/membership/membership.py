@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -63,6 +64,8 @@ RECOVERY_ATTEMPTS = 5
 _DISCOVERY_TIMEOUT_SECONDS = 30.0
 # The fewest seconds between two runs of the discovery script to look for new slots.
 DISCOVERY_INTERVAL_SECONDS = 2.0
+# One line of the discovery script's output: a host name or address, then ":slots" or nothing.
+_DISCOVERY_LINE = re.compile(r"(?P<host>[^\s:]+)(?::(?P<slots>\d+))?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,17 +223,21 @@ def discovery_slots(environ=None) -> int:
     return int(text) if text.isdigit() and int(text) > 0 else 1
 
 
-def discover_slots(script: str, default_slots: int | None = None) -> dict[str, int] | None:
+def discover_slots(
+    script: str, default_slots: int | None = None, *, strict: bool = False
+) -> dict[str, int] | None:
     """Runs the host discovery script; returns host -> slots (None if it failed).
 
     The script prints one host per line, ``host:slots`` or ``host``, as horovodrun's
-    ``--host-discovery-script``. ``script`` is a program's path, or, as in Horovod, a shell
-    command line (``python discover.py``).
+    ``--host-discovery-script``; blank lines are skipped. ``script`` is a program's path, or,
+    as in Horovod, a shell command line (``python discover.py``).
 
     Args:
         script: The script's path, or a command line for ``sh``.
         default_slots: The slots of a host printed without a count. Defaults to
             :func:`discovery_slots`.
+        strict: A line that is not ``host[:slots]`` fails the look (the launcher's check
+            before the job starts), instead of being left out with a warning.
 
     Returns:
         Host -> slots, or None when the script could not run or exited non-zero (the reason
@@ -255,12 +262,20 @@ def discover_slots(script: str, default_slots: int | None = None) -> dict[str, i
         )
         return None
     slots: dict[str, int] = {}
-    for line in out.stdout.split():
-        host, _, count = line.partition(":")
-        try:
-            slots[_local(host)] = int(count) if count else default_slots
-        except ValueError:
-            print(f"syncdp: ignoring discovery line {line!r} (not host:slots)", file=sys.stderr)
+    for line in out.stdout.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        found = _DISCOVERY_LINE.fullmatch(line)
+        if found is None or (found["slots"] is not None and int(found["slots"]) < 1):
+            what = f"host discovery script {script!r} printed {line!r}, not 'host' or 'host:slots'"
+            if strict:
+                print(f"syncdp: {what}", file=sys.stderr)
+                return None
+            print(f"syncdp: ignoring a line: {what}", file=sys.stderr)
+            continue
+        count = found["slots"]
+        slots[_local(found["host"])] = int(count) if count is not None else default_slots
     return slots
 
 

@@ -291,6 +291,24 @@ def test_a_discovery_command_line_runs_in_a_shell_and_bare_hosts_get_slots_per_h
     assert "failed" in elastic.check_discovery("missing.sh")
 
 
+def test_discovery_output_is_read_line_by_line_and_a_malformed_line_is_named(capsys, monkeypatch):
+    from syncdp.membership import membership
+
+    monkeypatch.delenv(membership.DISCOVERY_SLOTS_VAR, raising=False)
+    # A hostfile's syntax is not a discovery line: one host named "localhost slots=3" would
+    # have become two hosts, "localhost" and "slots=3".
+    hostfile = "printf 'ha:2\\n\\n  hb  \\nlocalhost slots=3\\nhc:0\\nhd:x\\n'"
+    assert membership.discover_slots(hostfile) == {"ha": 2, "hb": 1}
+    err = capsys.readouterr().err
+    for bad in ("localhost slots=3", "hc:0", "hd:x"):
+        assert f"printed {bad!r}, not 'host' or 'host:slots'" in err
+    # The launcher's check before the job starts refuses it, naming the line.
+    assert membership.discover_slots(hostfile, strict=True) is None
+    assert "printed 'localhost slots=3'" in capsys.readouterr().err
+    assert "failed" in elastic.check_discovery(hostfile)
+    assert elastic.check_discovery("printf '10.0.0.7:2\\n10.0.0.8\\n'") is None
+
+
 def test_one_host_or_a_job_without_hosts_cannot_restart():
     assert not restart.Restarts.possible(_config("-np", "2", "-H", "ha:2"))
     assert not restart.Restarts.possible(_config("-np", "2"))
