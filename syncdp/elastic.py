@@ -97,7 +97,7 @@ class State:
         self._bcast_object = bcast_object or _broadcast_object
         self._rank = get_rank or runtime.rank
         self._reset_callbacks: list = []
-        self._last_check = [0.0]  # when rank 0 last ran the host discovery script
+        self._looker = membership.Looker()  # rank 0's looks for room to grow
         # Commits so far, the same on every rank (they commit in lockstep; a sync sets it): the
         # counter of the copy on disk (syncdp.membership.commits).
         self._commits = 0
@@ -188,7 +188,7 @@ class State:
         if not plan.script:
             return
         comm = runtime.communicator()
-        if membership.slots_added(comm, plan, runtime.members(), self._last_check):
+        if membership.slots_added(comm, plan, runtime.members(), self._looker):
             raise HostsUpdatedInterrupt(False)
 
     def save(self) -> None:

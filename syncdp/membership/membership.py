@@ -52,6 +52,7 @@ __all__ = [
     "grow",
     "discover_slots",
     "discovery_slots",
+    "Looker",
 ]
 
 REPLACEMENT_VAR = "SYNCDP_REPLACEMENT"
@@ -279,14 +280,22 @@ def discover_slots(
     return slots
 
 
-def free_slots(plan: Plan, alive: list[Member]) -> tuple[int | None, list[str]]:
+def free_slots(
+    plan: Plan, alive: list[Member], slots: dict[str, int] | None = None
+) -> tuple[int | None, list[str]]:
     """Free slots by the discovery script (None: no script, no limit) and their hosts.
 
     Updates ``plan.seen_hosts`` and ``plan.vanished``.
+
+    Args:
+        plan: The job's plan.
+        alive: The job's members (and spares: they hold slots too).
+        slots: What a look already found (:class:`Looker`). Defaults to running the script.
     """
     if not plan.script:
         return None, []
-    slots = discover_slots(plan.script)
+    if slots is None:
+        slots = discover_slots(plan.script)
     if slots is None:
         return 0, []
     gone = set(plan.seen_hosts) - set(slots)
@@ -571,22 +580,56 @@ def grow(comm, plan: Plan) -> tuple[object, Plan, dict]:
     return merged, plan, {"survivors": len(alive), "spawned": count}
 
 
-def slots_added(comm, plan: Plan, alive: list[Member], last_check: list[float]) -> bool:
-    """Whether the discovery script now offers room to grow (a collective: rank 0 asks).
+class Looker:
+    """Rank 0's looks for room to grow, off the training path.
+
+    The discovery script runs in a thread of its own, at most once every
+    :data:`DISCOVERY_INTERVAL_SECONDS` after the last look ended; a commit takes what the last
+    finished look found and never waits for the script (a slow or hanging cluster query would
+    otherwise hold every rank at every commit).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._found: dict[str, int] | None = None  # the last look's slots, not taken yet
+        self._ended = -float("inf")  # time.monotonic() when the last look ended
+
+    def take(self, script: str) -> dict[str, int] | None:
+        """The slots a look found since the last take (None: none ended, or it failed);
+        starts the next look when none runs and the interval has passed."""
+        with self._lock:
+            found, self._found = self._found, None
+            idle = self._thread is None or not self._thread.is_alive()
+            due = time.monotonic() - self._ended >= DISCOVERY_INTERVAL_SECONDS
+        if idle and due:
+            self._thread = threading.Thread(
+                target=self._look, args=(script,), name="syncdp-discovery", daemon=True
+            )
+            self._thread.start()
+        return found
+
+    def _look(self, script: str) -> None:
+        slots = discover_slots(script)
+        with self._lock:
+            self._found = slots
+            self._ended = time.monotonic()
+
+
+def slots_added(comm, plan: Plan, alive: list[Member], looker: Looker) -> bool:
+    """Whether the discovery script now offers room to grow (a collective: rank 0 tells).
 
     Args:
         comm: The job's :class:`~syncdp.transport.communicator.Communicator`.
         plan: This rank's plan (rank 0's is the one used).
         alive: The job's members.
-        last_check: Holds the ``time.monotonic()`` of rank 0's last look; the script runs at
-            most every :data:`DISCOVERY_INTERVAL_SECONDS`.
+        looker: Rank 0's looks (:class:`Looker`): what the last finished look found.
     """
     grow_now = False
     if comm.rank == 0 and plan.script and len(alive) < plan.max_np:
         alive = list(alive) + list(plan.spares)  # spares hold slots too
-        now = time.monotonic()
-        if now - last_check[0] >= DISCOVERY_INTERVAL_SECONDS:
-            last_check[0] = now
-            free, _ = free_slots(plan, alive)
+        slots = looker.take(plan.script)
+        if slots is not None:
+            free, _ = free_slots(plan, alive, slots)
             grow_now = bool(free)
     return bool(comm.broadcast_object(grow_now, 0, name="elastic.check_host_updates"))

@@ -596,3 +596,30 @@ def test_a_restarted_job_never_grows_onto_a_lost_host_the_script_still_lists(tmp
     assert membership.free_slots(plan, alive) == (0, [])
     # A job that lost nothing passes nothing.
     assert membership.LOST_HOSTS_VAR not in run.build_env(config, environ={})
+
+
+def test_a_slow_discovery_script_never_holds_a_commit(tmp_path, monkeypatch):
+    # Rank 0's look for room to grow runs the script in the background: a commit takes what
+    # the last finished look found, and a script that takes long (or hangs) costs it nothing.
+    from syncdp.membership import membership
+
+    monkeypatch.setattr(membership, "DISCOVERY_INTERVAL_SECONDS", 0.5)
+    runs = tmp_path / "runs"
+    script = f"echo x >> {runs}; sleep 1; echo ha:2"
+    looker = membership.Looker()
+    began = time.monotonic()
+    assert looker.take(script) is None  # the first look has only started
+    assert looker.take(script) is None  # one look at a time
+    assert time.monotonic() - began < 0.5
+    deadline = time.monotonic() + 10
+    found = None
+    while found is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+        found = looker.take(script)
+    assert found == {"ha": 2}
+    assert looker.take(script) is None  # taken once; the next look waits for the interval
+    assert runs.read_text().count("x") == 1
+    time.sleep(0.6)
+    assert looker.take(script) is None  # the interval passed: the next look starts now
+    time.sleep(0.3)
+    assert runs.read_text().count("x") == 2
