@@ -91,7 +91,8 @@ class Plan:
         reset_limit: The most changes allowed (0: no limit).
         script: The host discovery script, or "".
         seen_hosts: Every host the script has listed; one it stops listing has vanished.
-        vanished: Hosts never to be used again.
+        vanished: Hosts never to be used again: the script stopped listing them, or a
+            replacement could not start there.
         command: What a replacement runs: the program as this job started it.
         spares: The warm spares waiting (:mod:`syncdp.membership.spares`); they hold slots too.
         spare_target: The spares to keep (``--spares``): rank 0 starts new ones in the
@@ -396,6 +397,8 @@ def recover(base, plan: Plan) -> tuple[object, Plan, dict]:
     """
     MPI = mpi.load()
     attempts = 0
+    tried: list[str] = []  # the hosts of a spawn that failed
+    survivors = 0  # how many ranks that attempt had
     while True:
         attempts += 1
         try:
@@ -406,8 +409,16 @@ def recover(base, plan: Plan) -> tuple[object, Plan, dict]:
         try:
             shrunk = base.Shrink()
             alive = [Member(*m) for m in shrunk.allgather(dataclasses.astuple(me()))]
+            if tried and len(alive) == survivors and shrunk.Get_rank() == 0:
+                # No rank was lost with the failed spawn: its hosts are at fault.
+                _leave_out(plan, tried)
+            tried, survivors = [], len(alive)
             plan, count, hosts = _decide(shrunk, plan, alive, plan.target)
-            merged = _spawn(shrunk, plan, count, hosts) if count else shrunk.Dup()
+            if count:
+                tried = sorted(set(hosts[:count]))
+                merged = _spawn(shrunk, plan, count, hosts)
+            else:
+                merged = shrunk.Dup()
             plan.next_label += count
             return merged, plan, {"survivors": len(alive), "spawned": count}
         except MPI.Exception as e:
@@ -554,6 +565,21 @@ def reseat(
                 reserve = shrunk
             failure = True
             time.sleep(0.1)
+
+
+def _leave_out(plan: Plan, hosts: list[str]) -> None:
+    """Rank 0, after a spawn on ``hosts`` (from the discovery script) failed although no rank
+    was lost: no replacement goes there again, so the next attempt places them elsewhere or
+    goes on with the ranks left (down to ``--min-np``), instead of failing the same way until
+    the job ends."""
+    plan.vanished = tuple(sorted(set(plan.vanished) | set(hosts)))
+    print(
+        f"syncdp: elastic: a replacement could not start on {', '.join(hosts)}; leaving "
+        f"{'it' if len(hosts) == 1 else 'them'} out (every host the discovery script lists "
+        "must be in -H or --hostfile, and reachable).",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _retry_or_abort(attempts: int, error: Exception) -> None:

@@ -133,6 +133,21 @@ def test_no_free_slot_goes_on_at_a_smaller_size(tmp_path):
     assert "0 replacement(s) started; size 3 -> 2" in result.stderr
 
 
+def test_a_listed_host_where_no_replacement_can_start_is_left_out(tmp_path):
+    # The script lists a host the job was not started with (Open MPI cannot place a process
+    # there): the failed spawn leaves it out, and the job goes on with the 2 survivors
+    # (--min-np 2) instead of failing the same way until the job ends.
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:2\necho nohost.invalid:2\n")
+    script.chmod(0o755)
+    result = _run(
+        tmp_path, 3, "1:0:4", launcher=("--min-np", "2", "--host-discovery-script", str(script))
+    )
+    _assert_finished(result, size=2, changes=1)
+    assert "a replacement could not start on nohost.invalid; leaving it out" in result.stderr
+    assert "0 replacement(s) started; size 3 -> 2" in result.stderr
+
+
 def test_the_job_grows_when_the_discovery_script_offers_slots(tmp_path):
     # 2 slots until rank 0 creates the marker in epoch 0, 3 after: at its next commit the job
     # spawns a third rank (--max-np 3), which receives the state, and finishes at size 3.
