@@ -403,10 +403,15 @@ class Watchdog:
 
     def _abort(self, seq: int, name: str, waited: float) -> None:
         details, missing, where, summary = [], [], {}, []
+        elsewhere = []  # ranks at the same collective number in another collective
         if self._can_ask:
             replies = self.ask_others()
             for r in range(self.size):
-                if r == self.rank or (r in replies and replies[r][0] == seq):
+                if r == self.rank:
+                    continue
+                if r in replies and replies[r][0] == seq:
+                    if replies[r][1] != name:
+                        elsewhere.append(f"{self._name(r)} in {replies[r][1]}")
                     continue
                 job = self._job_rank[r]
                 missing.append(job)
@@ -423,6 +428,12 @@ class Watchdog:
                 f"syncdp: {who} stalled: {collective} waited {waited:.1f} s for "
                 f"{'it' if len(missing) == 1 else 'them'} on rank {me} {limit}.",
                 "syncdp: ranks that have not arrived: " + ", ".join(summary),
+            ]
+        elif elsewhere:
+            lines = [
+                f"syncdp: rank {me} stalled: {collective} waited {waited:.1f} s {limit}, and "
+                f"the others are in another collective of that number ({', '.join(elsewhere)})"
+                ": the ranks took different code paths."
             ]
         elif self._can_ask:
             lines = [

@@ -345,3 +345,42 @@ def test_a_replacement_that_never_joins_ends_the_job_instead_of_a_hang(tmp_path)
     assert "the job failed (elastic)" in last, result.stderr[-3000:]
     assert "replacement [2] (pid " in last and "exited with code 3 before it joined" in last
     assert result.elapsed < 60, result.elapsed
+
+
+# Rank 1 leaves the training function early; rank 0 goes on to its next allgather, which is
+# the same collective number as rank 1's final agreement (elastic.done).
+LEAVES_EARLY = """
+import syncdp, syncdp.elastic
+from syncdp.job import runtime
+syncdp.init()
+state = syncdp.elastic.ObjectState(step=0)
+
+@syncdp.elastic.run
+def train(state):
+    while state.step < 6:
+        if syncdp.rank() == 1 and state.step == 3:
+            return
+        runtime.communicator().allgather_object(state.step)
+        state.step += 1
+        state.commit()
+
+train(state)
+"""
+
+
+def test_ranks_in_different_collectives_of_one_number_are_told_apart_at_the_stall(tmp_path):
+    result = launch(
+        2,
+        "python",
+        python_script(tmp_path, LEAVES_EARLY),
+        launcher_args=("--min-np", "1", "--stall-timeout", "5"),
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert re.search(
+        r"rank 0 stalled: collective #\d+ allgather_object waited [\d.]+ s \(stall timeout 5 s\), "
+        r"and the others are in another collective of that number \(rank 1 in elastic\.done\): "
+        r"the ranks took different code paths",
+        result.stderr,
+    ), result.stderr[-3000:]
+    assert "an MPI transfer is stuck" not in result.stderr
