@@ -55,6 +55,9 @@ SPARE_GRACE_SECONDS = 10.0
 # A replacement that exited is given this long to show up in a membership change (it may have
 # joined just before it died) before the launcher decides it never joined.
 JOIN_GRACE_SECONDS = 5.0
+# How long an unjoined replacement's exit waits, after a rank 0 was lost, for the membership
+# change that says whether its spawn was abandoned (the recovery is redone meanwhile).
+ABANDON_WAIT_SECONDS = 60.0
 # The most a kill on another host may take, remote shell included.
 _REMOTE_KILL_SECONDS = 15.0
 
@@ -211,6 +214,10 @@ class ElasticLog:
         known = ranks is not None or self._spares
         self._first_replacement = self._ranks_at_start + len(self._spares) if known else None
         self._joined: set = set()  # labels of replacements a membership change added
+        # Labels of replacements whose spawn failed (rank 0 was lost in it, say): a recovery
+        # went on without them, and they can never join.
+        self._abandoned: set = set()
+        self._rank0_lost = False  # a rank 0 was lost, and no membership change followed yet
         self._spares_lost = 0
         self._released: set = set()  # labels of spares killed for not answering their release
         self._spares_ending = False  # the last rank has exited: spares left get killed
@@ -234,13 +241,23 @@ class ElasticLog:
                 return False
         code = -report["signal"] if report.get("signal") else report.get("code") or 0
         what = f"replacement [{label}] (pid {report.get('pid')} on {report.get('host')})"
+        if self._abandon(label, what, code):
+            return True
 
         def judge():
             time.sleep(JOIN_GRACE_SECONDS)
+            # While a lost rank 0's recovery is redone, the spawn that started this one may
+            # have been abandoned: the next membership change says (its "abandoned").
+            waited = JOIN_GRACE_SECONDS
+            while self._rank0_lost and waited < ABANDON_WAIT_SECONDS:
+                time.sleep(0.5)
+                waited += 0.5
             with self._lock:
                 joined = label in self._joined
             if joined:  # it joined just before it ended: an ordinary exit after all
                 self._rank_exit(report)
+                return
+            if self._abandon(label, what, code):
                 return
             message = (
                 f"{what} {describe_exit(code)} before it joined the job, so the survivors "
@@ -250,6 +267,17 @@ class ElasticLog:
             self.on_abort({"kind": "elastic_abort", "rank": label, "message": message})
 
         threading.Thread(target=judge, daemon=True).start()
+        return True
+
+    def _abandon(self, label: int, what: str, code: int) -> bool:
+        """Says so when ``label``'s spawn was abandoned; False when it was not (yet)."""
+        with self._lock:
+            if label not in self._abandoned:
+                return False
+        self._say(
+            f"{what} {describe_exit(code)} before it joined; the recovery that started it "
+            "was abandoned (a rank was lost during it) and another went on without it."
+        )
         return True
 
     def _rank_exit(self, report: dict) -> None:
@@ -281,6 +309,9 @@ class ElasticLog:
             else:
                 then = "recovering"
             self._say(f"lost {_who(report)}: it {describe_exit(code)}; {then}.")
+            with self._lock:
+                if self._rank0 == (report.get("host"), report.get("pid")):
+                    self._rank0_lost = True
             self._end_orphans(report)
 
     def _end_orphans(self, report: Mapping[str, Any]) -> None:
@@ -428,6 +459,8 @@ class ElasticLog:
         if kind == "membership":
             self._promote(report)
             with self._lock:
+                self._abandoned |= set(report.get("abandoned") or [])
+                self._rank0_lost = False
                 self.changes.append(report)
                 self._lost |= {(m.get("host"), m.get("pid")) for m in report.get("lost", [])}
             self._say(self._describe_change(report))

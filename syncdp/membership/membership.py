@@ -345,9 +345,11 @@ SPAWN_LOCK = threading.Lock()
 SPAWN_WAIT_SECONDS = 60.0
 
 
-def _spawn(comm, plan: Plan, count: int, hosts: list[str]):
-    """Starts ``count`` replacements and merges them in after ``comm``'s ranks (collective)."""
-    args = worker_args(plan.next_label, plan.command)
+def _spawn(comm, plan: Plan, count: int, hosts: list[str], first_label: int | None = None):
+    """Starts ``count`` replacements, labelled from ``first_label`` (defaults to
+    ``plan.next_label``), and merges them in after ``comm``'s ranks (collective)."""
+    label = plan.next_label if first_label is None else first_label
+    args = worker_args(label, plan.command)
     info = spawn_where(hosts[:count])
     locked = SPAWN_LOCK.acquire(timeout=SPAWN_WAIT_SECONDS)
     try:
@@ -399,6 +401,8 @@ def recover(base, plan: Plan) -> tuple[object, Plan, dict]:
     attempts = 0
     tried: list[str] = []  # the hosts of a spawn that failed
     survivors = 0  # how many ranks that attempt had
+    abandoned: list[int] = []  # labels of replacements whose spawn failed (never reused)
+    labels: list[int] = []  # the labels of the spawn under way
     while True:
         attempts += 1
         try:
@@ -416,12 +420,18 @@ def recover(base, plan: Plan) -> tuple[object, Plan, dict]:
             plan, count, hosts = _decide(shrunk, plan, alive, plan.target)
             if count:
                 tried = sorted(set(hosts[:count]))
-                merged = _spawn(shrunk, plan, count, hosts)
+                # Counted before the spawn: if it fails (rank 0 lost in it, say), a process it
+                # started may still run for a while, and the next one must not share its label.
+                labels = list(range(plan.next_label, plan.next_label + count))
+                plan.next_label += count
+                merged = _spawn(shrunk, plan, count, hosts, first_label=labels[0])
+                labels = []
             else:
                 merged = shrunk.Dup()
-            plan.next_label += count
-            return merged, plan, {"survivors": len(alive), "spawned": count}
+            return merged, plan, {"survivors": len(alive), "spawned": count, "abandoned": abandoned}
         except MPI.Exception as e:
+            abandoned += labels
+            labels = []
             # Another rank (a survivor or a replacement) was lost meanwhile: start over from
             # the communicator that is left.
             _retry_or_abort(attempts, e)
