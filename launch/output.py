@@ -276,6 +276,21 @@ class _Chatter:
         return _CHATTER.match(line) is not None
 
 
+class Flow:
+    """Whether mpirun's output still moves through the launcher: when a line last arrived or
+    was written, and how many writes are under way (a slow reader of the launcher's own
+    output, ``| less`` or a stalled ``tee``, holds them). While it moves, mpirun is not stuck:
+    it waits for the launcher to take its output, and stopping it then would lose that."""
+
+    def __init__(self):
+        self.moved = time.monotonic()
+        self.writing = 0
+
+    def active(self, within: float) -> bool:
+        """Whether a write is under way, or output moved in the last ``within`` seconds."""
+        return self.writing > 0 or time.monotonic() - self.moved < within
+
+
 def _pump(
     source,
     sink,
@@ -287,8 +302,10 @@ def _pump(
     on_banner: Callable[[str], None] | None = None,
     recovery: _Recovery | None = None,
     said: set[bytes] | None = None,
+    flow: Flow | None = None,
 ) -> None:
     said = set() if said is None else said  # the notes printed so far (each once per job)
+    flow = Flow() if flow is None else flow
     pending: dict[bytes, list[bytes]] = {}  # a rank's tag -> pieces of its unfinished line
     banner: list[bytes] | None = None  # mpirun's lines since a rule, while it may be a banner
     marked = CONTINUED + b"\n"
@@ -308,9 +325,14 @@ def _pump(
                 if _RECOVERY_NOTE not in said and raw[tag.end() :].strip():
                     said.add(_RECOVERY_NOTE)
                     sink.write(_RECOVERY_NOTE)
-        if not quiet:
-            sink.write(stamp + _text(raw))
-        sink.flush()
+        flow.writing += 1  # one pump per stream: each changes it under the GIL, by one
+        try:
+            if not quiet:
+                sink.write(stamp + _text(raw))
+            sink.flush()
+        finally:
+            flow.writing -= 1
+            flow.moved = time.monotonic()
         if files is not None and tag is not None:
             files.write(int(tag[1]), tag[2].decode(), stamp + raw[tag.end() :])
 
@@ -329,6 +351,7 @@ def _pump(
         banner = None
 
     for raw in iter(source.readline, b""):
+        flow.moved = time.monotonic()
         if not raw.endswith(b"\n"):  # mpirun's last words may lack one; ours start on a new line
             raw += b"\n"
         raw = raw.lstrip(b"\0")  # Open MPI's help messages end in one: not the next line's
@@ -368,6 +391,7 @@ def copy_output(
     on_banner: Callable[[str], None] | None = None,
     recovery_notes: bool = True,
     said: set[bytes] | None = None,
+    flow: Flow | None = None,
 ) -> list[threading.Thread]:
     """Starts copying mpirun's stdout and stderr to the launcher's; returns the two threads.
 
@@ -387,8 +411,10 @@ def copy_output(
         said: The notes on lines left off (start-up chatter, a recovery) printed so far;
             each is printed once, and added here. Pass the same set to every runtime of one
             job, so that a job started again does not say them again. Defaults to a new set.
+        flow: Told when the output moves (:class:`Flow`). Defaults to a new one.
     """
     said = set() if said is None else said  # one for both streams: one note in all
+    flow = Flow() if flow is None else flow
     quiet = None if chatter else _Chatter()
     recovery = None if recovery_notes else _Recovery()
     pumps = [
@@ -396,6 +422,7 @@ def copy_output(
             target=_pump,
             args=(stream, sink),
             kwargs=dict(
+                flow=flow,
                 timestamps=timestamps,
                 files=files,
                 full_banners=full_banners,

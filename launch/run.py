@@ -534,6 +534,7 @@ def _run_once(
     sweeper.mpirun_pid = process.pid
     loss.process = process
     chatty = config.log_level in _CHATTY
+    flow = output.Flow()
     pumps = output.copy_output(
         process,
         timestamps=config.timestamps,
@@ -543,12 +544,13 @@ def _run_once(
         on_banner=loss.on_banner,
         recovery_notes=chatty or not config.elastic,
         said=said,
+        flow=flow,
     )
     hung = False
     signals = None
     try:
         with supervision.StopOnSignals(process) as signals, _print_on_usr1(timings):
-            hung = supervision.supervise(process, verdict, links=lifeline.links)
+            hung = supervision.supervise(process, verdict, links=lifeline.links, flow=flow)
             if hung:  # a daemon that cannot finish (on a stopped host?) may be left anywhere
                 sweeper.start_all()
             if not loss.happened() and not signals.received:
@@ -559,10 +561,13 @@ def _run_once(
                 _await_last_reports(verdict, lifeline)
             # The last lines, once mpirun has ended. Not long after a failure: processes on a
             # host that vanished may hold the pipes open until they notice, seconds later.
+            # Longer while it still moves (a slow reader of the launcher's output): nothing
+            # mpirun gave is dropped.
             quick = verdict.failed.is_set() or loss.happened()
             deadline = time.monotonic() + (1.0 if quick else 5.0)
             for p in pumps:
-                p.join(timeout=max(0.0, deadline - time.monotonic()))
+                while p.is_alive() and (time.monotonic() < deadline or flow.active(within=1.0)):
+                    p.join(timeout=0.2)
     finally:
         server.close()
         links = lifeline.links()

@@ -32,6 +32,7 @@ from launch.elastic import SPARE_GRACE_SECONDS
 
 if TYPE_CHECKING:
     from launch.lifeline import Link
+    from launch.output import Flow
     from launch.verdict import Verdict
 
 __all__ = ["start_mpirun", "stop", "supervise", "StopOnSignals"]
@@ -107,6 +108,7 @@ def supervise(
     verdict: Verdict,
     *,
     links: Callable[[], Mapping[int, Link]] | None = None,
+    flow: Flow | None = None,
 ) -> bool:
     """Waits for mpirun; ends the job on a failure report or a start timeout, or once every rank
     has reported how it ended and mpirun has not exited within a grace.
@@ -118,6 +120,9 @@ def supervise(
             grace starts only once every supervisor has exited too (it sends its report before
             the last of its rank's output, which mpirun still forwards). Defaults to None (the
             grace starts at the last report).
+        flow: mpirun's output through the launcher (:class:`launch.output.Flow`): the grace
+            counts only while none moves (mpirun waits for a slow reader of the launcher's
+            output to take the rest of it: stopping it then would lose it). Defaults to None.
 
     Returns:
         Whether mpirun had to be stopped after every rank had reported (a daemon somewhere did
@@ -125,12 +130,12 @@ def supervise(
     """
     leftovers = ShmLeftovers(process.pid)
     try:
-        return _supervise(process, verdict, links, leftovers)
+        return _supervise(process, verdict, links, leftovers, flow)
     finally:
         leftovers.remove()  # what killed processes left in /dev/shm, once nothing holds it
 
 
-def _supervise(process, verdict, links, leftovers: ShmLeftovers) -> bool:
+def _supervise(process, verdict, links, leftovers: ShmLeftovers, flow) -> bool:
     finished: float | None = None  # time.monotonic() when every rank had reported
     grace = FINISHED_GRACE_SECONDS
     if verdict.elastic is not None:
@@ -149,6 +154,8 @@ def _supervise(process, verdict, links, leftovers: ShmLeftovers) -> bool:
                 or all(link.closed is not None for link in links().values())
             ):
                 finished = time.monotonic()
+        if finished is not None and flow is not None and flow.active(within=1.0):
+            finished = max(finished, time.monotonic() - 1.0)  # output still moves: not stuck
         if finished is not None and time.monotonic() > finished + grace:
             stop(process, grace=FINISHED_GRACE_SECONDS)
             return True

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -95,3 +96,43 @@ def test_the_console_is_text_and_repeated_banners_fold_after_mpi_abort(tmp_path)
     assert "-" * 40 not in text, text[-3000:]  # no banner left whole
     last = err.decode().splitlines()[-1]
     assert last.startswith("syncdp-run: the job failed") and "ValueError: boom" in last
+
+
+MANY_LINES = r"""
+import os
+r = os.environ["OMPI_COMM_WORLD_RANK"]
+for i in range(20000):
+    print(r, i, "x" * 100)
+"""
+
+
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_a_slow_reader_of_the_launchers_output_gets_every_line(tmp_path, np):
+    # The reader takes nothing for longer than the launcher's grace after the ranks' last
+    # reports (5 s, then 5 s after SIGTERM): mpirun waits to hand over the rest, and must not be
+    # stopped, nor the rest dropped, while the output still moves.
+    from launch import supervision
+
+    script = python_script(tmp_path, MANY_LINES)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch", "-np", str(np), sys.executable, script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=rank_env(),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        time.sleep(2 * supervision.FINISHED_GRACE_SECONDS + 2)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = out.decode().splitlines()
+    for r in range(np):
+        mine = [line for line in lines if line.startswith(f"[{r}]<stdout>:")]
+        assert len(mine) == 20000, (r, len(mine), err.decode()[-2000:])
+        assert mine[-1].endswith(f"{r} 19999 " + "x" * 100)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert b"did not exit within" not in err
