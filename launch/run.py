@@ -283,7 +283,9 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
     for key in exported:
         cmd += ["-x", key]
     cmd += list(config.mpi_args)
-    cmd += [sys.executable, "-m", "launch.worker", *config.command]
+    # -P: the job's working directory is not put first on the supervisor's sys.path, where a
+    # launch.py or launch/ of the user's project would be imported instead of this package.
+    cmd += [sys.executable, "-P", "-m", "launch.worker", *config.command]
     return cmd
 
 

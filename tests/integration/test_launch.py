@@ -186,6 +186,34 @@ def test_segments_that_killed_processes_left_are_gone_after_the_next_job(tmp_pat
     assert not os.path.exists(left[0])
 
 
+@pytest.mark.parametrize("shadow", ["launch.py", "launch/__init__.py"])
+def test_a_launch_module_in_the_jobs_directory_is_the_users_not_the_launchers(tmp_path, shadow):
+    # A project's own launch.py (or launch/ package) in the working directory is neither run
+    # by the launcher's supervisors nor does it stop the job.
+    (tmp_path / shadow).parent.mkdir(exist_ok=True)
+    (tmp_path / shadow).write_text("print('THE USERS LAUNCH RAN', flush=True)\n")
+    (tmp_path / "train.py").write_text(
+        "import launch, os\nprint('rank', os.environ['OMPI_COMM_WORLD_RANK'], launch.__file__)\n"
+    )
+    env = rank_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        # -P as the syncdp-run command (whose sys.path starts at its own folder) has it.
+        [sys.executable, "-P", "-m", "launch", "-np", "2", sys.executable, "train.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    # The program itself imports the user's module, as Python does for a script.
+    ran = re.findall(r"rank (\d) (\S+)", result.stdout)
+    assert sorted(r for r, _ in ran) == ["0", "1"], result.stdout
+    assert all(path.startswith(str(tmp_path)) for _, path in ran), ran
+    assert result.stdout.count("THE USERS LAUNCH RAN") == 2  # once per rank, by train.py
+
+
 def test_sigterm_stops_every_rank(tmp_path):
     marker = f"syncdp-sigterm-{os.getpid()}"
     script = python_script(

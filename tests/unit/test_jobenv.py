@@ -107,8 +107,8 @@ def test_worker_args_put_the_job_env_before_the_label(monkeypatch):
     for name, value in _rank_env().items():
         monkeypatch.setenv(name, value)
     args = membership.worker_args(5, ("python", "train.py"), spare=True)
-    assert args[:3] == ["-m", "launch.worker", jobenv.JOB_ENV_FLAG]
-    assert args[4:] == ["--replacement", "5", "--spare", "python", "train.py"]
+    assert args[:4] == ["-P", "-m", "launch.worker", jobenv.JOB_ENV_FLAG]
+    assert args[5:] == ["--replacement", "5", "--spare", "python", "train.py"]
 
 
 _PARENT = """

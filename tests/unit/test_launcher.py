@@ -247,7 +247,7 @@ def test_mpirun_command_exports_the_job_by_name_never_its_secret():
     } <= exported
     assert job.secret not in " ".join(cmd)  # other users can read command lines
     assert "--mca btl self,tcp -v" in " ".join(cmd)
-    assert cmd[-5:] == [sys.executable, "-m", "launch.worker", "python", "train.py"]
+    assert cmd[-6:] == [sys.executable, "-P", "-m", "launch.worker", "python", "train.py"]
 
 
 def test_an_enclosing_jobs_channel_is_never_passed_on():
