@@ -11,6 +11,7 @@ A host that does not is named with the reason, and nothing starts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import os
 import re
@@ -167,8 +168,30 @@ def format_hosts(hosts: Sequence[Host]) -> str:
 
 
 def is_local(name: str) -> bool:
-    """Whether ``name`` is this machine (no remote shell needed to reach it)."""
-    return name in ("localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn())
+    """Whether ``name`` is this machine (no remote shell needed to reach it): its names, a
+    loopback address, or an address of one of its interfaces (in this network namespace)."""
+    if name in ("localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()):
+        return True
+    return _own_address(name)
+
+
+@functools.lru_cache(maxsize=256)
+def _own_address(name: str) -> bool:
+    """Whether ``name`` is an IP address this machine holds: one a socket can be bound to
+    here. Names are not looked up (no DNS wait)."""
+    try:
+        address = ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        return False
+    if address.is_loopback:
+        return True
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((str(address), 0))
+    except OSError:
+        return False
+    return True
 
 
 def remote_shell(

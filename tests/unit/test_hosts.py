@@ -165,3 +165,22 @@ def test_check_names_each_bad_host_and_why(tmp_path):
     assert slow == "host slow: did not answer over the remote shell within 2 s"
     assert gone.startswith("host gone: the check command failed there (exit 255)")
     assert "Could not resolve hostname gone" in gone
+
+
+def test_this_machines_own_addresses_are_local_and_others_are_not():
+    # A hostfile that lists this machine by its address needs no remote shell (mpirun runs
+    # such ranks here too); another machine's address, or a name, is not taken for it.
+    import socket
+
+    from launch.hosts import is_local
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.200", 9))  # no packet is sent: picks the outgoing address
+            own = probe.getsockname()[0]
+        except OSError:  # no route at all: loopback only
+            own = "127.0.0.1"
+    assert is_local(own) and is_local("127.0.0.1") and is_local("127.0.0.2")
+    assert is_local("::1") and is_local("[::1]")
+    assert not is_local("203.0.113.77")  # TEST-NET-3: never this machine's
+    assert not is_local("nosuch.invalid")
