@@ -3,7 +3,8 @@
 In training each rank computes, over its own batch, the count ``n_r``, the mean ``m_r`` and the
 mean of squares ``m_r^2 + v_r``; one allreduce sums ``n_r``, ``n_r m_r`` and
 ``n_r (m_r^2 + v_r)`` over the ranks, which gives the mean and (biased) variance of the
-concatenated global batch exactly, whatever each rank's batch size. Those normalize the batch
+concatenated global batch exactly, whatever each rank's batch size (with a mask, the sums of
+the mask's weights, of the weighted values and of their squares). Those normalize the batch
 and update the moving statistics, as one process on the whole batch would. Inference uses the
 moving statistics and sends nothing.
 
@@ -78,16 +79,20 @@ def for_package(keras: ModuleType) -> type:
                 mean, variance = super()._calculate_mean_and_var(
                     inputs, reduction_axes, keep_dims, mask=mask
                 )
-                if mask is not None:
-                    return mean, variance
+                if mask is not None:  # tf.nn.weighted_moments: the mask's values weigh rows
+                    weights = tf.cast(mask, tf.float64)
+                    return _global_masked_moments(inputs, weights, reduction_axes, mean, 0.0)
                 return _global_moments(inputs, mean, variance)
 
         else:
 
             def _moments(self, inputs, mask):
                 mean, variance = super()._moments(inputs, mask)
-                if mask is not None:
-                    return mean, variance
+                if mask is not None:  # Keras 3: rows in or out, sums over (weights + epsilon)
+                    weights = tf.cast(tf.cast(mask, tf.bool), tf.float64)
+                    epsilon = keras.config.epsilon()
+                    axes = self._reduction_axes
+                    return _global_masked_moments(inputs, weights, axes, mean, epsilon)
                 return _global_moments(inputs, mean, variance)
 
     SyncBatchNormalization.__qualname__ = SyncBatchNormalization.__name__
@@ -116,6 +121,38 @@ def _global_moments(inputs, mean, variance):
     mean_square = tf.reshape(total[1 + k :] / n, tf.shape(mean))
     global_var = tf.maximum(mean_square - tf.square(global_mean), 0.0)
     return tf.cast(global_mean, dtype), tf.cast(global_var, dtype)
+
+
+def _global_masked_moments(inputs, weights, axes, like, epsilon: float):
+    """The weighted mean and variance of every rank's batch together (a collective), as the
+    layer's Keras computes them on one batch with a mask: ``weights`` (the mask, one weight
+    per row) weigh each row, over ``axes``; sums are divided by the weights' sum plus
+    ``epsilon`` (0: divided where not 0). Shaped and typed as ``like``, this rank's mean.
+
+    From each rank the sums of the weights, of the weighted values and of their squares,
+    reduced together: the variance about the global mean is ``Q - 2 m S + m^2 W`` over them.
+    """
+    x = tf.cast(inputs, tf.float64)
+    w = tf.broadcast_to(tf.expand_dims(weights, -1), tf.shape(x))
+    sums = [tf.reduce_sum(t, axis=axes) for t in (w, w * x, w * tf.square(x))]
+    local = tf.concat([tf.reshape(t, [-1]) for t in sums], axis=0)
+    if runtime.size() > 1:
+        local = collectives.allreduce(local, op=collectives.Sum, name="sync_batch_norm")
+    total_w, total_s, total_q = tf.split(local, 3)
+    if epsilon:
+        mean = total_s / (total_w + epsilon)
+        spread = total_q - 2.0 * mean * total_s + tf.square(mean) * total_w
+        variance = spread / (total_w + epsilon)
+    else:
+        mean = tf.math.divide_no_nan(total_s, total_w)
+        spread = total_q - 2.0 * mean * total_s + tf.square(mean) * total_w
+        variance = tf.math.divide_no_nan(spread, total_w)
+    variance = tf.maximum(variance, 0.0)
+    shape = tf.shape(like)
+    return (
+        tf.cast(tf.reshape(mean, shape), like.dtype),
+        tf.cast(tf.reshape(variance, shape), like.dtype),
+    )
 
 
 def __getattr__(name: str):

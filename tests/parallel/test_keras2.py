@@ -508,6 +508,25 @@ def test_sync_batch_normalization_in_a_fit_equals_batch_norm_on_the_whole_batch(
         hvd.SyncBatchNormalization(fused=True)
 
 
+def test_masked_sync_batch_normalization_equals_batch_norm_on_the_whole_masked_batch():
+    # Keras 2 weighs rows by the mask's values (tf.nn.weighted_moments): a fractional mask too.
+    r, n = hvd.rank(), hvd.size()
+    sizes = [2 + q for q in range(n)]
+    rng = np.random.default_rng(8)
+    whole = (rng.normal(size=(sum(sizes), 5, 3)) * 2 + 1).astype(np.float32)
+    mask = (rng.random((sum(sizes), 5)) > 0.3) * rng.choice([0.5, 1.0], (sum(sizes), 5))
+    mine = slice(sum(sizes[:r]), sum(sizes[: r + 1]))
+    reference = keras.layers.BatchNormalization(momentum=0.5)
+    synced = hvd.SyncBatchNormalization(momentum=0.5)
+    want = reference(whole, training=True, mask=tf.constant(mask, tf.float32)).numpy()
+    got = synced(whole[mine], training=True, mask=tf.constant(mask[mine], tf.float32)).numpy()
+    _assert_close([got], [want[mine]], atol=1e-5)
+    _assert_close(
+        [synced.moving_mean, synced.moving_variance],
+        [reference.moving_mean, reference.moving_variance],
+    )
+
+
 def test_partial_distributed_optimizer_keeps_local_layers_local():
     x, y = _data(steps=1, seed=7)
     xs, ys = _mine(x, y)

@@ -130,6 +130,37 @@ def test_sync_batch_norm_equals_one_process_on_the_whole_batch(hvd, unequal):
         hvd.SyncBatchNormalization(fused=True)
 
 
+def test_masked_sync_batch_norm_equals_one_process_on_the_whole_masked_batch(hvd):
+    """A mask (Embedding(mask_zero=True) passes one on) leaves rows out of the statistics: the
+    global batch's masked mean and variance, and the gradients of the whole batch's loss."""
+    r, n = hvd.rank(), hvd.size()
+    sizes = [2 + q for q in range(n)]
+    rng = np.random.default_rng(8)
+    whole = (rng.normal(size=(sum(sizes), 5, 3)) * 2 + 1).astype(np.float32)
+    mask = rng.random((sum(sizes), 5)) > 0.3
+    upstream = rng.normal(size=whole.shape).astype(np.float32)
+    mine = slice(sum(sizes[:r]), sum(sizes[: r + 1]))
+    reference = keras.layers.BatchNormalization(momentum=0.5)
+    synced = hvd.SyncBatchNormalization(momentum=0.5)
+
+    def forward(layer, x, m, up):
+        x = tf.constant(x)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True, mask=tf.constant(m))
+            loss = tf.reduce_sum(y * up)
+        return y.numpy(), tape.gradient(loss, x).numpy()
+
+    want_y, want_dx = forward(reference, whole, mask, upstream)
+    y, dx = forward(synced, whole[mine], mask[mine], upstream[mine])
+    np.testing.assert_allclose(y, want_y[mine], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dx, want_dx[mine], rtol=1e-4, atol=1e-5)
+    for attr in ("moving_mean", "moving_variance"):
+        np.testing.assert_allclose(
+            getattr(synced, attr).numpy(), getattr(reference, attr).numpy(), rtol=1e-5, atol=1e-6
+        )
+
+
 # ---- local gradients ----
 
 
