@@ -348,8 +348,9 @@ def _check_settings(
     spelled: Mapping[str, str],
     prog: str = "syncdp-run",
 ) -> dict[str, Any]:
-    """Every setting's value, from its flag, its ``--config-file`` key or the caller's
-    ``SYNCDP_*`` variable (in that precedence), checked before anything starts; exits 2 naming
+    """Every setting's value, from its flag, its ``--config-file`` key, the caller's
+    ``SYNCDP_*`` variable or Horovod's (``HOROVOD_TIMELINE``, ...: :data:`syncdp.base.settings.
+    HOROVOD_VARS`), in that precedence, checked before anything starts; exits 2 naming
     the first one not allowed, as it was given (the flag's spelling, the config file's key, or
     the variable).
 
@@ -367,7 +368,9 @@ def _check_settings(
         # The variables the ranks would inherit, except those a flag replaces: unknown names
         # and bad values are found here, not by every rank after it has loaded TensorFlow.
         flagged = {s.env for s in settings.SETTINGS if s.name in given}
+        flagged |= {k for k, (name, _) in settings.HOROVOD_VARS.items() if name in given}
         inherited = {k: v for k, v in environ.items() if k.startswith("SYNCDP_")}
+        inherited |= {k: v for k, v in environ.items() if k in settings.HOROVOD_VARS}
         unflagged = {k: v for k, v in inherited.items() if k not in flagged}
         settings.from_env(unflagged)
         resolved = settings.resolve(given, unflagged)
@@ -458,6 +461,9 @@ def parse_args(
     if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
         parser.error(f"--ssh-identity-file {args.ssh_identity_file!r} does not exist")
     resolved = _check_settings(args, environ, spelled, prog)
+    for var in settings.HOROVOD_VARS_WITHOUT_EFFECT:
+        if var in environ:
+            notes.append(f"{var} is Horovod's and changes nothing here (syncdp has no such knob)")
     if args.slots_per_host is not None and not listed:
         if not resolved.get("host_discovery_script"):
             notes.append(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from syncdp.base.errors import ConfigError
@@ -521,6 +521,65 @@ assert [f.name for f in dataclasses.fields(Config)] == [s.name for s in SETTINGS
 )
 
 
+def _on_off(text: str) -> str:
+    """Horovod's boolean as syncdp's three-way word: on, or off."""
+    return "off" if text.strip().lower() in ("", "0", "false", "no", "off") else "on"
+
+
+# Horovod's own variables that set a syncdp setting, with how their text reads as syncdp's
+# variable's (horovod/common/common.h; horovodrun exports them too). A SYNCDP_* variable or a
+# flag wins over them.
+HOROVOD_VARS: dict[str, tuple[str, Callable[[str], str]]] = {
+    "HOROVOD_FUSION_THRESHOLD": ("fusion_threshold", str),  # bytes, as syncdp's
+    "HOROVOD_TIMELINE": ("timeline", str),
+    "HOROVOD_STALL_CHECK_TIME_SECONDS": ("stall_warning", str),
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": ("stall_timeout", str),  # 0: never, as syncdp's
+    "HOROVOD_HIERARCHICAL_ALLREDUCE": ("hierarchical_allreduce", _on_off),
+    "HOROVOD_AUTOTUNE": ("autotune", str),
+    "HOROVOD_AUTOTUNE_LOG": ("autotune_log_file", str),
+    "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": ("autotune_warmup_samples", str),
+    "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": ("autotune_steps_per_sample", str),
+    "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": ("autotune_max_samples", str),
+}
+# Horovod's variables that tune machinery syncdp does not have: the launcher says so.
+HOROVOD_VARS_WITHOUT_EFFECT = (
+    "HOROVOD_CYCLE_TIME",
+    "HOROVOD_CACHE_CAPACITY",
+    "HOROVOD_TIMELINE_MARK_CYCLES",
+    "HOROVOD_STALL_CHECK_DISABLE",
+    "HOROVOD_MPI_THREADS_DISABLE",
+    "HOROVOD_NUM_NCCL_STREAMS",
+    "HOROVOD_BATCH_D2D_MEMCOPIES",
+    "HOROVOD_CPU_OPERATIONS",
+    "HOROVOD_CONTROLLER",
+    "HOROVOD_HIERARCHICAL_ALLGATHER",
+    "HOROVOD_ADASUM_MPI_CHUNK_SIZE",
+    "HOROVOD_DISABLE_GROUP_FUSION",
+    "HOROVOD_ENABLE_XLA_OPS",
+)
+
+
+def horovod_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Setting name -> value from Horovod's variables in ``environ`` (:data:`HOROVOD_VARS`),
+    for the settings whose ``SYNCDP_*`` variable is not set.
+
+    Raises:
+        ConfigError: A Horovod variable's value cannot be read (named).
+    """
+    values = {}
+    for var, (name, convert) in HOROVOD_VARS.items():
+        setting = _BY_NAME[name]
+        if var not in environ or setting.env in environ:
+            continue
+        try:
+            values[name] = validate(setting, convert(environ[var]), source="env")
+        except ConfigError as e:
+            raise ConfigError(
+                f"{var}={environ[var]!r} (Horovod's; read as {setting.env}): {e}"
+            ) from None
+    return values
+
+
 def from_env(environ: Mapping[str, str] | None = None, **overrides) -> Config:
     """Reads a Config from ``SYNCDP_*`` variables; keyword arguments win.
 
@@ -538,7 +597,7 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides) -> Config:
             cannot be written there (:func:`unwritable`).
     """
     environ = os.environ if environ is None else environ
-    values = {}
+    values = horovod_values(environ)  # below the SYNCDP_* variables, which win
     for key, text in environ.items():
         if not key.startswith("SYNCDP_") or key in INTERNAL_VARS:
             continue
@@ -614,7 +673,8 @@ def from_env_or_default(environ: Mapping[str, str] | None = None) -> Config:
 
 def resolve(flag_values: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
     """The launcher's settings, each resolved once: a flag (a ``--config-file`` key counts as
-    its flag, below the command line) wins over the environment's ``SYNCDP_*`` variable.
+    its flag, below the command line) wins over the environment's ``SYNCDP_*`` variable,
+    which wins over Horovod's (:data:`HOROVOD_VARS`).
 
     What is returned is what :func:`launcher_env` exports for every rank, so the ranks read
     exactly the values the launcher acts on (elastic mode, ``--spares``, its timeouts).
@@ -631,10 +691,14 @@ def resolve(flag_values: Mapping[str, Any], environ: Mapping[str, str]) -> dict[
         ConfigError: A variable not replaced by a flag is malformed (named).
     """
     resolved = {name: value for name, value in flag_values.items() if value is not None}
+    horovods = horovod_values(environ)
     for s in SETTINGS:
-        if s.name in resolved or s.env not in environ:
+        if s.name in resolved or (s.env not in environ and s.name not in horovods):
             continue
-        value = validate(s, environ[s.env], source="env")
+        if s.env in environ:
+            value = validate(s, environ[s.env], source="env")
+        else:
+            value = horovods[s.name]
         if s.flag_unit != 1:
             value = value / s.flag_unit  # exact: the unit is a power of two
         resolved[s.name] = value

@@ -595,3 +595,35 @@ def test_the_docs_hold_the_flag_table():
         "docs/horovodrun-flags.md is stale: paste the output of "
         '`python -c "from launch import horovodrun_flags as h; print(h.markdown_table())"`.'
     )
+
+
+def test_horovods_own_variables_set_the_settings_they_stand_for():
+    # A Horovod user's environment (HOROVOD_TIMELINE=... horovodrun ...) works unchanged; a
+    # SYNCDP_* variable or a flag wins over it; knobs syncdp lacks are named, not dropped.
+    horovods = {
+        "HOROVOD_TIMELINE": "tl.json",
+        "HOROVOD_FUSION_THRESHOLD": str(3 << 20),
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30",
+        "HOROVOD_STALL_CHECK_TIME_SECONDS": "7",
+        "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
+        "HOROVOD_CYCLE_TIME": "5",
+    }
+    c = parse(environ=horovods)
+    env = env_of(c)
+    assert env["SYNCDP_TIMELINE"] == os.path.abspath("tl.json")
+    assert env["SYNCDP_FUSION_THRESHOLD"] == str(3 << 20)
+    assert env["SYNCDP_STALL_TIMEOUT"] == "30" and env["SYNCDP_STALL_WARNING"] == "7"
+    assert env["SYNCDP_HIERARCHICAL_ALLREDUCE"] == "on"
+    assert any("HOROVOD_CYCLE_TIME is Horovod's and changes nothing" in n for n in c.notes)
+    c = parse("--fusion-threshold-mb", "1", environ={**horovods, "SYNCDP_STALL_TIMEOUT": "9"})
+    env = env_of(c)
+    assert env["SYNCDP_FUSION_THRESHOLD"] == str(1 << 20) and env["SYNCDP_STALL_TIMEOUT"] == "9"
+    # The ranks read them too when started without the launcher (plain mpirun).
+    config = settings.from_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_TIMELINE": "t.json"})
+    assert config.autotune and config.timeline == "t.json"
+    flat = settings.from_env({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"})
+    assert flat.hierarchical_allreduce == "off"
+    with pytest.raises(SystemExit):
+        parse(environ={"HOROVOD_FUSION_THRESHOLD": "lots"})
+    with pytest.raises(settings.ConfigError, match=r"HOROVOD_FUSION_THRESHOLD='lots' \(Horovod's"):
+        settings.from_env({"HOROVOD_FUSION_THRESHOLD": "lots"})
