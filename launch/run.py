@@ -258,8 +258,9 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
         # replacement's spawn cost the job a restart in about 1 of 10 elastic runs here. The
         # hash store, PMIx's default before 5.0, serves jobs of any size syncdp runs.
         cmd += ["--pmixmca", "gds", "hash"]
-    if config.hosts:
-        cmd += ["--host", config.hosts]
+    if config.hosts:  # as the launcher read it: no spaces, every host with its slots
+        given = _hosts.listed(config.hosts, None, slots_per_host=config.slots_per_host)
+        cmd += ["--host", _hosts.format_hosts(given)]
     if config.hostfile:
         cmd += ["--hostfile", config.hostfile]
     ssh_args = []

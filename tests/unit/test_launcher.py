@@ -219,6 +219,13 @@ def test_ranks_read_the_start_timeout_the_launcher_was_given(argv, environ, expe
     assert settings.from_env(run.build_env(c, environ=environ)).start_timeout == expected
 
 
+def test_mpirun_gets_the_host_list_as_the_launcher_read_it():
+    # Spaces after commas pass the launcher's reading; mpirun would take " h2" for a host.
+    c = run.parse_args(["-np", "3", "-H", "h1:2, h2", "python", "train.py"], environ={})
+    cmd = run.build_command(c, run.build_env(c, environ={}), mpirun="/opt/mpirun")
+    assert cmd[cmd.index("--host") + 1] == "h1:2,h2:1"
+
+
 def test_mpirun_command_exports_the_job_by_name_never_its_secret():
     c = run.parse_args(
         ["-np", "3", "-H", "h1:2,h2:1", "--mpi-args", "--mca btl self,tcp -v"]
