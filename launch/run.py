@@ -96,7 +96,7 @@ from launch.lifeline import LIFELINE_VAR, LifelineServer, lost_after
 from launch.report_server import ReportServer, describe_rejected
 from launch.restart import Restarts
 from launch.summary import TimingBoard
-from launch.verdict import Verdict
+from launch.verdict import Verdict, ranks_text
 from syncdp.base import settings
 from syncdp.base.errors import ConfigError
 from syncdp.membership import jobenv, membership, spares
@@ -607,8 +607,7 @@ def _run_once(
         if not missing:
             _say(f"stopped by {name}; every rank was ended.")
         else:
-            ranks = ("rank " if len(missing) == 1 else "ranks ") + ", ".join(map(str, missing))
-            _say(f"stopped by {name}; {ranks} never reported how they ended.")
+            _say(f"stopped by {name}; {ranks_text(missing)} never reported how they ended.")
         return _Ended(128 + signals.received[0])
     assert outcome is not None  # a lost host either restarts or was stopped by a signal
     lines = list(outcome.lines)

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from launch.elastic import ElasticLog
     from launch.lifeline import Link
 
-__all__ = ["Verdict", "Outcome", "START_GRACE_SECONDS"]
+__all__ = ["Verdict", "Outcome", "START_GRACE_SECONDS", "ranks_text"]
 
 # Beyond the start timeout, left for a rank's own start timeout to end the job before the
 # launcher does. Short: under Open MPI 5 a rank that arrived waits inside MPI_Init itself
@@ -58,9 +58,21 @@ class Outcome:
     lines: tuple[str, ...] = ()
 
 
-def _ranks_text(ranks: Iterable[int]) -> str:
+def ranks_text(ranks: Iterable[int]) -> str:
+    """``rank 3``, ``ranks 0, 2`` or ``ranks 0-99, 104``: runs of three or more as a range, so
+    that a job of many ranks gets a line, not a page."""
     ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{ranks[i]}-{ranks[j]}")
+        else:
+            parts += [str(r) for r in ranks[i : j + 1]]
+        i = j + 1
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
 
 
 def _who(report: Mapping[str, Any]) -> str:
@@ -337,7 +349,7 @@ class Verdict:
             }
         )
         verb = "was" if len(stopped) == 1 else "were"
-        return f"{_ranks_text(stopped)} {verb} stopped before finishing ({'; '.join(how)})"
+        return f"{ranks_text(stopped)} {verb} stopped before finishing ({'; '.join(how)})"
 
     def _unreported_text(
         self,
@@ -382,13 +394,13 @@ class Verdict:
             longest = max(links[r].silent_for(now) for r in ranks)
             they = "it" if len(ranks) == 1 else "they"
             parts.append(
-                f"{_ranks_text(ranks)} (on {host}) never reported how {they} ended: no word from "
+                f"{ranks_text(ranks)} (on {host}) never reported how {they} ended: no word from "
                 f"{host} for {longest:.0f} s (host unreachable, or its daemon lost)"
             )
         for host, ranks in _by_host(running, links):
             they = "it ends" if len(ranks) == 1 else "they end"
             parts.append(
-                f"{_ranks_text(ranks)} (on {host}) still ran when mpirun ended (the daemon there "
+                f"{ranks_text(ranks)} (on {host}) still ran when mpirun ended (the daemon there "
                 f"was lost); {they} with the launcher"
             )
         if never:
@@ -396,7 +408,7 @@ class Verdict:
             if mpirun_code:
                 why += f"; mpirun exited with code {mpirun_code}, see its output above"
             verb = "never started" if len(never) < self.num_proc else "none started"
-            parts.append(f"{_ranks_text(never)} {verb} ({why})")
+            parts.append(f"{ranks_text(never)} {verb} ({why})")
         return "; ".join(parts) or None
 
     @staticmethod
@@ -425,7 +437,7 @@ class Verdict:
             found = report.get("where") or {}
             places = "; ".join(f"rank {r}: {found[str(r)]}" for r in ranks if str(r) in found)
             return (
-                f"{_ranks_text(ranks)}{self._on_hosts(ranks)} stalled: rank {report.get('rank')} "
+                f"{ranks_text(ranks)}{self._on_hosts(ranks)} stalled: rank {report.get('rank')} "
                 f"waited for {them} in {where} past {limit}" + (f" ({places})" if places else "")
             )
         if kind == "start_timeout":
@@ -439,18 +451,18 @@ class Verdict:
                     f"Open MPI started no process of the job within {limit}: its daemons "
                     "could not start on the hosts (--log-level DEBUG shows mpirun's command)"
                 )
-            return f"{_ranks_text(missing)} never reached syncdp.init() within {limit}"
+            return f"{ranks_text(missing)} never reached syncdp.init() within {limit}"
         if kind == "lost":
             host = report.get("host")
             return (
-                f"{_ranks_text(ranks)} (on {host}) fell silent: no word from {host} for "
+                f"{ranks_text(ranks)} (on {host}) fell silent: no word from {host} for "
                 f"{report.get('seconds', 0):.0f} s (host unreachable, or its daemon lost)"
             )
         if kind == "elastic_abort":
             return f"elastic mode could not go on: {report.get('message')}"
         if kind == "exit_before_init":
             them = (
-                f"{_ranks_text(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
+                f"{ranks_text(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
                 if ranks
                 else "other ranks wait"
             )
@@ -461,7 +473,7 @@ class Verdict:
         if kind == "exit_early":
             waiting = "other ranks wait"
             if ranks:
-                waiting = f"{_ranks_text(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
+                waiting = f"{ranks_text(ranks)} {'waits' if len(ranks) == 1 else 'wait'}"
             how = "finished its program"
             with self._lock:
                 ended = self.exits.get(report.get("rank"))
