@@ -310,13 +310,16 @@ def _pump(
     banner: list[bytes] | None = None  # mpirun's lines since a rule, while it may be a banner
     marked = CONTINUED + b"\n"
     is_chatter = quiet
+    gone = False  # the reader of the launcher's own output went away
 
     def emit(raw: bytes, tag=None) -> None:
+        nonlocal gone
         stamp = _stamp() if timestamps else b""
+        out = []  # what goes to the console
         quiet = tag is not None and is_chatter is not None and is_chatter(raw, tag)
         if quiet and _CHATTER_NOTE not in said:
             said.add(_CHATTER_NOTE)
-            sink.write(_CHATTER_NOTE)
+            out.append(_CHATTER_NOTE)
         if not quiet and recovery is not None:
             if tag is None:
                 quiet = recovery.mpirun_line(raw)
@@ -324,12 +327,19 @@ def _pump(
                 quiet = True
                 if _RECOVERY_NOTE not in said and raw[tag.end() :].strip():
                     said.add(_RECOVERY_NOTE)
-                    sink.write(_RECOVERY_NOTE)
+                    out.append(_RECOVERY_NOTE)
+        if not quiet:
+            out.append(stamp + _text(raw))
         flow.writing += 1  # one pump per stream: each changes it under the GIL, by one
         try:
-            if not quiet:
-                sink.write(stamp + _text(raw))
-            sink.flush()
+            if not gone:
+                for piece in out:
+                    sink.write(piece)
+                sink.flush()
+        except BrokenPipeError:
+            # The reader went away (| head): mpirun's output is still read to its end, and
+            # still written to --output-filename's files, so that nothing waits on it.
+            gone = True
         finally:
             flow.writing -= 1
             flow.moved = time.monotonic()
@@ -377,7 +387,11 @@ def _pump(
         end_banner(closed=False)
     for key, pieces in pending.items():  # a rank that ended in the middle of a long line
         emit(key + b"".join(pieces) + b"\n")
-    sink.flush()
+    if not gone:
+        try:
+            sink.flush()
+        except BrokenPipeError:
+            pass
     source.close()
 
 

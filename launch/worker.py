@@ -380,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         argv: The command and its arguments. Defaults to ``sys.argv[1:]``.
 
     Returns:
-        The child's exit code, 128 + the signal number if a signal ended it, 127 if it could
-        not be started, 2 without a command.
+        The child's exit code, 128 + the signal number if a signal ended it, 127 if it was not
+        found and 126 if it could not be run (as a shell), 2 without a command.
     """
     argv = sys.argv[1:] if argv is None else argv
     # A spawned process: the job's settings first, before anything reads one (Open MPI started
@@ -430,8 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         message = f"rank {rank} could not start {argv[0]!r}: {e}"
         print(f"syncdp-run: {message}", file=sys.stderr, flush=True)
-        _send_exit_report(rank, None, 127, False, message)
-        return 127
+        # As a shell: 127 for a command not found, 126 for one found but not runnable.
+        code = 127 if isinstance(e, FileNotFoundError) else 126
+        _send_exit_report(rank, None, code, False, message)
+        return code
     if new_spare:  # before anything can end it: its exit is a spare's, never the job's
         report.send("spare_started", int(rank), pid=child.pid)
     if elastic and config.stall_timeout > 0:

@@ -234,3 +234,24 @@ def test_tensorflows_records_of_a_rank_failure_are_left_to_the_rank_files(tmp_pa
     assert shown.splitlines()[0].startswith("syncdp-run: the ranks' and Open MPI's notes")
     kept = (tmp_path / "out" / "rank.2" / "stderr").read_text()
     assert kept.count("RankFailureError") == 4 and "raise failure from None" in kept
+
+
+def test_a_reader_that_goes_away_stops_the_console_not_the_copy(tmp_path):
+    # syncdp-run ... | head -3: the console's pipe breaks after a few lines; the rest of
+    # mpirun's output is still read to its end (nothing waits on a full pipe) and still
+    # reaches --output-filename's files, without a traceback.
+    class Head(io.BytesIO):
+        def write(self, data):
+            if self.getvalue().count(b"\n") >= 3:
+                raise BrokenPipeError(32, "Broken pipe")
+            return super().write(data)
+
+    sent = b"".join(b"[0]<stdout>:line %d\n" % i for i in range(50))
+    source, sink = io.BytesIO(sent), Head()
+    files = output.RankFiles(str(tmp_path / "logs"), 1)
+    output._pump(source, sink, timestamps=False, files=files)
+    files.close()
+    assert sink.getvalue().count(b"\n") == 3
+    assert source.closed  # read to its end
+    kept = (tmp_path / "logs" / "rank.0" / "stdout").read_bytes()
+    assert kept == b"".join(b"line %d\n" % i for i in range(50))

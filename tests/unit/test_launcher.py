@@ -322,3 +322,13 @@ def test_more_ranks_than_the_listed_slots_are_refused(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"-np 3 needs 3 slots, and the hosts listed have 2 ({hosts})" in err
         assert run.parse_args(["-np", "2", *argv, "python"], environ={}).num_proc == 2
+
+
+def test_a_rank_command_not_found_exits_127_and_one_not_runnable_126(tmp_path, monkeypatch):
+    # As a shell says it: the verdict carries the rank's code.
+    from launch import worker
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.sh").write_text("echo hi\n")  # not executable
+    assert worker.main(["./train.sh"]) == 126
+    assert worker.main(["./missing.sh"]) == 127
