@@ -112,8 +112,8 @@ def parse_hostfile(path: str, *, default_slots: int = 1) -> list[Host]:
             slot count is not a positive integer, a host is listed twice, or no host is left.
     """
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        with open(path, encoding="utf-8", newline="") as f:
+            text = f.read()
     except OSError as e:
         raise HostError(f"hostfile {path!r} cannot be read: {e.strerror}.") from None
     except UnicodeDecodeError as e:
@@ -121,8 +121,13 @@ def parse_hostfile(path: str, *, default_slots: int = 1) -> list[Host]:
             f"hostfile {path!r} is not text (byte {e.start} is not UTF-8): a hostfile lists "
             "'HOST slots=N' lines."
         ) from None
+    if "\r" in text:  # mpirun, which reads the file too, stops at the first one
+        raise HostError(
+            f"hostfile {path!r} has Windows line endings (CRLF), which Open MPI's mpirun cannot "
+            f"read; convert it, e.g. with: sed -i 's/\\r$//' {path}"
+        )
     hosts = []
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         words = line.split("#", 1)[0].split()
         if not words:
             continue

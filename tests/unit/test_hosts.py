@@ -28,15 +28,16 @@ def test_hostfile_in_horovods_format(tmp_path):
         ("node1 cpus=4\n", "'cpus=4' is not a slots=N field"),
         ("node1 slots=2\nnode1 slots=2\n", "host 'node1' is listed twice"),
         ("# nothing\n\n", "lists no host"),
+        ("node1 slots=2\r\nnode2 slots=2\r\n", "has Windows line endings (CRLF)"),
     ],
 )
 def test_bad_hostfiles_name_the_line_and_the_fix(tmp_path, text, words):
     path = tmp_path / "hosts"
-    path.write_text(text)
+    path.write_bytes(text.encode())
     with pytest.raises(HostError) as e:
         hosts.parse_hostfile(str(path))
     assert words in str(e.value)
-    if "slots" in text and "twice" not in words:
+    if "slots" in text and "twice" not in words and "CRLF" not in words:
         assert f"{path}:1" in str(e.value)  # the line is named
 
 
