@@ -31,7 +31,7 @@ theirs (the upper half of the job id is mpirun's, shared by the processes a reco
 and when the job ends it removes the job's segments that no process maps or holds open. What
 no launcher was there to remove (a killed launcher's job, a process that ran without one) goes
 when the next job starts: :func:`remove_stale_segments` removes this user's segments on the
-launcher's host that nothing holds and that are older than a minute.
+launcher's host (by the host name in theirs) that nothing holds and that are a minute old.
 
 And Open MPI's session directories: mpirun keeps its PMIx rendezvous files in ``ompi.PID``
 under the temporary directory (``$TMPDIR``, else ``/tmp``) and removes it when it exits; a
@@ -65,6 +65,8 @@ if TYPE_CHECKING:
     from launch.lifeline import Link
 
 __all__ = [
+    "STALE_SEGMENT_SECONDS",
+    "remove_stale_segments",
     "SWEEP_SECONDS",
     "Sweeper",
     "ShmLeftovers",
@@ -374,8 +376,9 @@ STALE_SEGMENT_SECONDS = 60.0
 def remove_stale_segments(
     directory: str = "/dev/shm", min_age: float = STALE_SEGMENT_SECONDS
 ) -> list[str]:
-    """Removes this user's Open MPI shared-memory segments in ``directory`` that no process on
-    this host maps or holds open and that are older than ``min_age`` seconds: what killed
+    """Removes this user's Open MPI shared-memory segments of this host (by the host name in
+    theirs) in ``directory`` that no process here maps or holds open and that are older than
+    ``min_age`` seconds: what killed
     processes of earlier jobs left when no launcher was there to remove them (the launcher was
     killed too, or the process ran without one, as a singleton).
 
@@ -387,10 +390,15 @@ def remove_stale_segments(
     except OSError:
         return []
     uid, now = os.getuid(), time.time()
+    # Only this host's own: containers that share /dev/shm but not the process table (their
+    # processes out of sight here) go by other host names.
+    here = {socket.gethostname(), socket.gethostname().split(".")[0], socket.getfqdn()}
     stale = set()
     for name in names:
         mark = ShmLeftovers.parse(name)
         if mark is None or mark[0] != str(uid):
+            continue
+        if name[len(ShmLeftovers.PREFIX) :].rsplit(".", 3)[0] not in here:
             continue
         path = os.path.join(directory, name)
         try:
@@ -419,7 +427,7 @@ class ShmLeftovers:
         directory: Open MPI's backing directory. Defaults to ``/dev/shm``.
     """
 
-    _PREFIX = "sm_segment."
+    PREFIX = "sm_segment."
 
     def __init__(self, root: int, directory: str = "/dev/shm"):
         self.root = root
@@ -462,9 +470,9 @@ class ShmLeftovers:
     def parse(cls, name: str) -> tuple[str, str] | None:
         """``sm_segment.HOST.UID.JOBID.N`` -> (UID, the upper half of JOBID): a host's name
         does not matter, hosts that share this directory share it with this job's too."""
-        if not name.startswith(cls._PREFIX):
+        if not name.startswith(cls.PREFIX):
             return None
-        parts = name[len(cls._PREFIX) :].rsplit(".", 3)
+        parts = name[len(cls.PREFIX) :].rsplit(".", 3)
         if len(parts) != 4 or not all(parts) or not (parts[1] + parts[3]).isdigit():
             return None
         _, uid, job, _ = parts

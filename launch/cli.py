@@ -463,7 +463,10 @@ def parse_args(
     resolved = _check_settings(args, environ, spelled, prog)
     for var in settings.HOROVOD_VARS_WITHOUT_EFFECT:
         if var in environ:
-            notes.append(f"{var} is Horovod's and changes nothing here (syncdp has no such knob)")
+            notes.append(
+                f"{var} is Horovod's and changes nothing here; docs/settings.md lists the "
+                "settings syncdp has"
+            )
     if args.slots_per_host is not None and not listed:
         if not resolved.get("host_discovery_script"):
             notes.append(

@@ -55,8 +55,9 @@ SPARE_GRACE_SECONDS = 10.0
 # A replacement that exited is given this long to show up in a membership change (it may have
 # joined just before it died) before the launcher decides it never joined.
 JOIN_GRACE_SECONDS = 5.0
-# How long an unjoined replacement's exit waits, after a rank 0 was lost, for the membership
-# change that says whether its spawn was abandoned (the recovery is redone meanwhile).
+# How long an unjoined replacement's exit waits, after a second rank was lost during a
+# recovery, for the membership change that says whether its spawn was abandoned (the recovery
+# is redone meanwhile).
 ABANDON_WAIT_SECONDS = 60.0
 # The most a kill on another host may take, remote shell included.
 _REMOTE_KILL_SECONDS = 15.0
@@ -217,7 +218,9 @@ class ElasticLog:
         # Labels of replacements whose spawn failed (rank 0 was lost in it, say): a recovery
         # went on without them, and they can never join.
         self._abandoned: set = set()
-        self._rank0_lost = False  # a rank 0 was lost, and no membership change followed yet
+        # Ranks lost since the last membership change: a second one during a recovery may
+        # make it start over and abandon a spawn under way.
+        self._losses = 0
         self._spares_lost = 0
         self._released: set = set()  # labels of spares killed for not answering their release
         self._spares_ending = False  # the last rank has exited: spares left get killed
@@ -246,10 +249,10 @@ class ElasticLog:
 
         def judge():
             time.sleep(JOIN_GRACE_SECONDS)
-            # While a lost rank 0's recovery is redone, the spawn that started this one may
-            # have been abandoned: the next membership change says (its "abandoned").
+            # While a recovery is redone after a loss during it, the spawn that started this
+            # one may have been abandoned: the next membership change says (its "abandoned").
             waited = JOIN_GRACE_SECONDS
-            while self._rank0_lost and waited < ABANDON_WAIT_SECONDS:
+            while self._losses > 1 and waited < ABANDON_WAIT_SECONDS:
                 time.sleep(0.5)
                 waited += 0.5
             with self._lock:
@@ -309,9 +312,9 @@ class ElasticLog:
             else:
                 then = "recovering"
             self._say(f"lost {_who(report)}: it {describe_exit(code)}; {then}.")
-            with self._lock:
-                if self._rank0 == (report.get("host"), report.get("pid")):
-                    self._rank0_lost = True
+            if then == "recovering":
+                with self._lock:
+                    self._losses += 1
             self._end_orphans(report)
 
     def _end_orphans(self, report: Mapping[str, Any]) -> None:
@@ -460,7 +463,7 @@ class ElasticLog:
             self._promote(report)
             with self._lock:
                 self._abandoned |= set(report.get("abandoned") or [])
-                self._rank0_lost = False
+                self._losses = 0
                 self.changes.append(report)
                 self._lost |= {(m.get("host"), m.get("pid")) for m in report.get("lost", [])}
             self._say(self._describe_change(report))

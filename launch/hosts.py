@@ -124,7 +124,7 @@ def parse_hostfile(path: str, *, default_slots: int = 1) -> list[Host]:
     if "\r" in text:  # mpirun, which reads the file too, stops at the first one
         raise HostError(
             f"hostfile {path!r} has Windows line endings (CRLF), which Open MPI's mpirun cannot "
-            f"read; convert it, e.g. with: sed -i 's/\\r$//' {path}"
+            f"read; convert it, e.g. with: sed -i 's/\\r$//' {shlex.quote(path)}"
         )
     hosts = []
     for number, line in enumerate(text.splitlines(), start=1):

@@ -61,7 +61,7 @@ import time
 from collections.abc import Callable
 from typing import BinaryIO
 
-__all__ = ["CONTINUED", "PIECE_BYTES", "RankFiles", "copy_output"]
+__all__ = ["Flow", "CONTINUED", "PIECE_BYTES", "RankFiles", "copy_output"]
 
 # Longest piece of a line a supervisor sends through mpirun, and the mark that says more of the
 # same line follows (bytes no program writes by accident: ASCII record separators).
@@ -285,6 +285,13 @@ class Flow:
     def __init__(self):
         self.moved = time.monotonic()
         self.writing = 0
+        self._lock = threading.Lock()  # two pumps (stdout, stderr) count writes
+
+    def writes(self, by: int) -> None:
+        """Counts a write begun (+1) or ended (-1)."""
+        with self._lock:
+            self.writing += by
+            self.moved = time.monotonic()
 
     def active(self, within: float) -> bool:
         """Whether a write is under way, or output moved in the last ``within`` seconds."""
@@ -330,7 +337,7 @@ def _pump(
                     out.append(_RECOVERY_NOTE)
         if not quiet:
             out.append(stamp + _text(raw))
-        flow.writing += 1  # one pump per stream: each changes it under the GIL, by one
+        flow.writes(+1)
         try:
             if not gone:
                 for piece in out:
@@ -341,8 +348,7 @@ def _pump(
             # still written to --output-filename's files, so that nothing waits on it.
             gone = True
         finally:
-            flow.writing -= 1
-            flow.moved = time.monotonic()
+            flow.writes(-1)
         if files is not None and tag is not None:
             files.write(int(tag[1]), tag[2].decode(), stamp + raw[tag.end() :])
 

@@ -570,6 +570,8 @@ def _run_once(
             deadline = time.monotonic() + (1.0 if quick else 5.0)
             for p in pumps:
                 while p.is_alive() and (time.monotonic() < deadline or flow.active(within=1.0)):
+                    if signals.received:  # stopped by the user: no more waiting for output
+                        break
                     p.join(timeout=0.2)
     finally:
         server.close()

@@ -27,6 +27,9 @@ from typing import Any
 from syncdp.base.errors import ConfigError
 
 __all__ = [
+    "HOROVOD_VARS",
+    "HOROVOD_VARS_WITHOUT_EFFECT",
+    "horovod_values",
     "Config",
     "SETTINGS",
     "Setting",
@@ -531,7 +534,8 @@ def _on_off(text: str) -> str:
 # flag wins over them.
 HOROVOD_VARS: dict[str, tuple[str, Callable[[str], str]]] = {
     "HOROVOD_FUSION_THRESHOLD": ("fusion_threshold", str),  # bytes, as syncdp's
-    "HOROVOD_TIMELINE": ("timeline", str),
+    # DYNAMIC: no timeline now; the program starts one (start_timeline), as in Horovod.
+    "HOROVOD_TIMELINE": ("timeline", lambda text: "" if text == "DYNAMIC" else text),
     "HOROVOD_STALL_CHECK_TIME_SECONDS": ("stall_warning", str),
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": ("stall_timeout", str),  # 0: never, as syncdp's
     "HOROVOD_HIERARCHICAL_ALLREDUCE": ("hierarchical_allreduce", _on_off),

@@ -27,7 +27,7 @@ import numpy as np
 from syncdp.engine import steps as _steps
 from syncdp.engine.reducer import BucketReducer
 
-__all__ = ["task", "join"]
+__all__ = ["task", "gather_task", "stand_in", "join"]
 
 
 def task(reducer: BucketReducer, sizes) -> dict:

@@ -111,9 +111,11 @@ class Agreement:
     is counted as the steps it made since, added to the step of a rank that stood at the join
     (the first such rank's, else the first active rank's). So uneven epochs, each ended by
     ``join()``, agree again afterwards, and a rank that skips a step later is still caught.
-    When every rank's step falls back to one value below every step of the check before (a
-    count started anew on every rank: a new optimizer's ``iterations``), the shift ends. Every
-    rank reads the same steps in the same checks, so every rank shifts them alike.
+    When the steps the ranks send agree again (a count started anew on every rank, a new
+    optimizer's ``iterations``, or one made equal by a broadcast or a restored checkpoint),
+    the shift ends. Every rank that checks reads the same steps in the same checks, so every
+    rank shifts them alike (a joined rank's stand-ins check nothing, and after a join every
+    rank's start is taken anew).
 
     Args:
         size: The number of ranks in the group.
@@ -123,7 +125,6 @@ class Agreement:
         self.offsets = [0] * size  # subtracted from each rank's step before the check
         self.shifted = False  # whether any offset is not 0
         self.pending: set[int] = set()  # ranks whose start is not known yet since a join
-        self.floor: int | None = None  # while shifted, the lowest step of the last check
 
     def rebase(self) -> None:
         """A ``join()`` of the group has ended: every rank's steps start anew."""
@@ -134,19 +135,15 @@ class Agreement:
         if self.pending:
             self._restart(steps)
         if not self.shifted:
-            self.floor = None
             return check(steps)
         active = [s for s in steps if s != JOINED_STEP]
-        if active and self.floor is not None and active[0] < self.floor:
-            if active.count(active[0]) == len(active):
-                # Every rank's count went back to one value: a count started anew on every
-                # rank (a new optimizer's iterations), so no longer shifted.
-                self.offsets = [0] * len(self.offsets)
-                self.shifted = False
-                self.floor = None
-                return active[0]
-        if active:
-            self.floor = min(active)
+        if active and active.count(active[0]) == len(active):
+            # The ranks' own counts agree again: a count started anew on every rank (a new
+            # optimizer's iterations), or made equal (its variables broadcast, a checkpoint
+            # restored on every rank). No longer shifted.
+            self.offsets = [0] * len(self.offsets)
+            self.shifted = False
+            return active[0]
         counted = [s if s == JOINED_STEP else s - o for s, o in zip(steps, self.offsets)]
         return check(counted, " (steps counted on from the last join(), where ranks differed)")
 

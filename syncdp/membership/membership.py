@@ -65,6 +65,8 @@ RECOVERY_ATTEMPTS = 5
 _DISCOVERY_TIMEOUT_SECONDS = 30.0
 # The fewest seconds between two runs of the discovery script to look for new slots.
 DISCOVERY_INTERVAL_SECONDS = 2.0
+# The discovery script's lines already said to be ignored.
+_IGNORED_LINES: set[str] = set()
 # One line of the discovery script's output: a host name or address, then ":slots" or nothing.
 _DISCOVERY_LINE = re.compile(r"(?P<host>[^\s:]+)(?::(?P<slots>\d+))?")
 
@@ -274,7 +276,9 @@ def discover_slots(
             if strict:
                 print(f"syncdp: {what}", file=sys.stderr)
                 return None
-            print(f"syncdp: ignoring a line: {what}", file=sys.stderr)
+            if line not in _IGNORED_LINES:  # once: rank 0 looks every few seconds
+                _IGNORED_LINES.add(line)
+                print(f"syncdp: ignoring a line: {what}", file=sys.stderr)
             continue
         count = found["slots"]
         slots[_local(found["host"])] = int(count) if count is not None else default_slots
@@ -420,7 +424,8 @@ def recover(base, plan: Plan) -> tuple[object, Plan, dict]:
             tried, survivors = [], len(alive)
             plan, count, hosts = _decide(shrunk, plan, alive, plan.target)
             if count:
-                tried = sorted(set(hosts[:count]))
+                # Blamed if it fails with no rank lost: never a host where ranks run.
+                tried = sorted(set(hosts[:count]) - {m.host for m in alive})
                 # Counted before the spawn: if it fails (rank 0 lost in it, say), a process it
                 # started may still run for a while, and the next one must not share its label.
                 labels = list(range(plan.next_label, plan.next_label + count))

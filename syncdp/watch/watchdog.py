@@ -445,6 +445,11 @@ class Watchdog:
                 f"syncdp: rank {me} stalled: {collective} waited {waited:.1f} s for "
                 f"other ranks {limit}; MPI without thread support cannot say which."
             ]
+        if missing and elsewhere:
+            details.append(
+                f"  in another collective of number {seq}: {', '.join(elsewhere)} (the ranks "
+                "took different code paths)."
+            )
         lines += details
         if self.elastic and missing:
             self._remove(missing, lines, name, seq)

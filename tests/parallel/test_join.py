@@ -76,6 +76,8 @@ def test_a_joined_rank_scales_its_share_of_a_large_reduction(hvd, dtype):
     """Above the gathered path, a half-precision sum is split into shares that each rank
     reduces and scales: a joined rank's share must get the prescale and postscale too."""
     n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        pytest.skip("needs 2 ranks")
     values = tf.cast(tf.fill([300_000], r + 1), dtype)
     if r == 0:
         last = hvd.join()
@@ -166,6 +168,29 @@ def test_sparse_gradients_and_allgathers_train_on_while_a_rank_has_joined(hvd, g
     assert int(hvd.join()) == n - 1
     # A rank stops updating when it joins: rank n - 1 trained through every step.
     np.testing.assert_allclose(table.numpy(), history[batches[r]], rtol=1e-5)
+
+
+def test_an_allgathers_gradient_while_a_lower_rank_has_joined(hvd):
+    # Rank 0 has joined (it gives no rows): each active rank's gradient is its own rows of the
+    # average over every rank (the joined one adds zeros) of the gathered tensor's gradient.
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        pytest.skip("needs 2 ranks")
+    rows = {q: q + 1 for q in range(1, n)}
+    total = sum(rows.values())
+    weights = np.arange(total * 2, dtype=np.float32).reshape(total, 2) % 7 - 3
+    if r == 0:
+        hvd.join()
+        return
+    x = tf.Variable(np.full((rows[r], 2), float(r), np.float32))
+    with tf.GradientTape() as tape:
+        gathered = hvd.allgather(x)
+        loss = tf.reduce_sum(gathered * weights)
+    grad = tape.gradient(loss, x)
+    start = sum(rows[q] for q in range(1, r))
+    np.testing.assert_array_equal(gathered.numpy()[start : start + rows[r]], x.numpy())
+    np.testing.assert_allclose(grad.numpy(), weights[start : start + rows[r]] * (n - 1) / n)
+    hvd.join()
 
 
 def test_join_within_a_process_set(hvd):

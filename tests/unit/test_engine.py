@@ -310,10 +310,16 @@ def test_after_a_join_each_ranks_steps_count_from_where_it_stood():
     assert agreement.check([4, 12, 14]) == 12
     with pytest.raises(StepMismatchError, match=r"rank 0 is at step 12"):
         agreement.check([4, 13, 15])  # rank 0 repeated its step
-    # A new optimizer: every rank's count back to one value, below the last check's.
+    # A new optimizer: every rank's count back to one value.
     assert agreement.check([0, 0, 0]) == 0 and not agreement.shifted
     with pytest.raises(StepMismatchError):
         agreement.check([1, 2, 1])
+    # Counts made equal above the last check's (iterations broadcast after a join) agree too.
+    agreement = steps_mod.Agreement(2)
+    agreement.rebase()
+    assert agreement.check([5, 7]) == 5 and agreement.shifted
+    assert agreement.check([9, 9]) == 9 and not agreement.shifted
+    assert agreement.check([10, 10]) == 10
 
 
 def test_without_the_step_check_rank_0s_step_is_agreed_and_the_sum_is_exact(engine_path):

@@ -614,13 +614,16 @@ def test_horovods_own_variables_set_the_settings_they_stand_for():
     assert env["SYNCDP_FUSION_THRESHOLD"] == str(3 << 20)
     assert env["SYNCDP_STALL_TIMEOUT"] == "30" and env["SYNCDP_STALL_WARNING"] == "7"
     assert env["SYNCDP_HIERARCHICAL_ALLREDUCE"] == "on"
-    assert any("HOROVOD_CYCLE_TIME is Horovod's and changes nothing" in n for n in c.notes)
+    assert any("HOROVOD_CYCLE_TIME is Horovod's and changes nothing here" in n for n in c.notes)
     c = parse("--fusion-threshold-mb", "1", environ={**horovods, "SYNCDP_STALL_TIMEOUT": "9"})
     env = env_of(c)
     assert env["SYNCDP_FUSION_THRESHOLD"] == str(1 << 20) and env["SYNCDP_STALL_TIMEOUT"] == "9"
     # The ranks read them too when started without the launcher (plain mpirun).
     config = settings.from_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_TIMELINE": "t.json"})
     assert config.autotune and config.timeline == "t.json"
+    # Horovod's DYNAMIC: no timeline until the program starts one.
+    assert settings.from_env({"HOROVOD_TIMELINE": "DYNAMIC"}).timeline == ""
+    assert env_of(parse(environ={"HOROVOD_TIMELINE": "DYNAMIC"})).get("SYNCDP_TIMELINE") == ""
     flat = settings.from_env({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"})
     assert flat.hierarchical_allreduce == "off"
     with pytest.raises(SystemExit):

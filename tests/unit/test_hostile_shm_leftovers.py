@@ -1,6 +1,7 @@
 """The shared-memory segments a job's killed processes leave are removed, and nothing else."""
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -77,22 +78,23 @@ def test_session_directories_of_processes_that_are_gone_are_removed(tmp_path):
 
 
 def test_segments_that_earlier_jobs_left_are_removed_when_nothing_holds_them(tmp_path):
-    uid = os.getuid()
+    uid, h = os.getuid(), socket.gethostname()
     old = time.time() - 2 * cleanup.STALE_SEGMENT_SECONDS
     names = {
-        "killed": f"sm_segment.h.{uid}.abcd0001.0",  # a killed rank's, no launcher left
-        "singleton": f"sm_segment.vm.{uid}.437b0000.0",  # a process that ran without one
-        "held": f"sm_segment.h.{uid}.abcd0001.1",  # a live process maps it
-        "young": f"sm_segment.h.{uid}.ffff0001.0",  # just made: may be about to be mapped
-        "other user": f"sm_segment.h.{uid + 1}.abcd0001.2",
-        "not a segment": f"osc_sm.h.{uid}.abcd0001.3",
+        "killed": f"sm_segment.{h}.{uid}.abcd0001.0",  # a killed rank's, no launcher left
+        "singleton": f"sm_segment.{h}.{uid}.437b0000.0",  # a process that ran without one
+        "held": f"sm_segment.{h}.{uid}.abcd0001.1",  # a live process maps it
+        "young": f"sm_segment.{h}.{uid}.ffff0001.0",  # just made: may be about to be mapped
+        "other user": f"sm_segment.{h}.{uid + 1}.abcd0001.2",
+        "other host": f"sm_segment.elsewhere.{uid}.abcd0001.4",  # its processes out of sight
+        "not a segment": f"osc_sm.{h}.{uid}.abcd0001.3",
     }
     for key, name in names.items():
         path = tmp_path / name
         path.write_bytes(bytes(4096))
         if key != "young":
             os.utime(path, (old, old))
-    link = tmp_path / f"sm_segment.h.{uid}.abcd0001.5"  # not a file of its own
+    link = tmp_path / f"sm_segment.{h}.{uid}.abcd0001.5"  # not a file of its own
     link.symlink_to(tmp_path / names["other user"])
     os.utime(link, (old, old), follow_symlinks=False)
     holder = subprocess.Popen(

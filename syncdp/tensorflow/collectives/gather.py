@@ -48,9 +48,11 @@ def _gather(tensor, name: str, process_set):
 def _own_rows(grad, rows, name: str, process_set):
     """This rank's rows of ``grad``, a tensor gathered from ``rows`` rows of every rank."""
     comm = _comm(process_set)
-    counts = _gather(
-        tf.reshape(tf.shape(rows, out_type=tf.int64)[0], [1]), f"{name}.rows", process_set
-    )
+    # Each rank's (rank, row count): a rank that has called join() gathers no rows at all, so
+    # the counts are placed by the ranks they name, not by their order.
+    mine = tf.stack([tf.constant(comm.rank, tf.int64), tf.shape(rows, out_type=tf.int64)[0]])
+    pairs = _gather(tf.reshape(mine, [1, 2]), f"{name}.rows", process_set)
+    counts = tf.math.unsorted_segment_sum(pairs[:, 1], pairs[:, 0], comm.size)
     start = tf.reduce_sum(counts[: comm.rank])
     return grad[start : start + counts[comm.rank]]
 
