@@ -111,5 +111,5 @@ def join(comm) -> int:
             stand_in(comm, spec)
             served += 1
     last = comm.join_last(arrived_before)
-    _steps.agreement(comm).rebase()  # the ranks made different numbers of steps before it
+    _steps.rebase(comm)  # the ranks made different numbers of steps before it
     return last

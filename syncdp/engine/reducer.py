@@ -187,7 +187,9 @@ class BucketReducer:
             start = layout.offsets[-1]
             steps = _steps.decode(buf[start : start + step_elems], n)
             agreed = (
-                _steps.agreement(comm).check(steps) if check_step else _steps.first_active(steps)
+                _steps.agreement(comm, self.name).check(steps)
+                if check_step
+                else _steps.first_active(steps)
             )
         results = tuple(
             buf[off : off + size].reshape(np.shape(a))
@@ -236,7 +238,9 @@ class BucketReducer:
         if self.carry_step:
             steps = plan.steps.tolist()
             agreed = (
-                _steps.agreement(comm).check(steps) if check_step else _steps.first_active(steps)
+                _steps.agreement(comm, self.name).check(steps)
+                if check_step
+                else _steps.first_active(steps)
             )
         out = _POOL.take(plan.out_shelf, plan.total, self.dtype)
         plan.reduce(out)

@@ -19,7 +19,16 @@ import numpy as np
 
 from syncdp.base.errors import StepMismatchError
 
-__all__ = ["limbs_for", "encode", "decode", "check", "Agreement", "agreement", "JOINED_STEP"]
+__all__ = [
+    "limbs_for",
+    "encode",
+    "decode",
+    "check",
+    "Agreement",
+    "agreement",
+    "rebase",
+    "JOINED_STEP",
+]
 
 _STEP_BITS = 64
 
@@ -111,11 +120,13 @@ class Agreement:
     is counted as the steps it made since, added to the step of a rank that stood at the join
     (the first such rank's, else the first active rank's). So uneven epochs, each ended by
     ``join()``, agree again afterwards, and a rank that skips a step later is still caught.
-    When the steps the ranks send agree again (a count started anew on every rank, a new
-    optimizer's ``iterations``, or one made equal by a broadcast or a restored checkpoint),
-    the shift ends. Every rank that checks reads the same steps in the same checks, so every
-    rank shifts them alike (a joined rank's stand-ins check nothing, and after a join every
-    rank's start is taken anew).
+    When every rank's step falls back to one value below every step of the check before (a
+    count started anew on every rank: a new optimizer's ``iterations``), the shift ends. Steps
+    made equal right after a join (``iterations`` broadcast from the last rank to join) are
+    taken as each rank's new start anyway; made equal later, they read as a skipped step.
+    Every rank that checks reads the same steps in the same checks, so every rank shifts them
+    alike (a joined rank's stand-ins check nothing, and after a join every rank's start is
+    taken anew).
 
     Args:
         size: The number of ranks in the group.
@@ -125,6 +136,7 @@ class Agreement:
         self.offsets = [0] * size  # subtracted from each rank's step before the check
         self.shifted = False  # whether any offset is not 0
         self.pending: set[int] = set()  # ranks whose start is not known yet since a join
+        self.floor: int | None = None  # while shifted, the lowest step of the last check
 
     def rebase(self) -> None:
         """A ``join()`` of the group has ended: every rank's steps start anew."""
@@ -135,15 +147,19 @@ class Agreement:
         if self.pending:
             self._restart(steps)
         if not self.shifted:
+            self.floor = None
             return check(steps)
-        active = [s for s in steps if s != JOINED_STEP]
-        if active and active.count(active[0]) == len(active):
-            # The ranks' own counts agree again: a count started anew on every rank (a new
-            # optimizer's iterations), or made equal (its variables broadcast, a checkpoint
-            # restored on every rank). No longer shifted.
+        restarted = self.floor is not None and steps[0] < self.floor
+        if restarted and JOINED_STEP not in steps and steps.count(steps[0]) == len(steps):
+            # Every rank's count went back to one value: a count started anew on every rank
+            # (a new optimizer's iterations). No longer shifted.
             self.offsets = [0] * len(self.offsets)
             self.shifted = False
-            return active[0]
+            self.floor = None
+            return steps[0]
+        active = [s for s in steps if s != JOINED_STEP]
+        if active:
+            self.floor = min(active)
         counted = [s if s == JOINED_STEP else s - o for s, o in zip(steps, self.offsets)]
         return check(counted, " (steps counted on from the last join(), where ranks differed)")
 
@@ -163,8 +179,40 @@ class Agreement:
         self.shifted = any(self.offsets)
 
 
-def agreement(comm) -> Agreement:
-    """The step check of communicator ``comm``'s group, made at its first use."""
+class _Agreements:
+    """A group's step checks, one per source of steps (the bucket that carries them: a
+    tape's count, an optimizer's ``iterations``), each shifted on its own after a join. One
+    first used after a join counts from where each rank stands then."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.joined = False
+        self.by_source: dict[str, Agreement] = {}
+
+    def get(self, source: str) -> Agreement:
+        found = self.by_source.get(source)
+        if found is None:
+            found = self.by_source[source] = Agreement(self.size)
+            if self.joined:
+                found.rebase()
+        return found
+
+    def rebase(self) -> None:
+        self.joined = True
+        for each in self.by_source.values():
+            each.rebase()
+
+
+def agreement(comm, source: str) -> Agreement:
+    """The step check of communicator ``comm``'s group for steps from ``source`` (the name of
+    the bucket that carries them), made at its first use."""
     if comm.steps is None:
-        comm.steps = Agreement(comm.size)
-    return comm.steps
+        comm.steps = _Agreements(comm.size)
+    return comm.steps.get(source)
+
+
+def rebase(comm) -> None:
+    """A ``join()`` of ``comm``'s group has ended: every source's steps start anew."""
+    if comm.steps is None:
+        comm.steps = _Agreements(comm.size)
+    comm.steps.rebase()

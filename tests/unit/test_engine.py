@@ -314,12 +314,19 @@ def test_after_a_join_each_ranks_steps_count_from_where_it_stood():
     assert agreement.check([0, 0, 0]) == 0 and not agreement.shifted
     with pytest.raises(StepMismatchError):
         agreement.check([1, 2, 1])
-    # Counts made equal above the last check's (iterations broadcast after a join) agree too.
+    # Counts made equal right after a join (iterations broadcast from the last to join) are
+    # each rank's new start.
     agreement = steps_mod.Agreement(2)
+    assert agreement.check([5, 5]) == 5
     agreement.rebase()
-    assert agreement.check([5, 7]) == 5 and agreement.shifted
     assert agreement.check([9, 9]) == 9 and not agreement.shifted
     assert agreement.check([10, 10]) == 10
+    # One rank left active beside joined ones agrees with itself: the shift stays.
+    agreement = steps_mod.Agreement(3)
+    agreement.rebase()
+    assert agreement.check([5, 7, 6]) == 5
+    assert agreement.check([J, 8, J]) == 6 and agreement.shifted
+    assert agreement.check([7, 9, 8]) == 7
 
 
 def test_without_the_step_check_rank_0s_step_is_agreed_and_the_sum_is_exact(engine_path):
