@@ -407,10 +407,15 @@ def remove_stale_segments(
             continue
         if stat.S_ISREG(info.st_mode) and info.st_uid == uid and now - info.st_mtime > min_age:
             stale.add(path)
-    if not stale:
+    return _remove_unheld(stale)
+
+
+def _remove_unheld(paths: set[str]) -> list[str]:
+    """Removes those of ``paths`` that no process here maps or holds open; their names."""
+    if not paths:
         return []
     removed = []
-    for path in sorted(stale - _held(stale)):
+    for path in sorted(paths - _held(paths)):
         try:
             os.unlink(path)
             removed.append(os.path.basename(path))
@@ -454,17 +459,7 @@ class ShmLeftovers:
         except OSError:
             return []
         ours = {os.path.join(self.directory, n) for n in names if self.parse(n) == self._mark}
-        if not ours:
-            return []
-        held = _held(ours)
-        removed = []
-        for path in sorted(ours - held):
-            try:
-                os.unlink(path)
-                removed.append(os.path.basename(path))
-            except OSError:
-                pass
-        return removed
+        return _remove_unheld(ours)
 
     @classmethod
     def parse(cls, name: str) -> tuple[str, str] | None:
