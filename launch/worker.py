@@ -67,7 +67,7 @@ from collections.abc import Mapping
 
 from launch.cleanup import _descendants
 from launch.lifeline import LIFELINE_VAR, Lifeline, lost_after
-from launch.output import CONTINUED, PIECE_BYTES
+from launch.output import CONTINUED, PIECE_BYTES, Flow
 from syncdp.base import settings
 from syncdp.membership import jobenv, spares
 from syncdp.watch import report  # none imports TensorFlow or MPI
@@ -130,6 +130,10 @@ _STOPPED_POLL_SECONDS = 1.0
 # the supervisor gives up on a process that outlives SIGKILL by _REAP_SECONDS (one stuck in
 # the kernel).
 _LEFTOVER_GRACE_SECONDS = 1.0
+# Once the rank has ended, the supervisor forwards the rest of its output however long that
+# takes (mpirun, behind a slow reader of the launcher's output, may take it slowly), and leaves
+# only a pipe nothing has come through for this long (held open by a process that escaped).
+_QUIET_OUTPUT_SECONDS = 5.0
 
 
 def _become_subreaper() -> None:
@@ -344,8 +348,10 @@ def _await_reaped(child: subprocess.Popen, seconds: float) -> None:
         time.sleep(0.01)
 
 
-def _pump(source, sink, prefix: bytes) -> None:
+def _pump(source, sink, prefix: bytes, flow: Flow | None = None) -> None:
+    flow = Flow() if flow is None else flow
     for line in iter(source.readline, b""):
+        flow.moved = time.monotonic()
         if not line.endswith(b"\n"):
             # The rank's last words, unterminated: mpirun would run them into the next line
             # it forwards, which may be another rank's.
@@ -353,10 +359,14 @@ def _pump(source, sink, prefix: bytes) -> None:
         # Open MPI forwards a line in time quadratic in its length (a 10 MiB line took 20 s):
         # a long line crosses in pieces, each but the last marked, and the launcher joins them.
         pieces = [line[i : i + PIECE_BYTES] for i in range(0, len(line), PIECE_BYTES)]
-        for piece in pieces[:-1]:
-            sink.write(prefix + piece + CONTINUED + b"\n")
-        sink.write(prefix + pieces[-1])
-        sink.flush()
+        flow.writes(+1)  # mpirun may be slow to take it (behind a slow reader): still moving
+        try:
+            for piece in pieces[:-1]:
+                sink.write(prefix + piece + CONTINUED + b"\n")
+            sink.write(prefix + pieces[-1])
+            sink.flush()
+        finally:
+            flow.writes(-1)
     source.close()
 
 
@@ -467,15 +477,16 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, forward)
     # Daemons: a process the rank started may hold its output pipes open after it ended, and
     # the interpreter must not wait for them at exit (_end_leftovers ends such a process).
+    flow = Flow()
     pumps = [
         threading.Thread(
             target=_pump,
-            args=(child.stdout, sys.stdout.buffer, f"[{rank}]<stdout>:".encode()),
+            args=(child.stdout, sys.stdout.buffer, f"[{rank}]<stdout>:".encode(), flow),
             daemon=True,
         ),
         threading.Thread(
             target=_pump,
-            args=(child.stderr, sys.stderr.buffer, f"[{rank}]<stderr>:".encode()),
+            args=(child.stderr, sys.stderr.buffer, f"[{rank}]<stderr>:".encode(), flow),
             daemon=True,
         ),
     ]
@@ -497,8 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     # and its output pipes may already be gone.
     _send_exit_report(rank, child.pid, returncode, bool(forwarded), message)
     _end_leftovers(child)
-    for p in pumps:
-        p.join(timeout=5)
+    for p in pumps:  # the rest of the rank's output, however long mpirun takes to take it
+        while p.is_alive() and flow.active(within=_QUIET_OUTPUT_SECONDS):
+            p.join(timeout=0.2)
     if returncode != 0:
         try:
             print(f"syncdp-run: {message}", file=sys.stderr, flush=True)

@@ -1,6 +1,10 @@
 """Long lines cross mpirun in pieces and come out whole, also interleaved with other ranks."""
 
 import io
+import os
+import subprocess
+import sys
+import time
 
 from launch import output, worker
 
@@ -130,3 +134,27 @@ def test_a_job_started_again_says_each_note_once(tmp_path):
     assert printed.count(b"syncdp-run: start-up messages") == 1
     assert printed.count(b"notes on the recovery") == 1
     assert printed.count(b"hello from rank 0") == 2  # the program's own lines, every time
+
+
+def test_the_supervisor_forwards_all_its_ranks_output_to_a_slow_reader():
+    # The rank writes more than a pipe holds and ends at once; mpirun (here: a reader that
+    # sleeps past the supervisor's quiet limit) takes it slowly. Nothing may be dropped.
+    rank = "import sys\nfor i in range(1000): print(i, 'x' * 100)\nprint('last', file=sys.stderr)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SYNCDP_", "OMPI_"))}
+    env["OMPI_COMM_WORLD_RANK"] = "1"
+    proc = subprocess.Popen(
+        [sys.executable, "-P", "-m", "launch.worker", sys.executable, "-c", rank],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        time.sleep(worker._QUIET_OUTPUT_SECONDS + 2)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert out.splitlines() == [b"[1]<stdout>:%d " % i + b"x" * 100 for i in range(1000)]
+    assert err == b"[1]<stderr>:last\n"
+    assert proc.returncode == 0
