@@ -351,11 +351,48 @@ def _print_on_usr1(timings: TimingBoard):
         signal.signal(signal.SIGUSR1, previous)
 
 
+class _Console:
+    """The launcher's stdout or stderr, outliving its reader: a write or flush that finds the
+    reader gone (``syncdp-run ... 2>&1 | head``) points the stream at /dev/null instead of
+    raising, so that the job still runs to its end and the exit status is the job's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._drop()
+
+    def _drop(self) -> None:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, self._stream.fileno())
+            finally:
+                os.close(devnull)
+            self._stream.flush()  # what it still held goes to /dev/null too
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def run(config: LaunchConfig) -> int:
     """Starts the job, copies its output, and returns the launcher's exit status.
 
     An elastic job that loses a host is started again on the hosts left, from its last commit
-    (:mod:`launch.restart`), as often as hosts remain and ``--reset-limit`` allows.
+    (:mod:`launch.restart`), as often as hosts remain and ``--reset-limit`` allows. The
+    launcher's own lines outlive their reader (:class:`_Console`).
 
     Args:
         config: The parsed command line.
@@ -365,6 +402,15 @@ def run(config: LaunchConfig) -> int:
         failure's exit status (1 when it has none), 128 + the signal number when the launcher
         was stopped by SIGINT, SIGTERM or SIGHUP, 2 when the settings are not allowed.
     """
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Console(sys.stdout), _Console(sys.stderr)
+    try:
+        return _run(config)
+    finally:
+        sys.stdout, sys.stderr = streams
+
+
+def _run(config: LaunchConfig) -> int:
     quiet = config.log_level in _QUIET
     if not quiet:
         for line in config.notes:

@@ -136,3 +136,36 @@ def test_a_slow_reader_of_the_launchers_output_gets_every_line(tmp_path, np):
         assert mine[-1].endswith(f"{r} 19999 " + "x" * 100)
     assert proc.returncode == 0, err.decode()[-2000:]
     assert b"did not exit within" not in err
+
+
+EXITS_3_LATER = r"""
+import sys, time
+for i in range(3):
+    print(i, flush=True)
+time.sleep(1)
+sys.exit(3)
+"""
+
+
+def test_a_reader_of_both_streams_that_goes_away_leaves_the_jobs_exit_status(tmp_path):
+    # syncdp-run ... 2>&1 | head -1: the launcher's own last lines (the failure, the verdict)
+    # find the reader gone; the exit status is still the job's, not a BrokenPipeError's 1.
+    script = python_script(tmp_path, EXITS_3_LATER)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch", "-np", "2", sys.executable, script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=rank_env(),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        first = proc.stdout.readline()
+        proc.stdout.close()
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert first.endswith(b">:0\n"), first
+    assert code == 3
