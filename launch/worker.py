@@ -508,7 +508,10 @@ def main(argv: list[str] | None = None) -> int:
     # and its output pipes may already be gone.
     _send_exit_report(rank, child.pid, returncode, bool(forwarded), message)
     _end_leftovers(child)
-    for p in pumps:  # the rest of the rank's output, however long mpirun takes to take it
+    # The rest of the rank's output, however long mpirun takes to take it. The quiet limit
+    # counts from here: a rank silent for hours may have written its last lines as it ended.
+    flow.moved = time.monotonic()
+    for p in pumps:
         while p.is_alive() and flow.active(within=_QUIET_OUTPUT_SECONDS):
             p.join(timeout=0.2)
     if returncode != 0:
