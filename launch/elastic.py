@@ -55,9 +55,9 @@ SPARE_GRACE_SECONDS = 10.0
 # A replacement that exited is given this long to show up in a membership change (it may have
 # joined just before it died) before the launcher decides it never joined.
 JOIN_GRACE_SECONDS = 5.0
-# How long an unjoined replacement's exit waits, after a second rank was lost during a
-# recovery, for the membership change that says whether its spawn was abandoned (the recovery
-# is redone meanwhile).
+# How long an unjoined replacement's exit waits, when a rank was lost after its spawn began,
+# for the membership change that says whether that spawn was abandoned (the change is redone
+# meanwhile).
 ABANDON_WAIT_SECONDS = 60.0
 # The most a kill on another host may take, remote shell included.
 _REMOTE_KILL_SECONDS = 15.0
@@ -218,9 +218,14 @@ class ElasticLog:
         # Labels of replacements whose spawn failed (rank 0 was lost in it, say): a recovery
         # went on without them, and they can never join.
         self._abandoned: set = set()
-        # Ranks lost since the last membership change: a second one during a recovery may
-        # make it start over and abandon a spawn under way.
-        self._losses = 0
+        # A process of the job (rank or spare) lost while a spawn is under way may make the
+        # change start over and abandon that spawn. Rank 0's "spawning" report names its labels
+        # and the processes alive as it began: label -> (those processes, membership changes
+        # reported by then). The processes (host, pid) whose exit was a failure, and the
+        # membership changes reported so far:
+        self._spawns: dict[int, tuple[frozenset, int]] = {}
+        self._failed: set[tuple] = set()
+        self._changes_seen = 0
         self._spares_lost = 0
         self._released: set = set()  # labels of spares killed for not answering their release
         self._spares_ending = False  # the last rank has exited: spares left get killed
@@ -249,10 +254,10 @@ class ElasticLog:
 
         def judge():
             time.sleep(JOIN_GRACE_SECONDS)
-            # While a recovery is redone after a loss during it, the spawn that started this
-            # one may have been abandoned: the next membership change says (its "abandoned").
+            # A rank lost after the spawn that started this one began may have made the change
+            # abandon it: the next membership change says (its "abandoned").
             waited = JOIN_GRACE_SECONDS
-            while self._losses > 1 and waited < ABANDON_WAIT_SECONDS:
+            while self._may_be_abandoned(label) and waited < ABANDON_WAIT_SECONDS:
                 time.sleep(0.5)
                 waited += 0.5
             with self._lock:
@@ -271,6 +276,16 @@ class ElasticLog:
 
         threading.Thread(target=judge, daemon=True).start()
         return True
+
+    def _may_be_abandoned(self, label: int) -> bool:
+        """Whether a process alive as ``label``'s spawn began has been lost, and no membership
+        change has been reported since the spawn began (it would say whether it abandoned
+        the spawn)."""
+        with self._lock:
+            if label not in self._spawns:
+                return False
+            members, changes = self._spawns[label]
+            return changes == self._changes_seen and bool(members & self._failed)
 
     def _abandon(self, label: int, what: str, code: int) -> bool:
         """Says so when ``label``'s spawn was abandoned; False when it was not (yet)."""
@@ -312,9 +327,6 @@ class ElasticLog:
             else:
                 then = "recovering"
             self._say(f"lost {_who(report)}: it {describe_exit(code)}; {then}.")
-            if then == "recovering":
-                with self._lock:
-                    self._losses += 1
             self._end_orphans(report)
 
     def _end_orphans(self, report: Mapping[str, Any]) -> None:
@@ -422,6 +434,12 @@ class ElasticLog:
             with self._lock:
                 self._spare_pids[report["rank"]] = (report.get("host"), report.get("pid"))
             return False  # the verdict records it too
+        if kind == "spawning":  # rank 0 is about to spawn the replacements labelled so
+            members = frozenset(tuple(m) for m in report.get("members") or [])
+            with self._lock:
+                for label in report.get("labels") or []:
+                    self._spawns[label] = (members, self._changes_seen)
+            return True
         if kind == "spare_started":  # rank 0 replaces a used or dead spare in the background
             with self._lock:
                 self._spares.add(report.get("rank"))
@@ -439,8 +457,11 @@ class ElasticLog:
             self._say(f"{report.get('message')}; training went on meanwhile.")
             return True
         if kind == "exit":
+            failed = (report.get("code") or report.get("signal")) and not report.get("requested")
             with self._lock:
                 self._reported.add(report.get("rank"))
+                if failed:
+                    self._failed.add((report.get("host"), report.get("pid")))
         if kind == "trained":  # rank 0: every rank finished training (elastic.run returned)
             with self._lock:
                 self.trained = True
@@ -463,7 +484,7 @@ class ElasticLog:
             self._promote(report)
             with self._lock:
                 self._abandoned |= set(report.get("abandoned") or [])
-                self._losses = 0
+                self._changes_seen += 1
                 self.changes.append(report)
                 self._lost |= {(m.get("host"), m.get("pid")) for m in report.get("lost", [])}
             self._say(self._describe_change(report))

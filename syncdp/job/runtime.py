@@ -396,12 +396,10 @@ def reset(grow: bool = False) -> dict:
     A collective of every surviving rank (replacements and warm spares join from ``init()``).
     After a failure: revoke, shrink, spawn replacements, merge
     (:func:`syncdp.membership.membership.recover`), or with warm spares let them take the lost
-    places
-    first (:func:`syncdp.membership.membership.reseat`); with ``grow``: spawn into the free slots
-    and
-    merge. Then the communicator, topology and watchdog
-    are rebuilt, registered process sets are dropped (register them again), the reset
-    callbacks run, and rank 0 tells the launcher what changed.
+    places first (:func:`syncdp.membership.membership.reseat`); with ``grow``: spawn into the
+    free slots and merge (a failure meanwhile makes it a recovery). Then the communicator,
+    topology and watchdog are rebuilt, registered process sets are dropped (register them
+    again), the reset callbacks run, and rank 0 tells the launcher what changed.
 
     Returns:
         The change: ``old_size``, ``survivors``, ``spawned``, ``new_size``, ``seconds``,
@@ -421,7 +419,8 @@ def reset(grow: bool = False) -> dict:
         print(f"syncdp: elastic: {e}", file=sys.stderr, flush=True)
         report.send("elastic_abort", comm.rank, str(e))
         raise
-    _drop(broken=not grow)
+    broken = change.pop("broken")  # growing, a failure meanwhile made it a recovery
+    _drop(broken=broken)
     plan.resets += 1
     _state.steps_unsynced = True
     world = _build(merged, config, comm.timeline, plan)
@@ -438,7 +437,7 @@ def reset(grow: bool = False) -> dict:
         added=[
             dict(rank=r, **vars(m)) for r, m in enumerate(after) if (m.host, m.pid) not in old_keys
         ],
-        reason="grow" if grow else "failure",
+        reason="failure" if broken else "grow",
     )
     problem = None
     if world.size < plan.min_np:

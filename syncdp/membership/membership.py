@@ -40,6 +40,7 @@ import time
 from syncdp.base import mpi
 from syncdp.base.errors import ConfigError, ElasticAbortError
 from syncdp.membership import jobenv, spares
+from syncdp.watch import report
 
 __all__ = [
     "Member",
@@ -350,11 +351,10 @@ SPAWN_LOCK = threading.Lock()
 SPAWN_WAIT_SECONDS = 60.0
 
 
-def _spawn(comm, plan: Plan, count: int, hosts: list[str], first_label: int | None = None):
-    """Starts ``count`` replacements, labelled from ``first_label`` (defaults to
-    ``plan.next_label``), and merges them in after ``comm``'s ranks (collective)."""
-    label = plan.next_label if first_label is None else first_label
-    args = worker_args(label, plan.command)
+def _spawn(comm, plan: Plan, count: int, hosts: list[str], first_label: int):
+    """Starts ``count`` replacements, labelled from ``first_label``, and merges them in after
+    ``comm``'s ranks (collective). :meth:`_Spawns.spawn` is how the changes call it."""
+    args = worker_args(first_label, plan.command)
     info = spawn_where(hosts[:count])
     locked = SPAWN_LOCK.acquire(timeout=SPAWN_WAIT_SECONDS)
     try:
@@ -384,19 +384,75 @@ def _decide(comm, plan: Plan, alive: list[Member], want: int) -> tuple[Plan, int
     return comm.bcast(decision, root=0)
 
 
-def recover(base, plan: Plan) -> tuple[object, Plan, dict]:
-    """Heals the job after a rank failure: shrink, spawn replacements, merge.
+class _Spawns:
+    """The spawns of one membership change, over its attempts (a failure meanwhile starts the
+    change over): the labels each takes and those given up, and the hosts to blame.
+
+    Labels are taken before a spawn: if it fails (rank 0 lost in it, say), a process it started
+    may still run for a while, and the next spawn must not give its label to another. Rank 0
+    names a spawn's labels to the launcher as it begins (a ``spawning`` report), and the
+    membership report names the labels given up (``abandoned``): after a loss during a spawn,
+    the launcher waits for that report before it judges the exit of a process the spawn
+    started, and takes an abandoned one's as no failure. A spawn that failed although no
+    process was lost with it has its hosts at fault: rank 0 leaves them out
+    (:func:`_leave_out`), never a host where processes of the job run.
+    """
+
+    def __init__(self):
+        self.abandoned: list[int] = []  # labels of spawns that failed (never reused)
+        self._labels: list[int] = []  # the labels of the spawn under way
+        self._tried: list[str] = []  # the hosts of the last spawn where none of the job ran
+        self._alive = 0  # how many processes the attempt of that spawn had
+
+    def attempt(self, comm, plan: Plan, alive: list[Member]) -> None:
+        """At the start of each attempt, once ``alive`` is known and before rank 0 decides:
+        rank 0 leaves out the hosts of the last spawn if it failed with nobody lost."""
+        if self._tried and len(alive) == self._alive and comm.Get_rank() == 0:
+            _leave_out(plan, self._tried)
+        self._tried, self._alive = [], len(alive)
+
+    def spawn(self, comm, plan: Plan, count: int, hosts: list[str], alive: list[Member]):
+        """:func:`_spawn` with the next ``count`` labels, taken from ``plan`` first."""
+        self._tried = sorted(set(hosts[:count]) - {m.host for m in alive})
+        self._labels = list(range(plan.next_label, plan.next_label + count))
+        plan.next_label += count
+        if comm.Get_rank() == 0:  # the launcher may have to wait for this spawn's fate
+            members = [[m.host, m.pid] for m in alive]
+            report.send("spawning", 0, labels=self._labels, members=members)
+        return _spawn(comm, plan, count, hosts, first_label=self._labels[0])
+
+    def done(self) -> None:
+        """The change is complete: the processes of its last spawn are in."""
+        self._labels = []
+
+    def failed(self, merged=None) -> None:
+        """After a failed attempt: its spawn, if any, is given up, and ``merged`` (what the
+        spawn made, when the failure came after it) revoked, so that the processes it started
+        leave whatever collective they wait in."""
+        self.abandoned += self._labels
+        self._labels = []
+        if merged is not None:
+            _revoke(merged)
+
+
+def recover(base, plan: Plan, *, growing: bool = False) -> tuple[object, Plan, dict]:
+    """Heals the job after a rank failure: shrink, spawn replacements, merge; or grows it.
 
     A collective of the survivors: every one of them must call it with the job's (revoked)
-    communicator.
+    communicator. Growing (``growing``, no failure: :func:`grow`), it spawns into the free slots
+    up to ``max_np`` without a shrink; a failure meanwhile makes it a recovery (the next commit
+    looks for room to grow again).
 
     Args:
         base: The job's MPI communicator, in which a rank failed.
         plan: This rank's plan.
+        growing: Grow into free slots rather than recover. Defaults to False.
 
     Returns:
         ``(merged communicator, rank 0's plan, what changed)``; the change has ``survivors``
-        (how many ranks shrank to) and ``spawned`` (replacements started).
+        (how many ranks shrank to), ``spawned`` (replacements started), ``abandoned`` (labels
+        of spawns that failed, :class:`_Spawns`) and ``broken`` (whether ``base`` was revoked:
+        a failure, not only growth).
 
     Raises:
         ElasticAbortError: :data:`RECOVERY_ATTEMPTS` attempts in a row failed (replacements
@@ -404,45 +460,36 @@ def recover(base, plan: Plan) -> tuple[object, Plan, dict]:
     """
     MPI = mpi.load()
     attempts = 0
-    tried: list[str] = []  # the hosts of a spawn that failed
-    survivors = 0  # how many ranks that attempt had
-    abandoned: list[int] = []  # labels of replacements whose spawn failed (never reused)
-    labels: list[int] = []  # the labels of the spawn under way
+    spawns = _Spawns()
+    broken = not growing
     while True:
         attempts += 1
-        try:
-            base.Revoke()
-        except MPI.Exception:
-            pass
         shrunk = None
         try:
-            shrunk = base.Shrink()
-            alive = [Member(*m) for m in shrunk.allgather(dataclasses.astuple(me()))]
-            if tried and len(alive) == survivors and shrunk.Get_rank() == 0:
-                # No rank was lost with the failed spawn: its hosts are at fault.
-                _leave_out(plan, tried)
-            tried, survivors = [], len(alive)
-            plan, count, hosts = _decide(shrunk, plan, alive, plan.target)
-            if count:
-                # Blamed if it fails with no rank lost: never a host where ranks run.
-                tried = sorted(set(hosts[:count]) - {m.host for m in alive})
-                # Counted before the spawn: if it fails (rank 0 lost in it, say), a process it
-                # started may still run for a while, and the next one must not share its label.
-                labels = list(range(plan.next_label, plan.next_label + count))
-                plan.next_label += count
-                merged = _spawn(shrunk, plan, count, hosts, first_label=labels[0])
-                labels = []
+            if broken:
+                _revoke(base)
+                shrunk = base.Shrink()
             else:
-                merged = shrunk.Dup()
-            return merged, plan, {"survivors": len(alive), "spawned": count, "abandoned": abandoned}
+                shrunk = base
+            alive = [Member(*m) for m in shrunk.allgather(dataclasses.astuple(me()))]
+            spawns.attempt(shrunk, plan, alive)
+            want = plan.max_np if growing else plan.target
+            plan, count, hosts = _decide(shrunk, plan, alive, want)
+            merged = spawns.spawn(shrunk, plan, count, hosts, alive) if count else shrunk.Dup()
+            spawns.done()
+            if growing:
+                plan.target = len(alive) + count
+            change = {"survivors": len(alive), "spawned": count}
+            return merged, plan, dict(change, abandoned=spawns.abandoned, broken=broken)
         except MPI.Exception as e:
-            abandoned += labels
-            labels = []
+            spawns.failed()
             # Another rank (a survivor or a replacement) was lost meanwhile: start over from
             # the communicator that is left.
             _retry_or_abort(attempts, e)
             if shrunk is not None:
                 base = shrunk
+            broken = True
+            growing = False
             time.sleep(0.1)
 
 
@@ -450,8 +497,9 @@ def _decide_seats(plan: Plan, alive: list[Member], trainers: int, growing: bool)
     """Rank 0's decision for :func:`reseat`: spares to take, processes to spawn, and where.
 
     After a failure the spares fill the lost places first, and processes are spawned only
-    for what they cannot fill; growing spawns into free slots and leaves the spares waiting.
-    Spares hold slots: the discovery script's free slots are counted with them in.
+    for what they cannot fill; growing spawns into free slots and leaves the spares waiting
+    (:func:`reseat` raises the target once they are in). Spares hold slots: the discovery
+    script's free slots are counted with them in.
     """
     waiting = len(alive) - trainers
     want = plan.max_np if growing else plan.target
@@ -460,8 +508,6 @@ def _decide_seats(plan: Plan, alive: list[Member], trainers: int, growing: bool)
     count = max(0, want - trainers - take)
     if free is not None:
         count = min(count, free)
-    if growing:
-        plan.target = trainers + count
     plan.spares = tuple(alive[trainers + take :])
     return plan, take, count, hosts
 
@@ -503,8 +549,9 @@ def reseat(
     processes alive, let spares take the lost places, spawn only what they cannot fill (at
     most the free slots), then split the new reserve and training communicators
     (:func:`syncdp.membership.spares.seat`). Growing (``growing``, no failure): spawn into free
-    slots,
-    the spares stay. A failure meanwhile starts over from the shrink.
+    slots, the spares stay. A failure meanwhile starts over from the shrink, as a recovery (the
+    next commit looks for room to grow again). Labels and hosts are kept as :class:`_Spawns`
+    says.
 
     Args:
         reserve: The reserve communicator: ranks by rank, then spares.
@@ -515,14 +562,14 @@ def reseat(
         training: The training communicator, revoked with the reserve. Defaults to None.
         hand_over: Rank 0's source of a spare being started in the background
             (:meth:`syncdp.membership.refill.Keeper.hand_over`): when processes must be spawned,
-            that
-            spare is merged in first and takes a lost place instead (a spawn of its own next to
-            the background one left MPI_Finalize hanging). Defaults to None.
+            that spare is merged in first and takes a lost place instead (a spawn of its own
+            next to the background one left MPI_Finalize hanging). Defaults to None.
 
     Returns:
         ``(reserve, training, plan, change)``: ``training`` is None for a process that stays a
-        spare; ``change`` has ``survivors`` (ranks left), ``spawned``, ``spares_used`` and
-        ``spares_left``.
+        spare; ``change`` has ``survivors`` (ranks left), ``spawned``, ``spares_used``,
+        ``spares_left``, ``abandoned`` (labels of spawns that failed) and ``broken`` (whether
+        the communicators passed in were revoked: a failure, not only growth).
 
     Raises:
         ElasticAbortError: No rank survived (a spare cannot restore the training state), or
@@ -530,9 +577,11 @@ def reseat(
     """
     MPI = mpi.load()
     attempts = 0
+    spawns = _Spawns()
+    broken = failure
     while True:
         attempts += 1
-        shrunk = None
+        shrunk = spawned = None
         try:
             if failure:
                 _revoke(training, reserve)
@@ -547,6 +596,7 @@ def reseat(
                     "every training rank was lost; a spare cannot restore the training state. "
                     "Ending the job."
                 )
+            spawns.attempt(shrunk, plan, alive)  # rank 0 trains: it has a plan
             decision = None
             if shrunk.Get_rank() == 0:
                 decision = _decide_seats(plan, alive, trainers, growing)
@@ -564,22 +614,28 @@ def reseat(
             layout = (trainers, len(rows) - trainers, take, count)
             merged = shrunk
             if count:
-                merged = _spawn(shrunk, plan, count, hosts)
+                merged = spawned = spawns.spawn(shrunk, plan, count, hosts, alive)
                 merged.bcast(layout, root=0)  # what the spawned learn in join_reserve
-            plan.next_label += count
             new_reserve, new_training = _take_seats(merged, layout)
+            spawns.done()
+            if growing:
+                plan.target = trainers + count
             change = {
                 "survivors": trainers,
                 "spawned": count,
                 "spares_used": take,
                 "spares_left": len(rows) - trainers - take,
+                "abandoned": spawns.abandoned,
+                "broken": broken,
             }
             return new_reserve, new_training, plan, change
         except MPI.Exception as e:
+            spawns.failed(spawned)
             _retry_or_abort(attempts, e)
             if shrunk is not None:
                 reserve = shrunk
-            failure = True
+            failure = broken = True
+            growing = False
             time.sleep(0.1)
 
 
@@ -613,13 +669,9 @@ def _retry_or_abort(attempts: int, error: Exception) -> None:
 
 
 def grow(comm, plan: Plan) -> tuple[object, Plan, dict]:
-    """Adds ranks in the slots the discovery script offers, up to ``max_np`` (collective)."""
-    alive = [Member(*m) for m in comm.allgather(dataclasses.astuple(me()))]
-    plan, count, hosts = _decide(comm, plan, alive, plan.max_np)
-    merged = _spawn(comm, plan, count, hosts) if count else comm.Dup()
-    plan.next_label += count
-    plan.target = len(alive) + count
-    return merged, plan, {"survivors": len(alive), "spawned": count}
+    """Adds ranks in the slots the discovery script offers, up to ``max_np`` (collective):
+    :func:`recover` growing."""
+    return recover(comm, plan, growing=True)
 
 
 class Looker:

@@ -446,3 +446,70 @@ def test_rank_0_lost_while_it_spawns_a_replacement_leaves_no_second_label_and_no
     assert all(r["size"] == 3 and r["total"] == sum(range(40)) for r in results), results
     labels = re.findall(r"output \[(\d+)\]\)", result.stderr)
     assert sorted(labels) == ["4", "5"], result.stderr[-4000:]
+
+
+# np=2, room for a third rank once rank 0 creates the marker at step 3; rank 0 dies 0.3 s into
+# the spawn that grows the job. No TensorFlow: the change of membership is what is tested.
+RANK0_LOST_IN_GROWTH = """
+import json, os, signal, sys, threading, time
+import syncdp, syncdp.elastic
+from syncdp.job import runtime
+from syncdp.membership import membership
+
+syncdp.init()
+me = membership.me().label
+if me == 0:
+    real_spawn = membership._spawn
+
+    def spawn(*args, **kwargs):
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        return real_spawn(*args, **kwargs)
+
+    membership._spawn = spawn
+state = syncdp.elastic.ObjectState(step=0, total=0)
+
+@syncdp.elastic.run
+def train(state):
+    comm = runtime.communicator()
+    # On until the job has grown back to 3 (every rank sees the same size at a step).
+    while state.step < 40 or (syncdp.size() < 3 and state.step < 1500):
+        if me == 0 and state.step == 3:
+            open(sys.argv[1], "w").close()
+        assert len(set(comm.allgather_object(state.step))) == 1
+        state.total += state.step
+        state.step += 1
+        time.sleep(0.05)
+        state.commit()
+    return state.total, state.step
+
+total, steps = train(state)
+print("RESULT " + json.dumps(dict(label=me, size=syncdp.size(), total=total, steps=steps)))
+"""
+
+
+def test_rank_0_lost_while_it_grows_the_job_is_a_recovery_with_new_labels(tmp_path):
+    # The survivor recovers (the growth's spawn abandoned, its label never used again), then
+    # grows the job at a later commit; the orphan of the abandoned spawn is no failure.
+    marker = tmp_path / "more-slots"
+    script = f"if [ -e {marker} ]; then echo localhost:3; else echo localhost:2; fi"
+    result = launch(
+        2,
+        "python",
+        python_script(tmp_path, RANK0_LOST_IN_GROWTH),
+        str(marker),
+        launcher_args=("--min-np", "1", "--max-np", "3", "--host-discovery-script", script),
+        timeout=170,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    results = [
+        json.loads(line.split("RESULT ", 1)[1])
+        for line in result.stdout.splitlines()
+        if "RESULT " in line
+    ]
+    assert sorted(r["label"] for r in results) == [1, 3, 4], result.stdout
+    steps = results[0]["steps"]
+    assert all(r["size"] == 3 and r["steps"] == steps for r in results), results
+    assert all(r["total"] == sum(range(steps)) for r in results), results
+    assert re.search(r"elastic: lost rank 0 \(pid \d+ on .*\)", result.stderr), result.stderr
+    labels = re.findall(r"output \[(\d+)\]\)", result.stderr)
+    assert sorted(labels) == ["3", "4"], result.stderr[-4000:]

@@ -4,6 +4,7 @@ The recovery itself (ULFM revoke, shrink, spawn, merge) is tested through the re
 tests/integration/test_elastic.py.
 """
 
+import io
 import os
 import signal
 import time
@@ -472,6 +473,52 @@ def test_a_replacement_that_ends_before_joining_ends_the_job(monkeypatch):
     assert "replacement [2] (pid 12 on h) exited with code 3 before it joined" in report["message"]
 
 
+def test_a_replacement_whose_spawn_lost_rank_0_waits_for_the_change_that_abandoned_it(
+    monkeypatch,
+):
+    # Rank 0 (pid 10) grows the job: its spawn takes label 2, rank 0 dies during it, and the
+    # orphan [2] exits before the survivors' recovery reports that it abandoned label 2.
+    monkeypatch.setattr(elastic, "JOIN_GRACE_SECONDS", 0.05)
+    aborted, out = [], io.StringIO()
+    log = elastic.ElasticLog(out=out, ranks=2, on_abort=aborted.append)
+    alive = [["h", 10], ["h", 11]]
+    spawning = {"kind": "spawning", "rank": 0, "host": "h", "pid": 10}
+    assert log.handle(dict(spawning, labels=[2], members=alive))
+    assert log.handle(_exit(pid=10, code=None, signal=9, rank=0))
+    assert log.handle(_exit(pid=12, code=1, rank=2))
+    time.sleep(0.6)  # well past the join grace: still waiting for the change
+    assert not aborted
+    log.handle(membership_report([(0, "h", 10, 0)], [(1, "h", 13, 3)], abandoned=[2]))
+    assert _wait_for(lambda: "the recovery that started it was abandoned" in out.getvalue())
+    assert not aborted
+    # Rank 1 (pid 11) is lost, and its loss is reported only after the spawn of its
+    # replacement [4] began (the reports travel apart): no process alive at that spawn was
+    # lost, so a replacement that ends unjoined is judged at once (the survivors wait for it
+    # in the spawn).
+    alive = [["h", 13]]
+    assert log.handle(dict(spawning, pid=13, labels=[4], members=alive))
+    assert log.handle(_exit(pid=11, code=None, signal=9, rank=1))
+    assert log.handle(_exit(pid=14, code=3, rank=4))
+    assert _wait_for(lambda: aborted)
+    message = aborted[0]["message"]
+    assert "replacement [4] (pid 14 on h) exited with code 3 before it joined" in message
+
+
+def test_a_spare_lost_during_a_spawn_makes_its_replacements_wait_for_the_change(monkeypatch):
+    monkeypatch.setattr(elastic, "JOIN_GRACE_SECONDS", 0.05)
+    aborted, out = [], io.StringIO()
+    log = elastic.ElasticLog(out=out, spares=[2], on_abort=aborted.append)
+    spawning = {"kind": "spawning", "rank": 0, "host": "h", "pid": 10}
+    assert log.handle(dict(spawning, labels=[3], members=[["h", 10], ["h", 11], ["h", 12]]))
+    assert log.handle(_exit(pid=12, code=None, signal=9, rank=2))  # the spare
+    assert log.handle(_exit(pid=13, code=1, rank=3))
+    time.sleep(0.6)
+    assert not aborted
+    log.handle(membership_report([], [], abandoned=[3]))
+    assert _wait_for(lambda: "the recovery that started it was abandoned" in out.getvalue())
+    assert not aborted
+
+
 def test_a_replacement_that_joined_is_an_ordinary_loss(monkeypatch):
     monkeypatch.setattr(elastic, "JOIN_GRACE_SECONDS", 0.05)
     aborted = []
@@ -525,3 +572,58 @@ def test_the_launcher_names_the_finalize_bound():
     assert text.startswith("was killed by signal 14 (SIGALRM")
     assert "bound on an MPI_Finalize that hangs at exit" in text
     assert describe_exit(-9) == "was killed by signal 9 (SIGKILL)"
+
+
+def test_each_spawn_takes_its_labels_first_and_a_failed_one_blames_only_free_hosts(
+    monkeypatch, capsys
+):
+    # recover(), grow() and reseat() spawn through membership._Spawns.
+    from syncdp.membership import membership
+
+    class Comm:
+        def Get_rank(self):
+            return 0
+
+    spawned = []
+
+    def spawn(comm, plan, count, hosts, first_label):
+        spawned.append((first_label, count))
+        if len(spawned) < 3:
+            raise RuntimeError("the spawn failed")
+        return "merged"
+
+    monkeypatch.setattr(membership, "_spawn", spawn)
+    plan = membership.Plan(target=4, min_np=1, max_np=4, next_label=3)
+    alive = [membership.Member("a", 1, 0), membership.Member("a", 2, 1)]
+    spawns = membership._Spawns()
+    # Attempt 1: two replacements on b and a; the spawn fails with nobody lost.
+    spawns.attempt(Comm(), plan, alive)
+    with pytest.raises(RuntimeError):
+        spawns.spawn(Comm(), plan, 2, ["b", "a"], alive)
+    spawns.failed()
+    assert plan.next_label == 5 and spawns.abandoned == [3, 4]
+    # Attempt 2: b is left out (a, where ranks run, never is); this spawn fails with a rank
+    # lost, so its host is not blamed.
+    spawns.attempt(Comm(), plan, alive)
+    assert plan.vanished == ("b",)
+    assert "could not start on b; leaving it out" in capsys.readouterr().err
+    with pytest.raises(RuntimeError):
+        spawns.spawn(Comm(), plan, 1, ["c"], alive)
+    spawns.failed()
+    spawns.attempt(Comm(), plan, alive[:1])
+    assert plan.vanished == ("b",)
+    # Attempt 3's spawn works, but the change fails after it (a rank lost as the seats are
+    # taken): its process never joins either, and what the spawn made is revoked.
+    revoked = []
+    monkeypatch.setattr(membership, "_revoke", revoked.append)
+    spawns.attempt(Comm(), plan, alive[:1])
+    assert spawns.spawn(Comm(), plan, 1, ["c"], alive[:1]) == "merged"
+    spawns.failed("merged")
+    assert revoked == ["merged"]
+    # Attempt 4 completes with the next label: no label was given to two spawns.
+    spawns.attempt(Comm(), plan, alive[:1])
+    assert spawns.spawn(Comm(), plan, 1, ["c"], alive[:1]) == "merged"
+    spawns.done()
+    spawns.failed()  # nothing under way: nothing more abandoned
+    assert spawned == [(3, 2), (5, 1), (6, 1), (7, 1)]
+    assert plan.next_label == 8 and spawns.abandoned == [3, 4, 5, 6]
