@@ -200,6 +200,7 @@ class ElasticLog:
         self._exits: dict[int, dict] = {}  # label -> the exit report of a rank (not a spare)
         self._lost: set[tuple] = set()
         self._raised: set[tuple] = set()  # (host, pid) of ranks that reported an exception
+        self._aborting = False  # a rank reported that elastic mode cannot go on
         self._lock = threading.Lock()
         self._spares = set(spares)  # labels of the spares still waiting
         self._spare_pids: dict[int, tuple] = {}  # label -> (host, pid), from "started"
@@ -318,12 +319,15 @@ class ElasticLog:
             with self._lock:
                 raised = (report.get("host"), report.get("pid")) in self._raised
                 ending = bool(self._raised)
+                aborting = self._aborting
             if raised:  # an exception, not a loss: the job ends (the verdict says why)
                 then = "it raised an exception, so the job ends"
             elif code == -signal.SIGALRM:
                 then = "its training had ended"
             elif ending:  # taken down with the rank that raised: nothing to recover from
                 then = "another rank raised an exception, so the job ends"
+            elif aborting:  # every rank ends: the verdict says why
+                then = "elastic mode could not go on, so the job ends"
             else:
                 then = "recovering"
             self._say(f"lost {_who(report)}: it {describe_exit(code)}; {then}.")
@@ -424,6 +428,10 @@ class ElasticLog:
         if kind == "exception":  # the rank ends the job: its exit is no loss to recover from
             with self._lock:
                 self._raised.add((report.get("host"), report.get("pid")))
+            return False  # the verdict names it
+        if kind == "elastic_abort":  # the ranks end the job: their exits are no losses
+            with self._lock:
+                self._aborting = True
             return False  # the verdict names it
         if kind in ("membership", "spares") or (kind == "started" and report.get("rank") == 0):
             with self._lock:  # sent by rank 0 itself

@@ -414,6 +414,17 @@ def reset(grow: bool = False) -> dict:
     started = time.monotonic()
     config, plan, before = _state.config, _state.plan, list(_state.members)
     try:
+        if plan.reset_limit and plan.resets >= plan.reset_limit:
+            # One change more than --reset-limit allows: the job ends before anything is
+            # spawned for it, as Horovod's ends. Every rank knows the count (rank 0's plan).
+            if not grow:
+                try:
+                    comm.mpi.Revoke()  # every survivor leaves its collective for here
+                except mpi.load().Exception:
+                    pass
+            raise ElasticAbortError(
+                f"the reset limit ({plan.reset_limit}) was reached; ending the job."
+            )
         merged, plan, change = _change_membership(comm, plan, grow)
     except ElasticAbortError as e:
         print(f"syncdp: elastic: {e}", file=sys.stderr, flush=True)
@@ -446,8 +457,6 @@ def reset(grow: bool = False) -> dict:
             f"{', '.join(str(m['rank']) for m in change['lost']) or 'none'} and no free slot for "
             f"a replacement; --min-np is {plan.min_np}. Ending the job."
         )
-    elif plan.reset_limit and plan.resets > plan.reset_limit:
-        problem = f"the reset limit ({plan.reset_limit}) was reached; ending the job."
     if world.rank == 0:
         text = (
             f"membership changed: {change['old_size']} -> {change['survivors']} -> "
@@ -728,6 +737,11 @@ def _install_failure_hook() -> None:
         if comm is None or comm.size == 1 or issubclass(kind, KeyboardInterrupt):
             return
         text = "".join(traceback.format_exception_only(kind, value)).strip()
+        if comm.config.elastic and issubclass(kind, ElasticAbortError):
+            # Elastic mode cannot go on (reset() said why, and told the launcher, which ends
+            # the job): every rank raises it, and none may take another rank's place.
+            sys.stdout.flush()
+            os._exit(1)
         if comm.config.elastic and (issubclass(kind, RankFailureError) or comm.broken):
             # Another rank's loss, surfacing outside elastic.run (e.g. in a replacement's
             # collectives before its run()): this process cannot go on, but the job can. It

@@ -181,6 +181,27 @@ def test_below_min_np_ends_cleanly_with_a_message(tmp_path):
     assert re.search(r"syncdp-run: the job failed .*elastic mode could not go on", result.stderr)
 
 
+def test_the_reset_limit_ends_the_job_before_anything_is_spawned_for_the_change_past_it(
+    tmp_path,
+):
+    # --reset-limit 1: rank 1 dies and is replaced by [2]; [2] dies in epoch 1, and that change
+    # would be the second. The job ends at once, as Horovod's: no replacement is started for
+    # it, and no rank says it leaves for the job to recover without it.
+    result = _run(tmp_path, 2, "1:0:3", "2:1:3", launcher=("--reset-limit", "1"), timeout=180)
+    assert result.returncode == 1, result.stderr[-4000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (
+        "syncdp-run: the job failed (elastic); first failure: elastic mode could not go on: "
+        "the reset limit (1) was reached; ending the job."
+    ), result.stderr[-4000:]
+    assert re.findall(r"output \[(\d+)\]\)", result.stderr) == ["2"], result.stderr[-4000:]
+    assert "recovers without it" not in result.stderr
+    assert re.search(
+        r"lost rank 0 \(pid \d+ on .*\): it exited with code 1; elastic mode could not go on",
+        result.stderr,
+    ), result.stderr[-4000:]
+
+
 def test_a_discovery_script_that_fails_at_the_start_is_refused_before_any_rank_starts(tmp_path):
     # As horovodrun: a script that cannot run would leave every lost rank unreplaced.
     marker = tmp_path / "started"
