@@ -216,6 +216,9 @@ class ElasticLog:
         known = ranks is not None or self._spares
         self._first_replacement = self._ranks_at_start + len(self._spares) if known else None
         self._joined: set = set()  # labels of replacements a membership change added
+        # The ranks' output labels in rank order, followed through the membership changes
+        # (None: the number of ranks is not known): a supervisor's exit report has the label.
+        self._order: list | None = list(range(ranks)) if ranks is not None else None
         # Labels of replacements whose spawn failed (rank 0 was lost in it, say): a recovery
         # went on without them, and they can never join.
         self._abandoned: set = set()
@@ -330,7 +333,7 @@ class ElasticLog:
                 then = "elastic mode could not go on, so the job ends"
             else:
                 then = "recovering"
-            self._say(f"lost {_who(report)}: it {describe_exit(code)}; {then}.")
+            self._say(f"lost {self._name(report)}: it {describe_exit(code)}; {then}.")
             self._end_orphans(report)
 
     def _end_orphans(self, report: Mapping[str, Any]) -> None:
@@ -379,6 +382,22 @@ class ElasticLog:
             # of the recovery that added it, without the report that added it).
             for member in [*report.get("added", []), *report.get("lost", [])]:
                 self._joined.add(member.get("label"))
+            if self._order is not None:  # survivors keep their order; the added take theirs
+                lost = {member.get("label") for member in report.get("lost", [])}
+                order = [label for label in self._order if label not in lost]
+                for member in sorted(report.get("added", []), key=lambda m: m.get("rank") or 0):
+                    order.insert(member.get("rank") or 0, member.get("label"))
+                self._order = order
+
+    def _name(self, report: Mapping[str, Any]) -> str:
+        """``rank 1 (pid 4242 on node3)`` for an exit report, with its output label when that
+        differs from the rank (a replacement, or a rank renumbered by a change)."""
+        label = report.get("rank")
+        with self._lock:
+            rank = self._order.index(label) if self._order and label in self._order else label
+        if rank == label:
+            return _who(report)
+        return f"rank {rank} (output [{label}], pid {report.get('pid')} on {report.get('host')})"
 
     def _end_spares_later(self) -> None:
         """Every rank has exited: spares not gone within the grace period are killed."""

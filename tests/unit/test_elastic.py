@@ -627,3 +627,22 @@ def test_each_spawn_takes_its_labels_first_and_a_failed_one_blames_only_free_hos
     spawns.failed()  # nothing under way: nothing more abandoned
     assert spawned == [(3, 2), (5, 1), (6, 1), (7, 1)]
     assert plan.next_label == 8 and spawns.abandoned == [3, 4, 5, 6]
+
+
+def test_a_lost_process_is_named_by_its_rank_now_and_its_output_label():
+    # Rank 1 of 3 is lost; its replacement [3] becomes rank 2 and [2] rank 1. Later losses
+    # name the rank each is now and the label its output lines carry.
+    out = io.StringIO()
+    log = elastic.ElasticLog(out=out, ranks=3)
+    log.handle(_exit(pid=11, code=None, signal=9, rank=1))
+    log.handle(membership_report([(1, "h", 11, 1)], [(2, "h", 13, 3)]))
+    log.handle(_exit(pid=13, code=None, signal=9, rank=3))
+    log.handle(_exit(pid=12, code=None, signal=9, rank=2))
+    log.handle(_exit(pid=10, code=None, signal=9, rank=0))
+    lines = [line for line in out.getvalue().splitlines() if ": it was killed" in line]
+    assert [line.split(": it was")[0].split("lost ")[1] for line in lines] == [
+        "rank 1 (pid 11 on h)",
+        "rank 2 (output [3], pid 13 on h)",
+        "rank 1 (output [2], pid 12 on h)",
+        "rank 0 (pid 10 on h)",
+    ]
