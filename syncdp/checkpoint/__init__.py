@@ -384,6 +384,12 @@ class CheckpointManager:
         # A checkpoint of step N exists only once every rank has reached step N.
         # Steps are compared only where they agree (not while an elastic job re-forms).
         comm.enter("CheckpointManager.save", **({"step": step} if runtime.steps_agree() else {}))
+        for obj in self.trackables.values():
+            # A DistributedOptimizer partway through backward_passes_per_step: rank 0 must
+            # write what every rank needs to resume the window.
+            share = getattr(obj, "share_pending_gradients", None)
+            if callable(share):
+                share()
         outcome = (None, None, ())
         if comm.rank == 0:
             try:

@@ -241,6 +241,35 @@ class Distributed:
         own = list(self._accumulators) + ([self._passes] if self._passes is not None else [])
         return _VariableList(optimizer_variables(self.inner_optimizer) + own)
 
+    def share_pending_gradients(self) -> None:
+        """Gives every rank of the process set the ranks' mean of the gradients accumulated
+        since the last update (``backward_passes_per_step`` > 1, partway through a window).
+
+        The next update reduces the accumulators across the ranks, and the reduction is linear,
+        so it is unchanged; but each rank then holds what every rank needs, and a checkpoint
+        that rank 0 writes now resumes the window as it was (rank 0's own gradients alone, on
+        every rank, would not). :meth:`syncdp.checkpoint.CheckpointManager.save` calls it. A
+        collective of the set's ranks when a window is open (every rank counts the same
+        passes); nothing otherwise. Call it eagerly. Variables registered as local keep their
+        own accumulators.
+        """
+        if not self._accumulators:
+            return
+        if not self.process_set.included():
+            return
+        if int(tf.convert_to_tensor(self._passes)) % self.backward_passes_per_step == 0:
+            return  # no window open: the accumulators are zeros on every rank
+        local = set(local_positions(self._built_for, self._local_vars))
+        shared = [acc for i, acc in enumerate(self._accumulators) if i not in local]
+        means = ops.grouped_allreduce(
+            [tf.convert_to_tensor(acc) for acc in shared],
+            op=ops.Average,
+            process_set=self.process_set,
+            name=f"{self._collective_name}.pending",
+        )
+        for acc, mean in zip(shared, means, strict=True):
+            acc.assign(mean)
+
     def get_weights(self) -> list:
         """The values of :attr:`variables`, as arrays (Keras 2's optimizer API)."""
         return [v.numpy() for v in self.variables]

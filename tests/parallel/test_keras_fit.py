@@ -322,6 +322,51 @@ def test_by_default_k_passes_apply_the_sum_of_their_averaged_gradients(traced):
     _assert_identical_across_ranks([w.numpy() for w in model.weights])
 
 
+def test_a_checkpoint_saved_partway_through_accumulation_resumes_the_window(hvd, tmp_path):
+    # backward_passes_per_step=2: a pass, a CheckpointManager save, the second pass and the
+    # update; then a fresh model and optimizer restored from that checkpoint take the second
+    # pass again. Both must make the one update of the two passes' averaged gradients: the
+    # checkpoint holds what every rank accumulated, not rank 0's own gradients alone.
+    from syncdp.checkpoint import CheckpointManager
+
+    lr, local = 0.1, _local_batch()
+    x, y = _data(steps=2, seed=12)
+    xs, ys = _my_rows(x, y, local)
+    directory = hvd.broadcast_object(str(tmp_path / "ck"))  # rank 0's, on this one host
+
+    def fresh():
+        model = _model(seed=13)
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr), backward_passes_per_step=2)
+        opt.build(model.trainable_variables)
+        hvd.broadcast_variables(model.weights, root_rank=0)
+        return model, opt, CheckpointManager(directory, model=model, optimizer=opt)
+
+    model, opt, manager = fresh()
+    _custom_loop(model, opt, xs, ys, local, passes=1, traced=False)
+    manager.save(1)
+    _custom_loop(model, opt, xs[local:], ys[local:], local, passes=1, traced=False)
+    uninterrupted = [w.numpy() for w in model.trainable_variables]
+    model, opt, manager = fresh()
+    assert manager.restore() == 1
+    _custom_loop(model, opt, xs[local:], ys[local:], local, passes=1, traced=False)
+    resumed = [w.numpy() for w in model.trainable_variables]
+
+    reference = _model(seed=13)
+    loss_fn = _loss()
+    total = [tf.zeros_like(v) for v in reference.trainable_variables]
+    for i in range(2):
+        rows = slice(i * GLOBAL_BATCH, (i + 1) * GLOBAL_BATCH)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[rows], reference(x[rows], training=True))
+        grads = tape.gradient(loss, reference.trainable_variables)
+        total = [t + g for t, g in zip(total, grads, strict=True)]
+    for start, t, a, b in zip(reference.trainable_variables, total, uninterrupted, resumed):
+        expected = start.numpy() - lr * t.numpy()
+        np.testing.assert_allclose(a, expected, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(b, expected, rtol=0, atol=1e-5)
+    _assert_identical_across_ranks(resumed)
+
+
 def test_fp16_compression_keeps_replicas_identical():
     local = _local_batch()
     x, y = _data(steps=2, seed=5)
