@@ -195,7 +195,10 @@ def tfrecord_dataset(
         shuffle_files: Reshuffle the file assignment with ``(seed, epoch)``. Defaults to
             ``shuffle_buffer > 0``.
         num_parallel_reads: Files read at once (interleave's cycle length), or
-            ``tf.data.AUTOTUNE``. Defaults to this rank's file count, at most 16.
+            ``tf.data.AUTOTUNE``. Defaults to this rank's file count, at most 16. Unless
+            ``shard_by="files"``, every rank must pass the same value (the ranks split one
+            stream of records, which it orders); AUTOTUNE, whose width follows each host's
+            cores, then reads as the default.
         num_parallel_calls: Parallel calls of ``parse_fn``. Defaults to ``tf.data.AUTOTUNE``.
         buffer_size: Read buffer per file, in bytes. Defaults to TensorFlow's default.
         prefetch: Batches to prefetch. Defaults to ``tf.data.AUTOTUNE``.
@@ -244,6 +247,8 @@ def tfrecord_dataset(
             "file_seed": file_seed,
             "compression_type": compression_type or None,
             "skip_corrupt": bool(skip_corrupt),
+            # The interleave's width orders the one stream records mode splits among ranks.
+            "num_parallel_reads": None if shard_by == "files" else num_parallel_reads,
         },
     )
     plan, note = _plan(counts, size, batch_size, shard_by, seed=file_seed, epoch=epoch)
@@ -273,7 +278,9 @@ def tfrecord_dataset(
         if file_seed is not None:
             order = np.random.default_rng([file_seed, epoch]).permutation(len(paths))
         mine = [paths[i] for i in order]
-    if num_parallel_reads is None:
+    if num_parallel_reads is None or (num_parallel_reads == AUTOTUNE and plan.mode == "records"):
+        # AUTOTUNE's width follows each host's cores: in records mode the ranks' streams would
+        # differ, and their shards overlap.
         cycle = min(len(mine), _DEFAULT_PARALLEL_READS)
     elif num_parallel_reads == AUTOTUNE:
         cycle = AUTOTUNE

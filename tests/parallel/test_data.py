@@ -248,3 +248,28 @@ def test_every_rank_writing_the_same_shards_at_once_leaves_whole_files(hvd):
         hvd.barrier()
         if hvd.rank() == 0:
             shutil.rmtree(directory)
+
+
+def test_split_by_record_needs_the_same_interleave_on_every_rank(hvd, data):
+    # The ranks split one stream of records, which num_parallel_reads orders: ranks that
+    # passed different widths would read some records twice and others never.
+    batch = 4
+    default = tfrecord_dataset(data["six"], parse_id, batch, shard_by="records")
+    steps = int(default.cardinality())
+    flat = _check_disjoint_equal(hvd, default, batch, steps, range(2000, 2060))
+    # AUTOTUNE follows each host's cores: it reads as the default here.
+    tuned = tfrecord_dataset(
+        data["six"], parse_id, batch, shard_by="records", num_parallel_reads=tf.data.AUTOTUNE
+    )
+    assert _check_disjoint_equal(hvd, tuned, batch, steps, range(2000, 2060)) == flat
+    if hvd.size() == 1:
+        return
+    with pytest.raises(hvd.MismatchError, match="num_parallel_reads"):
+        tfrecord_dataset(
+            data["six"], parse_id, batch, shard_by="records", num_parallel_reads=1 + hvd.rank()
+        )
+    # Each rank reads its own files: their widths may differ.
+    mine = tfrecord_dataset(
+        data["six"], parse_id, 2, shard_by="files", num_parallel_reads=1 + hvd.rank()
+    )
+    _check_disjoint_equal(hvd, mine, 2, int(mine.cardinality()), range(2000, 2060))
