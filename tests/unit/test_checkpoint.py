@@ -292,6 +292,49 @@ def test_a_crash_while_replacing_a_step_keeps_one_of_the_two(tmp_path, new_one_a
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000005"]
 
 
+def test_a_restore_leaves_alone_a_save_still_under_way_in_another_process(tmp_path, monkeypatch):
+    # Another job saving into the same directory: it has set step 5's old checkpoint aside
+    # and is writing step 7. A restore here must neither put step 5 back under it nor delete
+    # its temporary directory; a crashed save's directories (their process gone, or another
+    # host's two hours ago) are cleaned up as before.
+    import socket
+    import time
+
+    _save_steps(tmp_path, [3, 5])
+    host = socket.gethostname()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        aside = tmp_path / f".ckpt-00000005.replaced-{host}@{sleeper.pid}-1"
+        (tmp_path / "ckpt-00000005").rename(aside)
+        writing = tmp_path / f".ckpt-00000007.tmp-{host}@{sleeper.pid}-1"
+        crashed = tmp_path / f".ckpt-00000009.tmp-{host}@{gone.pid}-1"
+        elsewhere = tmp_path / ".ckpt-00000011.tmp-otherhost@1-1"
+        stale = tmp_path / ".ckpt-00000013.tmp-otherhost@1-2"
+        for path in (writing, crashed, elsewhere, stale):
+            path.mkdir()
+        real_getctime = os.path.getctime  # a ctime cannot be set back: the check reads it
+        long_ago = time.time() - 2 * 3600
+        monkeypatch.setattr(
+            os.path,
+            "getctime",
+            lambda p: long_ago if "00000013" in os.fspath(p) else real_getctime(p),
+        )
+        manager, v = _manager(tmp_path, value=-1.0)
+        assert manager.restore() == 3  # step 5 is set aside by the other save
+        assert aside.exists() and writing.exists() and elsewhere.exists()
+        assert not crashed.exists() and not stale.exists()
+        assert not (tmp_path / "ckpt-00000005").exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    # Once that process is gone, its save crashed: step 5 goes back in place.
+    manager, v = _manager(tmp_path, value=-1.0)
+    assert manager.restore() == 5
+    assert sorted(os.listdir(tmp_path)) == [elsewhere.name, "ckpt-00000003", "ckpt-00000005"]
+
+
 def test_a_failed_replace_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
     _save_steps(tmp_path, [5])
     real_rename = os.rename
