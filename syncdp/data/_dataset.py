@@ -195,10 +195,10 @@ def tfrecord_dataset(
         shuffle_files: Reshuffle the file assignment with ``(seed, epoch)``. Defaults to
             ``shuffle_buffer > 0``.
         num_parallel_reads: Files read at once (interleave's cycle length), or
-            ``tf.data.AUTOTUNE``. Defaults to this rank's file count, at most 16. Unless
-            ``shard_by="files"``, every rank must pass the same value (the ranks split one
-            stream of records, which it orders); AUTOTUNE, whose width follows each host's
-            cores, then reads as the default.
+            ``tf.data.AUTOTUNE``. Defaults to this rank's file count, at most 16. Split by
+            record, the ranks must read with the same width (they split one stream of
+            records, which it orders; MismatchError otherwise), and AUTOTUNE, whose width
+            follows each host's cores, reads as the default.
         num_parallel_calls: Parallel calls of ``parse_fn``. Defaults to ``tf.data.AUTOTUNE``.
         buffer_size: Read buffer per file, in bytes. Defaults to TensorFlow's default.
         prefetch: Batches to prefetch. Defaults to ``tf.data.AUTOTUNE``.
@@ -247,8 +247,6 @@ def tfrecord_dataset(
             "file_seed": file_seed,
             "compression_type": compression_type or None,
             "skip_corrupt": bool(skip_corrupt),
-            # The interleave's width orders the one stream records mode splits among ranks.
-            "num_parallel_reads": None if shard_by == "files" else num_parallel_reads,
         },
     )
     plan, note = _plan(counts, size, batch_size, shard_by, seed=file_seed, epoch=epoch)
@@ -286,6 +284,10 @@ def tfrecord_dataset(
         cycle = AUTOTUNE
     else:
         cycle = max(1, min(int(num_parallel_reads), len(mine)))
+    if plan.mode == "records" and size > 1:  # every rank has the same plan: all or none
+        # The width orders the one stream the ranks split: different widths would read
+        # records twice and others never.
+        runtime.communicator().enter("tfrecord_dataset.interleave", num_parallel_reads=cycle)
     dataset = tf.data.Dataset.from_tensor_slices(mine).interleave(
         read, cycle_length=cycle, num_parallel_calls=AUTOTUNE, deterministic=deterministic
     )

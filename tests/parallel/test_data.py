@@ -268,7 +268,9 @@ def test_split_by_record_needs_the_same_interleave_on_every_rank(hvd, data):
         tfrecord_dataset(
             data["six"], parse_id, batch, shard_by="records", num_parallel_reads=1 + hvd.rank()
         )
-    # Each rank reads its own files: their widths may differ.
+    # Each rank reads its own files (by file, or "auto" choosing it): their widths may differ.
+    auto = tfrecord_dataset(data["six"], parse_id, 2, num_parallel_reads=1 + hvd.rank())
+    _check_disjoint_equal(hvd, auto, 2, int(auto.cardinality()), range(2000, 2060))
     mine = tfrecord_dataset(
         data["six"], parse_id, 2, shard_by="files", num_parallel_reads=1 + hvd.rank()
     )
