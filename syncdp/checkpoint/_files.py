@@ -12,13 +12,15 @@ Layout of a checkpoint directory::
     DIRECTORY/ckpt-00000020/ckpt.data-00000-of-00001
     DIRECTORY/ckpt-00000020/syncdp-checkpoint.json
     DIRECTORY/ckpt-00000030.damaged/      a damaged checkpoint moved aside: never read
-    DIRECTORY/.ckpt-00000040.tmp-HOST@PID-NS       a save in progress (or one that crashed):
-                                                   never read
-    DIRECTORY/.ckpt-00000020.replaced-HOST@PID-NS  step 20's old checkpoint while a new one
-                                                   replaces it
+    DIRECTORY/.ckpt-00000040.tmp-OWNER-NS       a save in progress (or one that crashed):
+                                                never read
+    DIRECTORY/.ckpt-00000020.replaced-OWNER-NS  step 20's old checkpoint while a new one
+                                                replaces it
 
-HOST and PID name the process that saves, so that a restore cleans up only after saves that
-crashed, never under one still under way (another job's in the same directory).
+OWNER is ``HOST@PID.TICKS``, the process that saves (TICKS: when it started, from Linux's
+/proc), so that a restore on that host cleans up only after saves that crashed, never under
+one still under way in another process (another job in the same directory). Another host's are
+taken as crashed: a restore there follows a lost rank 0, and its checkpoint must come back.
 
 The manifest, ``syncdp-checkpoint.json``, records the format, the step, the caller's metadata,
 the time, and the size and SHA-256 of every file.
@@ -62,9 +64,7 @@ _NAME = re.compile(r"^ckpt-(\d+)$")
 DAMAGED = ".damaged"  # never matches _NAME, so a checkpoint moved aside is never listed
 _REPLACED = ".replaced-"
 # The saving process, at the end of a temporary or set-aside directory's name.
-_OWNER = re.compile(r"(?:\.tmp-|\.replaced-)(?P<host>[^/]+)@(?P<pid>\d+)-\d+$")
-# Another host's save directory younger than this may still be in use: left alone.
-_FOREIGN_SAVE_SECONDS = 3600.0
+_OWNER = re.compile(r"(?:\.tmp-|\.replaced-)(?P<host>[^/]+)@(?P<pid>\d+)\.(?P<ticks>\d+)-\d+$")
 
 
 def sha256(file) -> str:
@@ -208,7 +208,7 @@ def write(directory: str, step: int, metadata: dict, checkpoint) -> str:
     os.makedirs(directory, exist_ok=True)
     name = f"{PREFIX}-{step:08d}"
     final = os.path.join(directory, name)
-    unique = f"{socket.gethostname()}@{os.getpid()}-{time.time_ns()}"
+    unique = f"{_owner(os.getpid())}-{time.time_ns()}"
     temp = os.path.join(directory, f".{name}.tmp-{unique}")
     replaced = os.path.join(directory, f".{name}{_REPLACED}{unique}")
     os.makedirs(temp)
@@ -331,47 +331,31 @@ def move_aside(directory: str, damaged: list[tuple[str, str]]) -> tuple[str, ...
     return tuple(warnings)
 
 
+def _owner(pid: int) -> str:
+    """``HOST@PID.TICKS`` for process ``pid`` of this host (TICKS 0 where /proc cannot tell)."""
+    return f"{socket.gethostname()}@{pid}.{_start_ticks(pid) or 0}"
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux's /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _in_use(path: str) -> bool:
-    """Whether a temporary or set-aside directory belongs to a save still under way: its
-    process lives on this host, or it is another host's and recent (names without an owner
-    are older syncdp's, from saves that crashed)."""
+    """Whether a temporary or set-aside directory belongs to a save still under way in another
+    process of this host: the one named in it, alive, started when it did (not a later
+    process given the same pid). Names without an owner are older syncdp's."""
     owner = _OWNER.search(os.path.basename(path))
-    if owner is None:
+    if owner is None or owner["host"] != socket.gethostname():
         return False
-    if owner["host"] != socket.gethostname():
-        try:
-            return time.time() - os.path.getctime(path) < _FOREIGN_SAVE_SECONDS
-        except OSError:
-            return False
     pid = int(owner["pid"])
     if pid == os.getpid():  # this process saves nothing while it restores
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        pass
-    # A process that started after the directory was made (or renamed: its ctime) only reuses
-    # the pid.
-    started = _start_time(pid)
-    try:
-        return started is None or started <= os.path.getctime(path) + 1.0
-    except OSError:
-        return False
-
-
-def _start_time(pid: int) -> float | None:
-    """When process ``pid`` started (seconds since the epoch), or None where Linux's /proc
-    cannot tell."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        with open("/proc/stat") as f:
-            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
+    return _start_ticks(pid) == int(owner["ticks"]) != 0
 
 
 def recover_interrupted_saves(directory: str) -> None:

@@ -292,13 +292,15 @@ def test_a_crash_while_replacing_a_step_keeps_one_of_the_two(tmp_path, new_one_a
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000005"]
 
 
-def test_a_restore_leaves_alone_a_save_still_under_way_in_another_process(tmp_path, monkeypatch):
+def test_a_restore_leaves_alone_a_save_still_under_way_in_another_process(tmp_path):
     # Another job saving into the same directory: it has set step 5's old checkpoint aside
     # and is writing step 7. A restore here must neither put step 5 back under it nor delete
-    # its temporary directory; a crashed save's directories (their process gone, or another
-    # host's two hours ago) are cleaned up as before.
+    # its temporary directory. A crashed save's are cleaned up as before: its process gone,
+    # a later process given its pid, or another host's (a restore there follows a lost rank 0,
+    # whose checkpoint must come back).
     import socket
-    import time
+
+    from syncdp.checkpoint import _files
 
     _save_steps(tmp_path, [3, 5])
     host = socket.gethostname()
@@ -306,25 +308,23 @@ def test_a_restore_leaves_alone_a_save_still_under_way_in_another_process(tmp_pa
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     try:
-        aside = tmp_path / f".ckpt-00000005.replaced-{host}@{sleeper.pid}-1"
+        ticks = _files._start_ticks(sleeper.pid)
+        assert ticks
+        owner = f"{host}@{sleeper.pid}.{ticks}"
+        aside = tmp_path / f".ckpt-00000005.replaced-{owner}-1"
         (tmp_path / "ckpt-00000005").rename(aside)
-        writing = tmp_path / f".ckpt-00000007.tmp-{host}@{sleeper.pid}-1"
-        crashed = tmp_path / f".ckpt-00000009.tmp-{host}@{gone.pid}-1"
-        elsewhere = tmp_path / ".ckpt-00000011.tmp-otherhost@1-1"
-        stale = tmp_path / ".ckpt-00000013.tmp-otherhost@1-2"
-        for path in (writing, crashed, elsewhere, stale):
+        writing = tmp_path / f".ckpt-00000007.tmp-{owner}-1"
+        crashed = [
+            tmp_path / f".ckpt-00000009.tmp-{host}@{gone.pid}.{ticks}-1",
+            tmp_path / f".ckpt-00000011.tmp-{host}@{sleeper.pid}.{ticks - 1}-1",  # pid reused
+            tmp_path / f".ckpt-00000013.tmp-otherhost@{sleeper.pid}.{ticks}-1",
+        ]
+        for path in (writing, *crashed):
             path.mkdir()
-        real_getctime = os.path.getctime  # a ctime cannot be set back: the check reads it
-        long_ago = time.time() - 2 * 3600
-        monkeypatch.setattr(
-            os.path,
-            "getctime",
-            lambda p: long_ago if "00000013" in os.fspath(p) else real_getctime(p),
-        )
         manager, v = _manager(tmp_path, value=-1.0)
         assert manager.restore() == 3  # step 5 is set aside by the other save
-        assert aside.exists() and writing.exists() and elsewhere.exists()
-        assert not crashed.exists() and not stale.exists()
+        assert aside.exists() and writing.exists()
+        assert not any(path.exists() for path in crashed)
         assert not (tmp_path / "ckpt-00000005").exists()
     finally:
         sleeper.kill()
@@ -332,7 +332,11 @@ def test_a_restore_leaves_alone_a_save_still_under_way_in_another_process(tmp_pa
     # Once that process is gone, its save crashed: step 5 goes back in place.
     manager, v = _manager(tmp_path, value=-1.0)
     assert manager.restore() == 5
-    assert sorted(os.listdir(tmp_path)) == [elsewhere.name, "ckpt-00000003", "ckpt-00000005"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000003", "ckpt-00000005"]
+    # This process's own saves name it.
+    assert manager.save(6).startswith(str(tmp_path))
+    name = _files._owner(os.getpid())
+    assert name.startswith(f"{host}@{os.getpid()}.") and not name.endswith(".0")
 
 
 def test_a_failed_replace_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
