@@ -119,6 +119,21 @@ def _variables_of(name: str, obj) -> list:
     return list(variables)
 
 
+def _distributed_optimizers(objects) -> list:
+    """The DistributedOptimizers among ``objects`` and what they hold (a model's optimizer, a
+    LossScaleOptimizer's inner one), each once, in the same order on every rank."""
+    found, seen, pending = [], set(), list(objects)
+    while pending:
+        obj = pending.pop(0)
+        if obj is None or id(obj) in seen or _is_variable(obj):
+            continue
+        seen.add(id(obj))
+        if callable(getattr(obj, "share_pending_gradients", None)):
+            found.append(obj)
+        pending += [getattr(obj, name, None) for name in ("optimizer", "inner_optimizer")]
+    return found
+
+
 class _Outcome(NamedTuple):
     """What rank 0 found in ``restore()``, sent to every rank."""
 
@@ -384,12 +399,10 @@ class CheckpointManager:
         # A checkpoint of step N exists only once every rank has reached step N.
         # Steps are compared only where they agree (not while an elastic job re-forms).
         comm.enter("CheckpointManager.save", **({"step": step} if runtime.steps_agree() else {}))
-        for obj in self.trackables.values():
-            # A DistributedOptimizer partway through backward_passes_per_step: rank 0 must
-            # write what every rank needs to resume the window.
-            share = getattr(obj, "share_pending_gradients", None)
-            if callable(share):
-                share()
+        for optimizer in _distributed_optimizers(self.trackables.values()):
+            # Partway through backward_passes_per_step: rank 0 must write what every rank
+            # needs to resume the window.
+            optimizer.share_pending_gradients()
         outcome = (None, None, ())
         if comm.rank == 0:
             try:

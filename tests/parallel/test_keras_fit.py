@@ -322,7 +322,10 @@ def test_by_default_k_passes_apply_the_sum_of_their_averaged_gradients(traced):
     _assert_identical_across_ranks([w.numpy() for w in model.weights])
 
 
-def test_a_checkpoint_saved_partway_through_accumulation_resumes_the_window(hvd, tmp_path):
+@pytest.mark.parametrize("loss_scale", [False, True], ids=["plain", "LossScaleOptimizer"])
+def test_a_checkpoint_saved_partway_through_accumulation_resumes_the_window(
+    hvd, tmp_path, loss_scale
+):
     # backward_passes_per_step=2: a pass, a CheckpointManager save, the second pass and the
     # update; then a fresh model and optimizer restored from that checkpoint take the second
     # pass again. Both must make the one update of the two passes' averaged gradients: the
@@ -337,6 +340,8 @@ def test_a_checkpoint_saved_partway_through_accumulation_resumes_the_window(hvd,
     def fresh():
         model = _model(seed=13)
         opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr), backward_passes_per_step=2)
+        if loss_scale:  # mixed precision wraps it: the manager finds it inside (scale 1 here)
+            opt = keras.optimizers.LossScaleOptimizer(opt, initial_scale=1.0)
         opt.build(model.trainable_variables)
         hvd.broadcast_variables(model.weights, root_rank=0)
         return model, opt, CheckpointManager(directory, model=model, optimizer=opt)
