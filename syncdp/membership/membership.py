@@ -475,6 +475,7 @@ def recover(base, plan: Plan, *, growing: bool = False) -> tuple[object, Plan, d
             spawns.attempt(shrunk, plan, alive)
             want = plan.max_np if growing else plan.target
             plan, count, hosts = _decide(shrunk, plan, alive, want)
+            _check_min_np(plan, len(alive), count)
             merged = spawns.spawn(shrunk, plan, count, hosts, alive) if count else shrunk.Dup()
             spawns.done()
             if growing:
@@ -611,6 +612,7 @@ def reseat(
                 failure = False
                 continue
             plan, take, count, hosts = decision
+            _check_min_np(plan, trainers, take + count)
             layout = (trainers, len(rows) - trainers, take, count)
             merged = shrunk
             if count:
@@ -637,6 +639,17 @@ def reseat(
             failure = broken = True
             growing = False
             time.sleep(0.1)
+
+
+def _check_min_np(plan: Plan, survivors: int, added: int) -> None:
+    """Raises ElasticAbortError on every rank (they share rank 0's decision) when the change
+    would leave fewer ranks than ``--min-np`` (``survivors`` and the ``added`` spares and
+    replacements there is room for): before anything is spawned for it."""
+    if survivors + added < plan.min_np:
+        raise ElasticAbortError(
+            f"only {survivors + added} rank(s) left after the loss ({survivors} went on, and "
+            f"there is room for {added} more); --min-np is {plan.min_np}. Ending the job."
+        )
 
 
 def _leave_out(plan: Plan, hosts: list[str]) -> None:

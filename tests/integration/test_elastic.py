@@ -202,6 +202,27 @@ def test_the_reset_limit_ends_the_job_before_anything_is_spawned_for_the_change_
     ), result.stderr[-4000:]
 
 
+def test_below_min_np_ends_the_job_before_anything_is_spawned(tmp_path):
+    # 4 ranks, --min-np 4, 3 slots: ranks 1 and 2 die; whatever the recovery finds, it cannot
+    # reach 4, so nothing is spawned (a replacement would only be thrown away).
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:3\n")
+    script.chmod(0o755)
+    result = _run(
+        tmp_path,
+        4,
+        "1:0:3",
+        "2:0:3",
+        launcher=("--min-np", "4", "--host-discovery-script", str(script)),
+        timeout=180,
+    )
+    assert result.returncode == 1, result.stderr[-4000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "elastic mode could not go on: only" in last and "--min-np is 4" in last, last
+    assert "output [" not in result.stderr, result.stderr[-4000:]
+    assert not re.search(r"^\[[4-9]\]<", result.stdout + result.stderr, re.M)
+
+
 def test_a_discovery_script_that_fails_at_the_start_is_refused_before_any_rank_starts(tmp_path):
     # As horovodrun: a script that cannot run would leave every lost rank unreplaced.
     marker = tmp_path / "started"
