@@ -366,11 +366,17 @@ class ElasticLog:
             failed = bool(report.get("code") or report.get("signal"))
             failed = failed and label not in self._released  # killed at the end, on purpose
             self._spares_lost += failed
+            aborting = self._aborting
         if failed:
             code = -report["signal"] if report.get("signal") else report["code"]
+            then = (
+                "elastic mode could not go on, so the job ends"
+                if aborting
+                else f"{left} spare(s) left, training goes on"
+            )
             self._say(
                 f"spare [{label}] (pid {report.get('pid')} on {report.get('host')}) "
-                f"{describe_exit(code)} while waiting; {left} spare(s) left, training goes on."
+                f"{describe_exit(code)} while waiting; {then}."
             )
         return True
 

@@ -646,3 +646,18 @@ def test_a_lost_process_is_named_by_its_rank_now_and_its_output_label():
         "rank 1 (output [2], pid 12 on h)",
         "rank 0 (pid 10 on h)",
     ]
+
+
+def test_a_spare_that_exits_as_elastic_mode_ends_the_job_is_not_said_to_leave_training_on():
+    out = io.StringIO()
+    log = elastic.ElasticLog(out=out, ranks=2, spares=[2, 3])
+    log.handle(_exit(pid=12, code=1, rank=2))
+    assert "spare [2] (pid 12 on h) exited with code 1 while waiting; 1 spare(s) left" in (
+        out.getvalue()
+    )
+    log.handle({"kind": "elastic_abort", "rank": 0, "message": "the reset limit (1) was reached"})
+    log.handle(_exit(pid=13, code=1, rank=3))
+    assert (
+        "spare [3] (pid 13 on h) exited with code 1 while waiting; elastic mode could not go on"
+        in (out.getvalue())
+    )
