@@ -404,8 +404,10 @@ class Restarts:
         self.used_hosts: set[str] = set()  # hosts that ran a rank (their disks hold commits)
         self.changes = 0  # membership changes the ranks made, over every runtime
         self.last: Loss | None = None
-        # The membership changes the current runtime may make before the launcher ends it (None:
-        # no limit; a limit of 1 or more the ranks enforce themselves, from --reset-limit).
+        # The membership changes and restarts used before the current runtime (the ranks
+        # count on from it: SYNCDP_RESETS_USED), and the changes that runtime may make before
+        # the launcher ends it (None: no limit; the ranks end it first, before any spawn).
+        self.resets_used = 0
         self.reset_budget: int | None = None
 
     @staticmethod
@@ -511,14 +513,13 @@ class Restarts:
                 f"after losing {', '.join(self.lost)} the hosts left ({left}) hold {ranks} "
                 f"rank(s), fewer than --min-np {min_np}"
             )
-        remaining = self.limit - used - 1 if self.limit else 0
-        settings = {**attempt.settings, "reset_limit": max(remaining, 0)}
+        settings = dict(attempt.settings)
         # Grow back to -np later if the discovery script offers slots again.
         settings["max_np"] = max(int(settings.get("max_np") or 0), self.config.num_proc)
         spares = min(self.config.spares, slots - ranks)
         self.count += 1
-        # The ranks read a limit of 0 as none: the launcher enforces that one itself.
-        self.reset_budget = 0 if self.limit and remaining == 0 else None
+        self.resets_used = used + 1
+        self.reset_budget = self.limit - used - 1 if self.limit else None
         config = dataclasses.replace(
             attempt,
             num_proc=ranks,

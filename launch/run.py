@@ -134,6 +134,7 @@ def build_env(
     job: report.Job | None = None,
     commit_dir: str | None = None,
     lost_hosts: Collection[str] = (),
+    resets_used: int = 0,
 ) -> dict[str, str]:
     """The environment every rank gets: the caller's, plus one SYNCDP_* variable per flag.
 
@@ -150,6 +151,9 @@ def build_env(
             to set none. Defaults to None.
         lost_hosts: Every name of the hosts earlier runtimes of the job lost
             (``SYNCDP_LOST_HOSTS``: the ranks never grow onto them). Defaults to none.
+        resets_used: The membership changes and restarts earlier runtimes of the job used
+            (``SYNCDP_RESETS_USED``: the ranks count ``--reset-limit`` on from there).
+            Defaults to 0.
 
     Returns:
         The environment, a new dict.
@@ -172,6 +176,9 @@ def build_env(
     env.pop(membership.LOST_HOSTS_VAR, None)
     if lost_hosts:
         env[membership.LOST_HOSTS_VAR] = ",".join(sorted(lost_hosts))
+    env.pop(membership.RESETS_USED_VAR, None)
+    if resets_used:
+        env[membership.RESETS_USED_VAR] = str(resets_used)
     env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
     env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
@@ -526,6 +533,7 @@ def _run_once(
         job=job,
         commit_dir=commits,
         lost_hosts=restarts.lost_names() if restarts is not None else (),
+        resets_used=restarts.resets_used if restarts is not None else 0,
     )
     try:
         ranks_config = settings.from_env(env)

@@ -58,6 +58,8 @@ __all__ = [
 
 REPLACEMENT_VAR = "SYNCDP_REPLACEMENT"
 LOST_HOSTS_VAR = "SYNCDP_LOST_HOSTS"
+# The membership changes and restarts earlier runtimes of the job used (--reset-limit counts on).
+RESETS_USED_VAR = "SYNCDP_RESETS_USED"
 # The slots of a discovery script's host printed without a count (--slots-per-host).
 DISCOVERY_SLOTS_VAR = "SYNCDP_DISCOVERY_SLOTS"
 # Recovery attempts in a row before the job ends instead (each one follows a new failure).
@@ -133,6 +135,7 @@ def first_plan(config, size: int, waiting: tuple[Member, ...] = ()) -> Plan:
         spares=tuple(waiting),
         spare_target=len(waiting),
         reset_limit=config.reset_limit,
+        resets=int(os.environ.get(RESETS_USED_VAR) or 0),
         script=config.host_discovery_script,
         vanished=lost_hosts(),
         command=(sys.executable, *sys.orig_argv[1:]),

@@ -228,7 +228,10 @@ def test_a_restart_never_goes_below_min_np_or_past_the_reset_limit(checked):
     restarts = restart.Restarts(config, ["ssh"], print)
     restarts.changes = 1  # a rank was replaced before
     new, _ = restarts.next_config(config, _loss("hc"))
-    assert new.settings["reset_limit"] == 0 and restarts.reset_budget == 0
+    # The ranks count on from the change and this restart: their next change is one too many.
+    assert new.settings["reset_limit"] == 2 and restarts.resets_used == 2
+    assert run.build_env(new, {}, resets_used=restarts.resets_used)["SYNCDP_RESETS_USED"] == "2"
+    assert restarts.reset_budget == 0
     new, why = restarts.next_config(new, _loss("hb"))
     assert new is None and why.startswith("the reset limit (--reset-limit 2) is used up")
 
