@@ -37,8 +37,10 @@ def start(
     launcher_args: tuple[str, ...] = (),
     cwd: str | os.PathLike | None = None,
     launcher: str = "syncdp-run",
+    stderr=subprocess.PIPE,
 ) -> subprocess.Popen:
-    """Starts ``syncdp-run -np NP [launcher_args] COMMAND`` in its own session, text pipes.
+    """Starts ``syncdp-run -np NP [launcher_args] COMMAND`` in its own session, text pipes
+    (``stderr=subprocess.STDOUT``: both streams on one, as ``2>&1``).
 
     For tests that act while the job runs (kill a rank, cut a link); the caller must end it
     (``os.killpg(proc.pid, SIGKILL)``) if it outlives the test. ``launcher="horovodrun"`` runs
@@ -55,7 +57,7 @@ def start(
     return subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         text=True,
         env=rank_env(env),
         cwd=cwd or ROOT,

@@ -208,7 +208,7 @@ def write(directory: str, step: int, metadata: dict, checkpoint) -> str:
     os.makedirs(directory, exist_ok=True)
     name = f"{PREFIX}-{step:08d}"
     final = os.path.join(directory, name)
-    unique = f"{_owner(os.getpid())}-{time.time_ns()}"
+    unique = f"{_owner()}-{time.time_ns()}"
     temp = os.path.join(directory, f".{name}.tmp-{unique}")
     replaced = os.path.join(directory, f".{name}{_REPLACED}{unique}")
     os.makedirs(temp)
@@ -331,9 +331,9 @@ def move_aside(directory: str, damaged: list[tuple[str, str]]) -> tuple[str, ...
     return tuple(warnings)
 
 
-def _owner(pid: int) -> str:
-    """``HOST@PID.TICKS`` for process ``pid`` of this host (TICKS 0 where /proc cannot tell)."""
-    return f"{socket.gethostname()}@{pid}.{_start_ticks(pid) or 0}"
+def _owner() -> str:
+    """``HOST@PID.TICKS`` for this process (TICKS 0 where /proc cannot tell)."""
+    return f"{socket.gethostname()}@{os.getpid()}.{_start_ticks(os.getpid()) or 0}"
 
 
 def _start_ticks(pid: int) -> int | None:

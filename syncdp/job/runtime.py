@@ -407,7 +407,8 @@ def reset(grow: bool = False) -> dict:
         ``spares_left``.
 
     Raises:
-        ElasticAbortError: Fewer ranks than ``min_np`` are left, or the reset limit was hit.
+        ElasticAbortError: Fewer ranks than ``min_np`` would be left, or the reset limit was
+            reached: raised before anything is spawned for the change.
         NotInitializedError: ``init()`` has not been called.
     """
     comm = communicator()
@@ -418,10 +419,7 @@ def reset(grow: bool = False) -> dict:
             # One change more than --reset-limit allows: the job ends before anything is
             # spawned for it, as Horovod's ends. Every rank knows the count (rank 0's plan).
             if not grow:
-                try:
-                    comm.mpi.Revoke()  # every survivor leaves its collective for here
-                except mpi.load().Exception:
-                    pass
+                membership.revoke(comm.mpi)  # every survivor leaves its collective for here
             raise ElasticAbortError(
                 f"the reset limit ({plan.reset_limit}) was reached; ending the job."
             )
@@ -450,24 +448,12 @@ def reset(grow: bool = False) -> dict:
         ],
         reason="failure" if broken else "grow",
     )
-    problem = None
-    if world.size < plan.min_np:
-        problem = (
-            f"only {world.size} rank(s) left after losing "
-            f"{', '.join(str(m['rank']) for m in change['lost']) or 'none'} and no free slot for "
-            f"a replacement; --min-np is {plan.min_np}. Ending the job."
-        )
-    if world.rank == 0:
+    if world.rank == 0:  # --min-np was checked before anything was spawned (membership)
         text = (
             f"membership changed: {change['old_size']} -> {change['survivors']} -> "
             f"{world.size} ranks in {change['seconds']:.2f} s"
         )
         report.send("membership", 0, text, **change)
-        if problem is not None:
-            print(f"syncdp: elastic: {problem}", file=sys.stderr, flush=True)
-            report.send("elastic_abort", 0, problem)
-    if problem is not None:
-        raise ElasticAbortError(problem)
     return change
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "recover",
     "reseat",
     "grow",
+    "revoke",
     "discover_slots",
     "discovery_slots",
     "Looker",
@@ -435,7 +436,7 @@ class _Spawns:
         self.abandoned += self._labels
         self._labels = []
         if merged is not None:
-            _revoke(merged)
+            revoke(merged)
 
 
 def recover(base, plan: Plan, *, growing: bool = False) -> tuple[object, Plan, dict]:
@@ -470,7 +471,7 @@ def recover(base, plan: Plan, *, growing: bool = False) -> tuple[object, Plan, d
         shrunk = None
         try:
             if broken:
-                _revoke(base)
+                revoke(base)
                 shrunk = base.Shrink()
             else:
                 shrunk = base
@@ -483,8 +484,13 @@ def recover(base, plan: Plan, *, growing: bool = False) -> tuple[object, Plan, d
             spawns.done()
             if growing:
                 plan.target = len(alive) + count
-            change = {"survivors": len(alive), "spawned": count}
-            return merged, plan, dict(change, abandoned=spawns.abandoned, broken=broken)
+            change = {
+                "survivors": len(alive),
+                "spawned": count,
+                "abandoned": spawns.abandoned,
+                "broken": broken,
+            }
+            return merged, plan, change
         except MPI.Exception as e:
             spawns.failed()
             # Another rank (a survivor or a replacement) was lost meanwhile: start over from
@@ -526,7 +532,9 @@ def _take_seats(merged, layout):
     return reserve, (training if trains else None)
 
 
-def _revoke(*comms) -> None:
+def revoke(*comms) -> None:
+    """Revokes each of ``comms`` (None skipped), so that every rank leaves whatever collective
+    it waits in; one already revoked or broken is no error."""
     MPI = mpi.load()
     for comm in comms:
         if comm is None:
@@ -588,7 +596,7 @@ def reseat(
         shrunk = spawned = None
         try:
             if failure:
-                _revoke(training, reserve)
+                revoke(training, reserve)
                 shrunk = reserve.Shrink()
             else:
                 shrunk = reserve

@@ -428,71 +428,9 @@ def test_ranks_in_different_collectives_of_one_number_are_told_apart_at_the_stal
     assert "an MPI transfer is stuck" not in result.stderr
 
 
-# Rank 1 dies at step 5; rank 0 dies 0.3 s into the spawn of its replacement, which is left
-# without its parent. No TensorFlow: the recovery is what is tested.
-RANK0_LOST_IN_SPAWN = """
-import json, os, signal, threading, time
-import syncdp, syncdp.elastic
-from syncdp.job import runtime
-from syncdp.membership import membership
-
-syncdp.init()
-me = membership.me().label
-if me == 0:  # rank 0 dies 0.3 s into the spawn of its first replacement
-    real_spawn = membership._spawn
-
-    def spawn(*args, **kwargs):
-        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
-        return real_spawn(*args, **kwargs)
-
-    membership._spawn = spawn
-state = syncdp.elastic.ObjectState(step=0, total=0)
-
-@syncdp.elastic.run
-def train(state):
-    comm = runtime.communicator()
-    while state.step < 40:
-        if me == 1 and state.step == 5:
-            os.kill(os.getpid(), signal.SIGKILL)
-        assert len(set(comm.allgather_object(state.step))) == 1
-        state.total += state.step
-        state.step += 1
-        time.sleep(0.05)
-        state.commit()
-    return state.total
-
-total = train(state)
-print("RESULT " + json.dumps(dict(label=me, size=syncdp.size(), total=total)), flush=True)
-"""
-
-
-def test_rank_0_lost_while_it_spawns_a_replacement_leaves_no_second_label_and_no_failure(
-    tmp_path,
-):
-    # The survivor recovers again and spawns two replacements under new labels; the orphan of
-    # the abandoned spawn exits on its own (or at the end) and counts as no failure.
-    result = launch(
-        3,
-        "python",
-        python_script(tmp_path, RANK0_LOST_IN_SPAWN),
-        launcher_args=("--min-np", "1"),
-        timeout=170,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    results = [
-        json.loads(line.split("RESULT ", 1)[1])
-        for line in result.stdout.splitlines()
-        if "RESULT " in line
-    ]
-    assert sorted(r["label"] for r in results) == [2, 4, 5], result.stdout
-    assert all(r["size"] == 3 and r["total"] == sum(range(40)) for r in results), results
-    labels = re.findall(r"output \[(\d+)\]\)", result.stderr)
-    assert sorted(labels) == ["4", "5"], result.stderr[-4000:]
-
-
-# np=2, room for a third rank once rank 0 creates the marker at step 3; rank 0 dies 0.3 s into
-# the spawn that grows the job. No TensorFlow: the change of membership is what is tested.
-RANK0_LOST_IN_GROWTH = """
+# The start of a job in which rank 0 dies 0.3 s into the first spawn it makes. No TensorFlow:
+# the change of membership is what is tested.
+RANK0_DIES_IN_ITS_FIRST_SPAWN = """
 import json, os, signal, sys, threading, time
 import syncdp, syncdp.elastic
 from syncdp.job import runtime
@@ -509,7 +447,57 @@ if me == 0:
 
     membership._spawn = spawn
 state = syncdp.elastic.ObjectState(step=0, total=0)
+"""
 
+# Rank 1 dies at step 5; rank 0 dies in the spawn of its replacement, which is left without
+# its parent.
+RANK0_LOST_IN_SPAWN = (
+    RANK0_DIES_IN_ITS_FIRST_SPAWN
+    + """
+@syncdp.elastic.run
+def train(state):
+    comm = runtime.communicator()
+    while state.step < 40:
+        if me == 1 and state.step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        assert len(set(comm.allgather_object(state.step))) == 1
+        state.total += state.step
+        state.step += 1
+        time.sleep(0.05)
+        state.commit()
+    return state.total
+
+total = train(state)
+print("RESULT " + json.dumps(dict(label=me, size=syncdp.size(), total=total)), flush=True)
+"""
+)
+
+
+def test_rank_0_lost_while_it_spawns_a_replacement_leaves_no_second_label_and_no_failure(
+    tmp_path,
+):
+    # The survivor recovers again and spawns two replacements under new labels; the orphan of
+    # the abandoned spawn exits on its own (or at the end) and counts as no failure.
+    result = launch(
+        3,
+        "python",
+        python_script(tmp_path, RANK0_LOST_IN_SPAWN),
+        launcher_args=("--min-np", "1"),
+        timeout=170,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    results = _results(result.stdout)
+    assert sorted(r["label"] for r in results) == [2, 4, 5], result.stdout
+    assert all(r["size"] == 3 and r["total"] == sum(range(40)) for r in results), results
+    labels = re.findall(r"output \[(\d+)\]\)", result.stderr)
+    assert sorted(labels) == ["4", "5"], result.stderr[-4000:]
+
+
+# np=2, room for a third rank once rank 0 creates the marker at step 3; rank 0 dies in the
+# spawn that grows the job.
+RANK0_LOST_IN_GROWTH = (
+    RANK0_DIES_IN_ITS_FIRST_SPAWN
+    + """
 @syncdp.elastic.run
 def train(state):
     comm = runtime.communicator()
@@ -527,6 +515,7 @@ def train(state):
 total, steps = train(state)
 print("RESULT " + json.dumps(dict(label=me, size=syncdp.size(), total=total, steps=steps)))
 """
+)
 
 
 def test_rank_0_lost_while_it_grows_the_job_is_a_recovery_with_new_labels(tmp_path):
@@ -543,11 +532,7 @@ def test_rank_0_lost_while_it_grows_the_job_is_a_recovery_with_new_labels(tmp_pa
         timeout=170,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    results = [
-        json.loads(line.split("RESULT ", 1)[1])
-        for line in result.stdout.splitlines()
-        if "RESULT " in line
-    ]
+    results = _results(result.stdout)
     assert sorted(r["label"] for r in results) == [1, 3, 4], result.stdout
     steps = results[0]["steps"]
     assert all(r["size"] == 3 and r["steps"] == steps for r in results), results

@@ -4,6 +4,7 @@ after ``MPI_Abort``, with Open MPI's banners that repeat the verdict folded into
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -14,7 +15,7 @@ import time
 import pytest
 
 from launch import output
-from tests.launcher import ROOT, python_script, rank_env
+from tests.launcher import ROOT, python_script, rank_env, start
 
 NOISY = r"""
 import os, sys
@@ -106,6 +107,17 @@ for i in range(20000):
 """
 
 
+@contextlib.contextmanager
+def _ended(proc: subprocess.Popen):
+    """The launcher ``proc`` and its job, killed if they outlive the block."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 @pytest.mark.parametrize("np", [1, 2, 3])
 def test_a_slow_reader_of_the_launchers_output_gets_every_line(tmp_path, np):
     # The reader takes nothing for longer than the launcher's grace after the ranks' last
@@ -113,29 +125,16 @@ def test_a_slow_reader_of_the_launchers_output_gets_every_line(tmp_path, np):
     # stopped, nor the rest dropped, while the output still moves.
     from launch import supervision
 
-    script = python_script(tmp_path, MANY_LINES)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launch", "-np", str(np), sys.executable, script],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=rank_env(),
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
+    with _ended(start(np, sys.executable, python_script(tmp_path, MANY_LINES))) as proc:
         time.sleep(2 * supervision.FINISHED_GRACE_SECONDS + 2)
         out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    lines = out.decode().splitlines()
+    lines = out.splitlines()
     for r in range(np):
         mine = [line for line in lines if line.startswith(f"[{r}]<stdout>:")]
-        assert len(mine) == 20000, (r, len(mine), err.decode()[-2000:])
+        assert len(mine) == 20000, (r, len(mine), err[-2000:])
         assert mine[-1].endswith(f"{r} 19999 " + "x" * 100)
-    assert proc.returncode == 0, err.decode()[-2000:]
-    assert b"did not exit within" not in err
+    assert proc.returncode == 0, err[-2000:]
+    assert "did not exit within" not in err
 
 
 EXITS_3_LATER = r"""
@@ -151,21 +150,9 @@ def test_a_reader_of_both_streams_that_goes_away_leaves_the_jobs_exit_status(tmp
     # syncdp-run ... 2>&1 | head -1: the launcher's own last lines (the failure, the verdict)
     # find the reader gone; the exit status is still the job's, not a BrokenPipeError's 1.
     script = python_script(tmp_path, EXITS_3_LATER)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launch", "-np", "2", sys.executable, script],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=rank_env(),
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
+    with _ended(start(2, sys.executable, script, stderr=subprocess.STDOUT)) as proc:
         first = proc.stdout.readline()
         proc.stdout.close()
         code = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert first.endswith(b">:0\n"), first
+    assert first.endswith(">:0\n"), first
     assert code == 3

@@ -333,10 +333,10 @@ def test_a_restore_leaves_alone_a_save_still_under_way_in_another_process(tmp_pa
     manager, v = _manager(tmp_path, value=-1.0)
     assert manager.restore() == 5
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000003", "ckpt-00000005"]
-    # This process's own saves name it.
-    assert manager.save(6).startswith(str(tmp_path))
-    name = _files._owner(os.getpid())
-    assert name.startswith(f"{host}@{os.getpid()}.") and not name.endswith(".0")
+    # The owner a save writes into its names is the one a restore reads back.
+    owner = _files._OWNER.search(f".ckpt-00000006.tmp-{_files._owner()}-7")
+    assert (owner["host"], int(owner["pid"])) == (host, os.getpid())
+    assert int(owner["ticks"]) == _files._start_ticks(os.getpid()) != 0
 
 
 def test_a_failed_replace_puts_the_old_checkpoint_back(tmp_path, monkeypatch):

@@ -615,7 +615,7 @@ def test_each_spawn_takes_its_labels_first_and_a_failed_one_blames_only_free_hos
     # Attempt 3's spawn works, but the change fails after it (a rank lost as the seats are
     # taken): its process never joins either, and what the spawn made is revoked.
     revoked = []
-    monkeypatch.setattr(membership, "_revoke", revoked.append)
+    monkeypatch.setattr(membership, "revoke", revoked.append)
     spawns.attempt(Comm(), plan, alive[:1])
     assert spawns.spawn(Comm(), plan, 1, ["c"], alive[:1]) == "merged"
     spawns.failed("merged")
