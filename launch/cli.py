@@ -350,9 +350,9 @@ def _check_settings(
 ) -> dict[str, Any]:
     """Every setting's value, from its flag, its ``--config-file`` key, the caller's
     ``SYNCDP_*`` variable or Horovod's (``HOROVOD_TIMELINE``, ...: :data:`syncdp.base.settings.
-    HOROVOD_VARS`), in that precedence, checked before anything starts; exits 2 naming
-    the first one not allowed, as it was given (the flag's spelling, the config file's key, or
-    the variable).
+    HOROVOD_VARS` and ``HOROVOD_SWITCHES``), in that precedence, checked before anything
+    starts; exits 2 naming the first one not allowed, as it was given (the flag's spelling, the
+    config file's key, or the variable).
 
     Returns:
         The settings, resolved once (:func:`syncdp.base.settings.resolve`), by name, in the
@@ -369,8 +369,10 @@ def _check_settings(
         # and bad values are found here, not by every rank after it has loaded TensorFlow.
         flagged = {s.env for s in settings.SETTINGS if s.name in given}
         flagged |= {k for k, (name, _) in settings.HOROVOD_VARS.items() if name in given}
+        flagged |= {k for k, sets in settings.HOROVOD_SWITCHES.items() if set(sets) <= set(given)}
+        horovods = set(settings.HOROVOD_VARS) | set(settings.HOROVOD_SWITCHES)
         inherited = {k: v for k, v in environ.items() if k.startswith("SYNCDP_")}
-        inherited |= {k: v for k, v in environ.items() if k in settings.HOROVOD_VARS}
+        inherited |= {k: v for k, v in environ.items() if k in horovods}
         unflagged = {k: v for k, v in inherited.items() if k not in flagged}
         settings.from_env(unflagged)
         resolved = settings.resolve(given, unflagged)

@@ -28,6 +28,7 @@ from syncdp.base.errors import ConfigError
 
 __all__ = [
     "HOROVOD_VARS",
+    "HOROVOD_SWITCHES",
     "HOROVOD_VARS_WITHOUT_EFFECT",
     "horovod_values",
     "Config",
@@ -546,12 +547,17 @@ HOROVOD_VARS: dict[str, tuple[str, Callable[[str], str]]] = {
     "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": ("autotune_steps_per_sample", str),
     "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": ("autotune_max_samples", str),
 }
+# Horovod's switches that set several syncdp settings when on (read as :func:`_on_off`). They
+# win over the HOROVOD_VARS above, as in Horovod, and lose to a SYNCDP_* variable or a flag.
+HOROVOD_SWITCHES: dict[str, dict[str, str]] = {
+    # No stall check at all: no warning and no shutdown (horovodrun --no-stall-check).
+    "HOROVOD_STALL_CHECK_DISABLE": {"stall_warning": "0", "stall_timeout": "0"},
+}
 # Horovod's variables that tune machinery syncdp does not have: the launcher says so.
 HOROVOD_VARS_WITHOUT_EFFECT = (
     "HOROVOD_CYCLE_TIME",
     "HOROVOD_CACHE_CAPACITY",
     "HOROVOD_TIMELINE_MARK_CYCLES",
-    "HOROVOD_STALL_CHECK_DISABLE",
     "HOROVOD_MPI_THREADS_DISABLE",
     "HOROVOD_NUM_NCCL_STREAMS",
     "HOROVOD_BATCH_D2D_MEMCOPIES",
@@ -565,8 +571,8 @@ HOROVOD_VARS_WITHOUT_EFFECT = (
 
 
 def horovod_values(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Setting name -> value from Horovod's variables in ``environ`` (:data:`HOROVOD_VARS`),
-    for the settings whose ``SYNCDP_*`` variable is not set.
+    """Setting name -> value from Horovod's variables in ``environ`` (:data:`HOROVOD_VARS`,
+    :data:`HOROVOD_SWITCHES`), for the settings whose ``SYNCDP_*`` variable is not set.
 
     Raises:
         ConfigError: A Horovod variable's value cannot be read (named).
@@ -582,6 +588,13 @@ def horovod_values(environ: Mapping[str, str]) -> dict[str, Any]:
             raise ConfigError(
                 f"{var}={environ[var]!r} (Horovod's; read as {setting.env}): {e}"
             ) from None
+    for var, switched in HOROVOD_SWITCHES.items():
+        if _on_off(environ.get(var, "")) == "off":
+            continue
+        for name, text in switched.items():
+            setting = _BY_NAME[name]
+            if setting.env not in environ:
+                values[name] = validate(setting, text, source="env")
     return values
 
 

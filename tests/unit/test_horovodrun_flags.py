@@ -630,3 +630,20 @@ def test_horovods_own_variables_set_the_settings_they_stand_for():
         parse(environ={"HOROVOD_FUSION_THRESHOLD": "lots"})
     with pytest.raises(settings.ConfigError, match=r"HOROVOD_FUSION_THRESHOLD='lots' \(Horovod's"):
         settings.from_env({"HOROVOD_FUSION_THRESHOLD": "lots"})
+
+
+def test_horovods_stall_check_disable_turns_off_the_warning_and_the_shutdown():
+    # Horovod with HOROVOD_STALL_CHECK_DISABLE=1 checks for stalls not at all, whatever its two
+    # stall times say; a SYNCDP_* variable or a flag still wins over it.
+    off = {"HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30"}
+    config = settings.from_env(off)
+    assert (config.stall_timeout, config.stall_warning) == (0, 0)
+    c = parse(environ=off)
+    env = env_of(c)
+    assert env["SYNCDP_STALL_TIMEOUT"] == "0" and env["SYNCDP_STALL_WARNING"] == "0"
+    assert not any("HOROVOD_STALL_CHECK_DISABLE" in n for n in c.notes)
+    env = env_of(parse("--stall-timeout", "9", environ={**off, "SYNCDP_STALL_WARNING": "4"}))
+    assert env["SYNCDP_STALL_TIMEOUT"] == "9" and env["SYNCDP_STALL_WARNING"] == "4"
+    # 0 leaves the check on, with Horovod's times.
+    config = settings.from_env({**off, "HOROVOD_STALL_CHECK_DISABLE": "0"})
+    assert config.stall_timeout == 30 and config.stall_warning == settings.Config().stall_warning
