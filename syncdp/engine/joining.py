@@ -40,7 +40,10 @@ def task(reducer: BucketReducer, sizes) -> dict:
         "carry_step": reducer.carry_step,
         "name": reducer.name,
         # A rank may scale a share of every rank's sum (float16's path): the joined one too.
-        "prescale": reducer.prescale,
+        # Every other reduction is scaled by each rank before it sends, and a joined rank's
+        # identity must go out unscaled (the product's 1 would become the prescale, and an
+        # integer minimum's largest value would overflow).
+        "prescale": reducer.prescale if reducer.scales_on_receipt else 1.0,
         "postscale": reducer.postscale,
     }
 

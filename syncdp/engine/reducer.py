@@ -76,6 +76,12 @@ def is_half(dtype) -> bool:
     return np.dtype(dtype).name in HALF_DTYPES
 
 
+def _half_prescaled(values: np.ndarray, pre: float, dtype) -> np.ndarray:
+    """A half-precision rank's values prescaled as Horovod does: in float32, rounded to the
+    dtype."""
+    return (np.asarray(values, np.float32) * np.float32(pre)).astype(dtype)
+
+
 class BucketReducer:
     """Reduces the members of one bucket; built once per bucket, called once per step.
 
@@ -110,6 +116,10 @@ class BucketReducer:
         self.dtype_name = self.dtype.name  # NumPy computes it in Python at every ask
         self.op = op
         self.prescale = float(prescale)
+        # Half-precision sums are prescaled in float32 by the rank that adds the rows
+        # (_combine); every other reduction is prescaled by each rank before its values leave,
+        # so a joined rank's identity (join()) goes out as it is and stays neutral.
+        self.scales_on_receipt = is_half(self.dtype) and op in ("sum", "average")
         self.postscale = float(postscale)
         self.name = name
         self.info = dict(info or {})
@@ -349,6 +359,8 @@ class BucketReducer:
         send = _POOL.get(f"{self.name}.send", n * shard, dtype)
         members_end = self._write_step(send, layout, step_elems, step, comm)
         _pack(send, layout, flats)
+        if self.prescale != 1.0 and not self.scales_on_receipt:
+            send[:members_end] = _half_prescaled(send[:members_end], self.prescale, dtype)
         received = _POOL.get(f"{self.name}.scatter", n * shard, dtype).reshape(n, shard)
         comm.alltoall(
             send.reshape(n, shard), name=f"{self.name}.scatter", out=received, info=self.info
@@ -371,6 +383,8 @@ class BucketReducer:
         n, me = comm.size, comm.rank
         if is_half(self.dtype) and n > 1:
             # Every rank sends rank j its piece; rank j reduces the n copies in float32.
+            if self.prescale != 1.0 and not self.scales_on_receipt:
+                flat = _half_prescaled(flat, self.prescale, self.dtype)
             rows, _ = comm.alltoallv(flat, counts, name=self.name)
             return self._combine(rows.reshape(n, counts[me]), counts[me], n)
         pre, post, divide = self._scales(n)
@@ -390,17 +404,19 @@ class BucketReducer:
         """Reduces ``rows`` (``[n, shard]``) over axis 0; scales only the first ``scaled``.
 
         Scaling follows Horovod exactly: each rank's values are prescaled in float32 and
-        rounded to the bucket's dtype; the reduction is rounded to the dtype; the postscale
-        (and the average's division) is applied to that in float32 and rounded once more. A
-        sum is accumulated in float32 (partial sums are not rounded at every addition); a
-        product is taken rank by rank in the dtype, as sequential multiplication would.
+        rounded to the bucket's dtype (here for a sum or average; by the sending rank, with
+        :func:`_half_prescaled`, for the other ops); the reduction is rounded to the dtype;
+        the postscale (and the average's division) is applied to that in float32 and rounded
+        once more. A sum is accumulated in float32 (partial sums are not rounded at every
+        addition); a product is taken rank by rank in the dtype, as sequential multiplication
+        would.
         """
         pre, post, divide = self._scales(n)
         factor = post / divide if divide is not None else post
         if self.op in ("sum", "average") and n == 2 and pre == 1.0 and factor == 1.0:
             return np.add(rows[0], rows[1])  # one addition in the dtype: rounded once
         wide = rows.astype(np.float32)
-        if pre != 1.0:
+        if pre != 1.0 and self.scales_on_receipt:
             wide[:, :scaled] *= np.float32(pre)
             if self.prescale != 1.0:  # a user's prescale is rounded to the dtype, as Horovod's
                 wide[:, :scaled] = wide[:, :scaled].astype(self.dtype)
@@ -463,9 +479,13 @@ class _GatherPlan:
         self.out_shelf = _POOL.shelf(f"{reducer.name}.out", self.total, dtype)
         self.half = is_half(dtype)
         pre, self.post, self.divide = reducer._scales(n)
-        # Half: _combine scales, in float32. A float prescale is of the bucket's dtype, so that
-        # a 0-d member is scaled in that dtype under NumPy 1's casting rules too.
-        self.pre = 1.0 if self.half else (dtype.type(pre) if reducer.floating else pre)
+        # Half: a sum's rows are scaled by _combine, in float32. A float prescale is of the
+        # bucket's dtype, so that a 0-d member is scaled in that dtype under NumPy 1's casting
+        # rules too.
+        if self.half:
+            self.pre = 1.0 if reducer.scales_on_receipt else pre
+        else:
+            self.pre = dtype.type(pre) if reducer.floating else pre
         self.ufunc = _UFUNC[reducer.op]
         self.floating, self.dtype, self.n = reducer.floating, dtype, n
         self._combine = reducer._combine
@@ -481,6 +501,8 @@ class _GatherPlan:
         for dst, src in zip(self.slots, arrays):
             if pre == 1.0:
                 np.copyto(dst, src)
+            elif self.half:
+                dst[...] = _half_prescaled(src, pre, self.dtype)
             elif self.floating:
                 np.multiply(src, pre, out=dst)
             else:

@@ -91,6 +91,44 @@ def test_a_joined_rank_scales_its_share_of_a_large_reduction(hvd, dtype):
     assert int(last) != 0  # rank 0 joined first
 
 
+@pytest.mark.parametrize("op", ["Product", "Min", "Max"])
+@pytest.mark.parametrize(
+    "dtype", [tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32], ids=lambda d: d.name
+)
+def test_a_joined_ranks_identity_is_not_prescaled(hvd, dtype, op):
+    """With a prescale, each active rank's values are scaled before the reduction; the
+    joined rank's stand-in must stay the op's identity, not be scaled too (a product's 1
+    became the prescale, an integer minimum's largest value overflowed). Small buckets are
+    gathered, large ones reduced in place or (half precision) in shares."""
+    n, r = hvd.size(), hvd.rank()
+    active = list(range(1, n)) if n > 1 else [0]
+    np_dtype = dtype.as_numpy_dtype
+
+    def scaled(rank, size, pre):  # a rank's values, prescaled as the reducer does
+        x = (np.arange(size) % 5 + rank + 1).astype(np.float64)
+        if dtype.is_integer:
+            return np.trunc(x * pre).astype(np_dtype)
+        return (x.astype(np.float32) * np.float32(pre)).astype(np_dtype)
+
+    combine = {"Product": np.multiply, "Min": np.minimum, "Max": np.maximum}[op]
+    for size in (7, 300_000):
+        for pre in (2.0, -1.5):
+            if r not in active:
+                hvd.join()
+                continue
+            x = tf.cast(tf.constant(np.arange(size) % 5 + r + 1), dtype)
+            got = hvd.allreduce(x, op=getattr(hvd, op), prescale_factor=pre)
+            (grouped,) = hvd.grouped_allreduce([x], op=getattr(hvd, op), prescale_factor=pre)
+            want = scaled(active[0], size, pre)
+            for q in active[1:]:  # rank by rank, rounded to the dtype, as the reducer does
+                want = combine(want, scaled(q, size, pre)).astype(np_dtype)
+            for out in (got, grouped):
+                np.testing.assert_array_equal(
+                    tf.cast(out, tf.float64).numpy(), want.astype(np.float64)
+                )
+            hvd.join()
+
+
 def test_ranks_with_uneven_data_train_then_join(hvd, monkeypatch):
     """Rank r has 2 + (r + 1) % n batches; each trains on what it has, then joins. Every
     step averages the active ranks' gradients over all n ranks (joined ranks add zeros), so
