@@ -159,8 +159,8 @@ FLAGS: tuple[Flag, ...] = (
         ("--network-interfaces",),
         MAPS,
         "NIC names or CIDR subnets, comma-separated, for MPI's TCP traffic and Open MPI's "
-        "out-of-band channel (btl_tcp_if_include, oob_tcp_if_include); the launcher listens on "
-        "the first one this host has",
+        "out-of-band channel (btl_tcp_if_include, oob_tcp_if_include; loopback only for MPI's "
+        "traffic); the launcher listens on the first one this host has",
     ),
     Flag(
         ("--network-interface",),

@@ -317,6 +317,15 @@ def local_address(interface: str) -> str | None:
     return None
 
 
+def loopback_interface(interface: str) -> bool:
+    """Whether ``interface`` (a NIC name, or a CIDR subnet) is this machine's loopback."""
+    try:
+        return ipaddress.ip_network(interface, strict=False).is_loopback
+    except ValueError:  # a name
+        address = local_address(interface)
+        return address is not None and _loopback(address)
+
+
 def _loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(address).is_loopback

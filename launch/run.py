@@ -278,9 +278,13 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
     if ssh_args:
         cmd += ["--mca", "plm_ssh_args", shlex.join(ssh_args)]
     if config.network_interfaces:
-        interfaces = ",".join(config.network_interfaces)
-        cmd += ["--mca", "btl_tcp_if_include", interfaces]
-        cmd += ["--prtemca", "oob_tcp_if_include", interfaces]
+        cmd += ["--mca", "btl_tcp_if_include", ",".join(config.network_interfaces)]
+        # Open MPI's runtime finds no interface for its out-of-band channel in loopback (no
+        # rank starts), and crashes on a list that mixes loopback with others: the channel
+        # gets the others, or its own choice when loopback is all there is.
+        outside = [i for i in config.network_interfaces if not _hosts.loopback_interface(i)]
+        if outside:
+            cmd += ["--prtemca", "oob_tcp_if_include", ",".join(outside)]
     # Ranks on other hosts do not inherit mpirun's environment: export what they need.
     exported = sorted(
         k
