@@ -536,6 +536,7 @@ def _on_off(text: str) -> str:
 # flag wins over them.
 HOROVOD_VARS: dict[str, tuple[str, Callable[[str], str]]] = {
     "HOROVOD_FUSION_THRESHOLD": ("fusion_threshold", str),  # bytes, as syncdp's
+    "HOROVOD_START_TIMEOUT": ("start_timeout", str),  # seconds, as horovodrun's --start-timeout
     # DYNAMIC: no timeline now; the program starts one (start_timeline), as in Horovod.
     "HOROVOD_TIMELINE": ("timeline", lambda text: "" if text == "DYNAMIC" else text),
     "HOROVOD_STALL_CHECK_TIME_SECONDS": ("stall_warning", str),

@@ -607,9 +607,11 @@ def test_horovods_own_variables_set_the_settings_they_stand_for():
         "HOROVOD_STALL_CHECK_TIME_SECONDS": "7",
         "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
         "HOROVOD_CYCLE_TIME": "5",
+        "HOROVOD_START_TIMEOUT": "3",
     }
     c = parse(environ=horovods)
     env = env_of(c)
+    assert env["SYNCDP_START_TIMEOUT"] == "3"
     assert env["SYNCDP_TIMELINE"] == os.path.abspath("tl.json")
     assert env["SYNCDP_FUSION_THRESHOLD"] == str(3 << 20)
     assert env["SYNCDP_STALL_TIMEOUT"] == "30" and env["SYNCDP_STALL_WARNING"] == "7"
