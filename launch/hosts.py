@@ -10,6 +10,7 @@ A host that does not is named with the reason, and nothing starts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import ipaddress
@@ -233,21 +234,44 @@ def remote_shell(
     return cmd
 
 
+# The host checks' remote shells running now, for stop_probes().
+_PROBES: set[subprocess.Popen] = set()
+_PROBES_LOCK = threading.Lock()
+
+
 def _probe(shell: list[str], host: str, timeout: float) -> tuple[str | None, str]:
     """Runs the version probe on ``host``; returns (its output or None, why it failed)."""
     command = f"{shlex.quote(sys.executable)} -c {shlex.quote(_PROBE)}"
     try:
-        out = subprocess.run(
-            [*shell, host, command], capture_output=True, text=True, timeout=timeout
+        proc = subprocess.Popen(
+            [*shell, host, command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-    except subprocess.TimeoutExpired:
-        return None, f"did not answer over the remote shell within {timeout:g} s"
     except OSError as e:
         return None, f"the remote shell {shell[0]!r} could not run: {e.strerror}"
-    if out.returncode != 0:
-        detail = (out.stderr.strip().splitlines() or ["no message"])[-1]
-        return None, f"the check command failed there (exit {out.returncode}): {detail}"
-    return out.stdout.strip(), ""
+    with _PROBES_LOCK:
+        _PROBES.add(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return None, f"did not answer over the remote shell within {timeout:g} s"
+    finally:
+        with _PROBES_LOCK:
+            _PROBES.discard(proc)
+    if proc.returncode != 0:
+        detail = (err.strip().splitlines() or ["no message"])[-1]
+        return None, f"the check command failed there (exit {proc.returncode}): {detail}"
+    return out.strip(), ""
+
+
+def stop_probes() -> None:
+    """Kills the host checks' remote shells still running (the launcher is stopping)."""
+    with _PROBES_LOCK:
+        running = list(_PROBES)
+    for proc in running:
+        with contextlib.suppress(OSError):
+            proc.kill()
 
 
 def check_hosts(hosts: Sequence[Host], shell: list[str], timeout: float = 30.0) -> list[str]:

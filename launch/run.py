@@ -301,6 +301,33 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
     return cmd
 
 
+class _Stopped(Exception):
+    """SIGINT, SIGTERM or SIGHUP arrived before the job started (:func:`_signals_raise`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """Within: SIGINT, SIGTERM and SIGHUP raise :class:`_Stopped` (those ignored when the
+    launcher started stay ignored), so work before the job starts ends as the job would."""
+
+    def raise_stopped(signum, frame):
+        raise _Stopped(signum)
+
+    previous = {}
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(s) is not signal.SIG_IGN:
+            previous[s] = signal.signal(s, raise_stopped)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def _check_hosts(config: LaunchConfig) -> str | None:
     """Why the job cannot start on its hosts (named), or None when every host is ready."""
     shell = _hosts.remote_shell(
@@ -440,7 +467,16 @@ def _run(config: LaunchConfig) -> int:
             _say(problem)
             return 2
     if config.multihost:
-        problem = _check_hosts(config)
+        try:
+            with _signals_raise():
+                problem = _check_hosts(config)
+        except _Stopped as e:
+            _hosts.stop_probes()
+            _say(
+                f"stopped by {signal.Signals(e.signum).name} while checking the hosts; no rank "
+                "was started."
+            )
+            return 128 + e.signum
         if problem is not None:
             _say(problem)
             return 1

@@ -273,6 +273,49 @@ while True:  # {marker}
     assert left == "", f"ranks still running: {left}"
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_hosts_are_checked_stops_the_launcher_and_its_checks(tmp_path, signum):
+    # Before any rank starts, the launcher checks each remote host over the remote shell (up
+    # to 30 s). Stopped then, it ends as it would later (128 + the signal, one line, no
+    # traceback) and leaves no remote shell running.
+    marker = f"syncdp-hostcheck-{os.getpid()}-{signum}"
+    agent = tmp_path / "agent.sh"
+    sleep = f"exec {sys.executable} -c 'import time; time.sleep(60)' {marker}"
+    agent.write_text(f"#!/bin/sh\necho $$ > {tmp_path}/agent.pid\n{sleep}\n")
+    agent.chmod(0o755)
+    proc = start(
+        2,
+        "python",
+        "-c",
+        "print('never')",
+        launcher_args=(
+            "-H",
+            "localhost:1,192.0.2.1:1",
+            "--mpi-args",
+            f"--mca plm_rsh_agent {agent}",
+        ),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "agent.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "agent.pid").exists(), "the host check never started"
+        time.sleep(0.5)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signum, err[-3000:]
+    name = signal.Signals(signum).name
+    assert f"stopped by {name} while checking the hosts; no rank was started." in err, err
+    assert "Traceback" not in err, err
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    assert left == "", f"host checks still running: {left}"
+
+
 @pytest.mark.parametrize("np", [2, 3])
 def test_a_rank_late_for_init_ends_the_job_naming_it(tmp_path, np):
     start_timeout = 10
