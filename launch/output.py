@@ -61,12 +61,15 @@ import time
 from collections.abc import Callable
 from typing import BinaryIO
 
-__all__ = ["Flow", "CONTINUED", "PIECE_BYTES", "RankFiles", "copy_output"]
+__all__ = ["Flow", "CONTINUED", "UNTERMINATED", "PIECE_BYTES", "RankFiles", "copy_output"]
 
 # Longest piece of a line a supervisor sends through mpirun, and the mark that says more of the
 # same line follows (bytes no program writes by accident: ASCII record separators).
 PIECE_BYTES = 64 * 1024
 CONTINUED = b"\x1e\x1esyncdp-continued\x1e\x1e"
+# The mark that ends a rank's last line when the rank wrote no newline after it: the console
+# gets the line, --output-filename's file the bytes as the rank wrote them.
+UNTERMINATED = b"\x1e\x1esyncdp-no-newline\x1e\x1e"
 
 _TAG = re.compile(rb"\[([0-9]+)\]<(stdout|stderr)>:")
 
@@ -316,10 +319,12 @@ def _pump(
     pending: dict[bytes, list[bytes]] = {}  # a rank's tag -> pieces of its unfinished line
     banner: list[bytes] | None = None  # mpirun's lines since a rule, while it may be a banner
     marked = CONTINUED + b"\n"
+    unterminated = UNTERMINATED + b"\n"
     is_chatter = quiet
     gone = False  # the reader of the launcher's own output went away
 
-    def emit(raw: bytes, tag=None) -> None:
+    def emit(raw: bytes, tag=None, *, newline: bool = True) -> None:
+        # newline False: the rank wrote none after this line (raw has one, for the console).
         nonlocal gone
         stamp = _stamp() if timestamps else b""
         out = []  # what goes to the console
@@ -350,7 +355,8 @@ def _pump(
         finally:
             flow.writes(-1)
         if files is not None and tag is not None:
-            files.write(int(tag[1]), tag[2].decode(), stamp + raw[tag.end() :])
+            text = raw[tag.end() :] if newline else raw[tag.end() : -1]
+            files.write(int(tag[1]), tag[2].decode(), stamp + text)
 
     def end_banner(closed: bool) -> None:
         nonlocal banner
@@ -388,6 +394,9 @@ def _pump(
         if tag[0] in pending:
             raw = tag[0] + b"".join(pending.pop(tag[0])) + raw[tag.end() :]
             tag = _TAG.match(raw)
+        if raw.endswith(unterminated):
+            emit(raw[: -len(unterminated)] + b"\n", tag, newline=False)
+            continue
         emit(raw, tag)
     if banner is not None:
         end_banner(closed=False)

@@ -67,7 +67,7 @@ from collections.abc import Mapping
 
 from launch.cleanup import _descendants
 from launch.lifeline import LIFELINE_VAR, Lifeline, lost_after
-from launch.output import CONTINUED, PIECE_BYTES, Flow
+from launch.output import CONTINUED, PIECE_BYTES, UNTERMINATED, Flow
 from syncdp.base import settings
 from syncdp.membership import jobenv, spares
 from syncdp.watch import report  # none imports TensorFlow or MPI
@@ -352,13 +352,16 @@ def _pump(source, sink, prefix: bytes, flow: Flow | None = None) -> None:
     flow = Flow() if flow is None else flow
     for line in iter(source.readline, b""):
         flow.moved = time.monotonic()
+        ending = b""
         if not line.endswith(b"\n"):
             # The rank's last words, unterminated: mpirun would run them into the next line
-            # it forwards, which may be another rank's.
-            line += b"\n"
+            # it forwards, which may be another rank's. Marked, so its file keeps them as they
+            # are.
+            ending = UNTERMINATED + b"\n"
         # Open MPI forwards a line in time quadratic in its length (a 10 MiB line took 20 s):
         # a long line crosses in pieces, each but the last marked, and the launcher joins them.
         pieces = [line[i : i + PIECE_BYTES] for i in range(0, len(line), PIECE_BYTES)]
+        pieces[-1] += ending
         flow.writes(+1)  # mpirun may be slow to take it (behind a slow reader): still moving
         try:
             for piece in pieces[:-1]:

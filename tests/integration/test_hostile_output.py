@@ -1,5 +1,6 @@
 """The launcher's output through the real launcher: ranks' unterminated last lines (one past a
-piece) stay with their rank on the console and in ``--output-filename``; the console is text
+piece) stay with their rank on the console and in ``--output-filename`` (as the rank wrote
+them, no newline added); the console is text
 after ``MPI_Abort``, with Open MPI's banners that repeat the verdict folded into one line."""
 
 from __future__ import annotations
@@ -76,11 +77,16 @@ def test_unterminated_last_lines_stay_with_their_ranks(tmp_path):
         assert (m[2] or m[3]) == rank and set(m[4]) == {rank[0]}, line[:200]
     assert len(lines) - 1 == 3 * 201
     for r in range(3):
-        mine = (files / f"rank.{r}" / "stdout").read_bytes().split(b"\n")
-        assert len(mine) == 202 and mine[-1] == b"", (r, len(mine))
-        tail = str(r).encode() * (output.PIECE_BYTES + 100 if r == 1 else 10)
-        assert mine[-2] == f"partial line from rank {r} ".encode() + tail
-        assert f"[{r}]<stdout>:".encode() + mine[-2] in lines
+        # The file holds the bytes as the rank wrote them: no newline after its last line.
+        digit = str(r).encode()
+        wrote = b"".join(
+            f"L{r}-{i}-".encode() + digit * ((i * 7919) % 90000 + 1) + b"\n" for i in range(200)
+        )
+        tail = digit * (output.PIECE_BYTES + 100 if r == 1 else 10)
+        wrote += f"partial line from rank {r} ".encode() + tail
+        mine = (files / f"rank.{r}" / "stdout").read_bytes()
+        assert len(mine) == len(wrote) and mine == wrote, (r, len(mine), len(wrote))
+        assert f"[{r}]<stdout>:".encode() + wrote.rsplit(b"\n", 1)[1] in lines
 
 
 def test_the_console_is_text_and_repeated_banners_fold_after_mpi_abort(tmp_path):
