@@ -30,7 +30,11 @@ _count_cache: dict[tuple, int] = {}
 
 
 def _resolve_files(files, caller: str) -> list[str]:
-    """Expands ``files`` (a path, a glob, or a sequence of them) into a list of paths."""
+    """Expands ``files`` (a path, a glob, or a sequence of them) into a list of paths.
+
+    A path that exists is taken as it is, even where it holds glob characters (``run[1]/a``
+    names that file, not ``run1/a``); only one that does not is expanded as a pattern.
+    """
     if isinstance(files, (str, os.PathLike)):
         files = [files]
     elif not isinstance(files, Sequence):
@@ -40,7 +44,7 @@ def _resolve_files(files, caller: str) -> list[str]:
     paths: list[str] = []
     for entry in files:
         entry = os.fspath(entry)
-        if glob.has_magic(entry):
+        if glob.has_magic(entry) and not os.path.exists(entry):
             matched = sorted(glob.glob(entry))
             if not matched:
                 raise DataError(

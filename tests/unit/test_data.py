@@ -167,6 +167,20 @@ def test_resolve_files(tmp_path):
         _resolve_files([], "f")
 
 
+def test_a_path_that_exists_is_never_read_as_a_pattern(tmp_path):
+    # run[1]/ is a folder's real name; s[0].tfrecord a file's, beside s0.tfrecord, which the
+    # same text read as a pattern would name instead (another file's records, silently).
+    (tmp_path / "run[1]").mkdir()
+    (tmp_path / "run[1]" / "part-0.tfrecord").write_bytes(b"")
+    (tmp_path / "s[0].tfrecord").write_bytes(b"")
+    (tmp_path / "s0.tfrecord").write_bytes(b"")
+    named = [str(tmp_path / "run[1]" / "part-0.tfrecord"), str(tmp_path / "s[0].tfrecord")]
+    assert _resolve_files(named, "f") == named
+    # A pattern that names no file by itself is still one; escaped, it matches the literal name.
+    assert _resolve_files(str(tmp_path / "s[0-9].tfrecord"), "f") == [str(tmp_path / "s0.tfrecord")]
+    assert _resolve_files(str(tmp_path / "run[[]1]" / "*.tfrecord"), "f") == [named[0]]
+
+
 def test_write_tfrecord_shards_round_robin(tmp_path):
     examples = (
         {
