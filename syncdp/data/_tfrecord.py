@@ -52,6 +52,18 @@ def _masked_crc32c(data: bytes) -> int:
     return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
 
 
+def _compressed(start: bytes) -> str:
+    """What to do about a file whose first record header is wrong, from its first two bytes:
+    a GZIP or ZLIB stream is read with its ``compression_type``; anything else is damaged."""
+    if start == b"\x1f\x8b":
+        kind = "GZIP"
+    elif len(start) == 2 and start[0] == 0x78 and int.from_bytes(start, "big") % 31 == 0:
+        kind = "ZLIB"
+    else:
+        return _FIX
+    return f"It starts as a {kind} stream: pass compression_type={kind!r} to read it."
+
+
 def _scan_headers(path: str) -> int:
     """Counts the records of an uncompressed TFRecord file from their length headers."""
     try:
@@ -69,9 +81,10 @@ def _scan_headers(path: str) -> int:
                         )
                     length, length_crc = _HEADER.unpack_from(mm, offset)
                     if _masked_crc32c(mm[offset : offset + 8]) != length_crc:
+                        fix = _compressed(mm[:2]) if offset == 0 else _FIX
                         raise DataError(
                             f"{path}: corrupt TFRecord file: record {count} at byte {offset} "
-                            f"has a bad length checksum. {_FIX}"
+                            f"has a bad length checksum. {fix}"
                         )
                     end = offset + _HEADER.size + length + _FOOTER_BYTES
                     if end > size:

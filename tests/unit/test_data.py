@@ -57,6 +57,16 @@ def test_count_records_compressed(tmp_path, compression):
     assert count_records(path, compression_type=compression) == len(PAYLOADS)
 
 
+@pytest.mark.parametrize("compression", ["GZIP", "ZLIB"])
+def test_a_compressed_file_read_as_plain_names_its_compression(tmp_path, compression):
+    path = str(tmp_path / "c.tfrecord")
+    with tf.io.TFRecordWriter(path, options=compression) as writer:
+        for payload in PAYLOADS:
+            writer.write(payload)
+    with pytest.raises(DataError, match=f"pass compression_type='{compression}' to read it"):
+        count_records(path)
+
+
 def test_count_records_rejects_a_missing_file(tmp_path):
     with pytest.raises(DataError, match="nope.tfrecord: no such file"):
         count_records(tmp_path / "nope.tfrecord")
