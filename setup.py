@@ -1,4 +1,4 @@
-"""Installs the syncdp library, the launch package and the ``syncdp-run`` and ``horovodrun``
+"""Installs the syncdp library (its launcher included) and the ``syncdp-run`` and ``horovodrun``
 commands. The build backend (``_build/backend.py``) adds ``syncdp-horovod.pth``, which lets
 ``import horovod...`` find syncdp where Horovod itself is not installed
 (:mod:`syncdp.horovod_names`)."""
@@ -12,7 +12,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["syncdp", "syncdp.*", "launch", "launch.*"]),
+    packages=find_packages(include=["syncdp", "syncdp.*"]),
     package_data={"syncdp": ["py.typed"]},
     install_requires=[
         "tensorflow>=2.16",
@@ -37,8 +37,8 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "syncdp-run = launch.run:main",
-            "horovodrun = launch.horovodrun:main",
+            "syncdp-run = syncdp.launch.run:main",
+            "horovodrun = syncdp.launch.horovodrun:main",
         ]
     },
 )

@@ -66,7 +66,7 @@ def _launch(np_: int, *args: str, elastic: bool = True, timeout: float = 400, sp
     flags = ["--min-np", "1"] if elastic else []
     if spares:
         flags += ["--spares", str(spares)]
-    cmd = [sys.executable, "-m", "launch", "-np", str(np_), *flags, sys.executable, __file__]
+    cmd = [sys.executable, "-m", "syncdp.launch", "-np", str(np_), *flags, sys.executable, __file__]
     proc = subprocess.run(
         [*cmd, *args], capture_output=True, text=True, env=_rank_env(), cwd=ROOT, timeout=timeout
     )

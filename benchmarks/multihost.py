@@ -126,7 +126,7 @@ def main() -> None:
             cmd = [
                 sys.executable,
                 "-m",
-                "launch",
+                "syncdp.launch",
                 "-np",
                 str(args.hosts * args.ranks_per_host),
                 "-H",

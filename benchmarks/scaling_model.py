@@ -70,7 +70,7 @@ def _measure_shm() -> list[tuple[int, float]]:
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "launch", "-np", "2", sys.executable, "-c", code],
+        [sys.executable, "-m", "syncdp.launch", "-np", "2", sys.executable, "-c", code],
         capture_output=True,
         text=True,
         env=env,

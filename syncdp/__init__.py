@@ -17,6 +17,8 @@ The layers, each importing only the ones above it in this list:
     syncdp.checkpoint  rank 0 writes, every rank restores
     syncdp.keras       the Keras face: DistributedOptimizer, callbacks
     syncdp.horovod_names  ``import horovod...`` answered by the layers above
+    syncdp.launch      the launcher (``syncdp-run``, ``horovodrun``): starts and watches the
+                       ranks; under syncdp, so a user's own ``launch`` module never shadows it
 
 Example:
     >>> import syncdp
@@ -46,6 +48,7 @@ _LAYERS = (
     "data",
     "checkpoint",
     "keras",
+    "launch",
 )
 
 

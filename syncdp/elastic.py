@@ -25,8 +25,8 @@ at the very end; if one was, the survivors recover and run the function again fr
 commit (usually returning at once).
 
 A lost *host* is survived one level up: Open MPI's runtime ends with it, and ``syncdp-run``
-starts the job again on the hosts left (:mod:`launch.restart`). For that, in an elastic job on
-several hosts, every ``commit()`` also puts the state on each host's local disk (its lowest
+starts the job again on the hosts left (:mod:`syncdp.launch.restart`). For that, in an elastic job
+on several hosts, every ``commit()`` also puts the state on each host's local disk (its lowest
 local rank writes it, :mod:`syncdp.membership.commits`), and every sync first finds the newest
 commit
 anywhere (in a rank's memory or on a host's disk) and gives it to every rank. A restarted job

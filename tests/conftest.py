@@ -13,9 +13,9 @@ collect_ignore = [] if os.environ.get("SYNCDP_LAUNCHER") else ["parallel"]
 def pytest_sessionstart(session):
     """Removes the Open MPI session directories killed mpiruns left (a test run kills many):
     one would stop a later mpirun that gets its process id. The launcher does this itself
-    (:func:`launch.cleanup.remove_stale_session_dirs`); this covers the tests that start
+    (:func:`syncdp.launch.cleanup.remove_stale_session_dirs`); this covers the tests that start
     mpirun directly."""
     if not os.environ.get("SYNCDP_LAUNCHER"):
-        from launch.cleanup import remove_stale_session_dirs
+        from syncdp.launch.cleanup import remove_stale_session_dirs
 
         remove_stale_session_dirs()

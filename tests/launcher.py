@@ -52,7 +52,7 @@ def start(
             pytest.fail("horovodrun is not on PATH: install syncdp as the README says")
         head = [found]
     else:
-        head = [sys.executable, "-m", "launch"]
+        head = [sys.executable, "-m", "syncdp.launch"]
     cmd = [*head, "-np", str(np), *launcher_args, *command]
     return subprocess.Popen(
         cmd,

@@ -438,9 +438,9 @@ def _variable_value(s: Setting, typed: Any, unit: int) -> Any:
 # Variables the launcher sets for its own machinery; not settings of the library.
 #   SYNCDP_LAUNCHER     set under syncdp-run
 #   SYNCDP_REPORT_ADDR  host:port where ranks send structured reports (syncdp.watch.report)
-#   SYNCDP_REPLACEMENT  set by launch.worker on a rank spawned by elastic recovery: its label
+#   SYNCDP_REPLACEMENT  set by syncdp.launch.worker on a rank spawned by elastic recovery: its label
 #   SYNCDP_JOB_ID, SYNCDP_REPORT_SECRET  the job's id and the key its reports are signed with
-#   SYNCDP_LIFELINE_ADDR  host:port every supervisor holds a connection to (launch.lifeline)
+#   SYNCDP_LIFELINE_ADDR  host:port every supervisor holds a connection to (syncdp.launch.lifeline)
 #   SYNCDP_SPARES       how many of the job's last processes are warm spares
 #                       (syncdp.membership.spares)
 #   SYNCDP_COMMIT_DIR   elastic jobs on several hosts: where each host keeps the last commit on its
@@ -454,7 +454,7 @@ def _variable_value(s: Setting, typed: Any, unit: int) -> Any:
 #                       without a count (syncdp.membership.membership.discovery_slots)
 #   SYNCDP_RUN_FUNC_ADDR, SYNCDP_RUN_FUNC_SECRET  horovod.run: where each rank fetches the
 #                       function and sends its value back, and the key both are signed with
-#                       (launch.run_func)
+#                       (syncdp.launch.run_func)
 INTERNAL_VARS = frozenset(
     {
         "SYNCDP_LAUNCHER",

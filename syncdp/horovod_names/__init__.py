@@ -4,7 +4,7 @@ A Horovod program imports ``horovod``, ``horovod.tensorflow``, ``horovod.tensorf
 ``horovod.keras``, their ``elastic`` and ``callbacks`` modules, and a few helpers
 (``horovod.common.util``, ``horovod.tensorflow.util``, ``horovod.tensorflow.mpi_ops``, ...),
 and calls ``horovod.run(func, ...)`` (also ``horovod.runner.run``), which syncdp's launcher
-answers (:mod:`launch.run_func`).
+answers (:mod:`syncdp.launch.run_func`).
 :class:`HorovodNames` is an import hook that answers those names with syncdp's modules
 themselves (``horovod.tensorflow`` *is* ``syncdp.tensorflow``: the same module object, so there
 is one set of classes and one runtime whichever name a program uses).
@@ -63,8 +63,8 @@ MODULES: dict[str, str | None] = {
 # Names of these (otherwise empty) packages that syncdp's launcher answers, imported on first use:
 # horovod.run(func, ...) is Horovod's programmatic launcher.
 _LAUNCHER_NAMES = {
-    "horovod": {"run": "launch.run_func"},
-    "horovod.runner": {"run": "launch.run_func"},
+    "horovod": {"run": "syncdp.launch.run_func"},
+    "horovod.runner": {"run": "syncdp.launch.run_func"},
 }
 # Horovod's packages whose every module has the same name under syncdp.
 _PREFIXES = {"horovod.tensorflow": "syncdp.tensorflow", "horovod.keras": "syncdp.keras"}

@@ -1,7 +1,7 @@
 """The last commit on each host's local disk: what a job restarted after a lost host resumes from.
 
 Open MPI's runtime cannot run on without a host's daemon, so ``syncdp-run`` survives a lost
-host by starting the job again on the hosts left (:mod:`launch.restart`). The new processes
+host by starting the job again on the hosts left (:mod:`syncdp.launch.restart`). The new processes
 must find the last commit, and no file system is assumed shared. Every replica holds the same
 committed state, so each host keeps its own copy: in an elastic job on several hosts the
 launcher sets ``SYNCDP_COMMIT_DIR`` (the same path on every host, on its local disk,

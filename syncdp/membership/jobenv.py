@@ -15,7 +15,7 @@ that spawns passes those variables on with its own values (:func:`spawn_parts`):
   Open MPI sets them in the new process's environment), never on a command line, where any user
   of the host could read them; Open MPI bounds an info value to 255 characters, which they fit;
 - everything else (settings, addresses, ``SYNCDP_CARRIED`` itself, the user's ``TF_*`` and
-  ``-x`` variables) as one JSON argument of :mod:`launch.worker` (``--job-env``), which the
+  ``-x`` variables) as one JSON argument of :mod:`syncdp.launch.worker` (``--job-env``), which the
   supervisor puts into its environment before it reads any setting.
 
 A process that was spawned (``SYNCDP_REPLACEMENT`` set) and still lacks them refuses to train
@@ -45,7 +45,8 @@ __all__ = [
 CARRIED_VAR = "SYNCDP_CARRIED"
 # The worker's argument that carries the job's environment, as JSON (see the docstring).
 JOB_ENV_FLAG = "--job-env"
-# Where the launcher's lifeline and report server listen (launch.lifeline, syncdp.watch.report).
+# Where the launcher's lifeline and report server listen (syncdp.launch.lifeline,
+# syncdp.watch.report).
 _LIFELINE_VAR = "SYNCDP_LIFELINE_ADDR"
 # Set by the supervisor for its own process only: never carried to another.
 _PER_PROCESS = frozenset({"SYNCDP_REPLACEMENT", "SYNCDP_NEW_SPARE"})
@@ -58,7 +59,8 @@ _IDENTITY = ("SYNCDP_LAUNCHER", report.JOB_VAR, report.SECRET_VAR, _LIFELINE_VAR
 
 
 def _exported(name: str) -> bool:
-    """Names the launcher gives every rank (launch.run.build_command exports these by name)."""
+    """Names the launcher gives every rank (syncdp.launch.run.build_command exports these by
+    name)."""
     return name.startswith(("SYNCDP_", "OMPI_ALLOW", "TF_")) or name in (
         "PYTHONUNBUFFERED",
         "PYTHONPATH",

@@ -344,8 +344,17 @@ def worker_args(label: int, command, *, spare: bool = False) -> list[str]:
     (:mod:`syncdp.membership.jobenv`), its output label, and the job's command."""
     args, _ = jobenv.spawn_parts()
     spare_flag = ["--spare"] if spare else []
-    # -P: not the user's launch.py from the working directory (see launch.run.build_command).
-    return ["-P", "-m", "launch.worker", *args, "--replacement", str(label), *spare_flag, *command]
+    # -P: not the user's launch.py from the working directory (see syncdp.launch.run.build_command).
+    return [
+        "-P",
+        "-m",
+        "syncdp.launch.worker",
+        *args,
+        "--replacement",
+        str(label),
+        *spare_flag,
+        *command,
+    ]
 
 
 # One spawn at a time in a process: a recovery's spawn waits for a spare being started in the

@@ -19,10 +19,11 @@ Its ``kind`` says what happened; the launcher reads the fields and never parses 
     exit_early     the rank finished its program while ``ranks`` wait for it in a collective
     trained        rank 0, elastic mode: every rank finished training (``elastic.run``
                    returned), so a host lost from now on needs no restart
-    exit           written by the rank's supervisor (``launch.worker``): the program ended;
+    exit           written by the rank's supervisor (``syncdp.launch.worker``): the program ended;
                    ``code`` (exit status) or ``signal`` (number); ``requested`` is true when
                    it was stopped because the job was ending
-    lifeline       written by the supervisor on its lifeline connection (``launch.lifeline``):
+    lifeline       written by the supervisor on its lifeline connection
+    (``syncdp.launch.lifeline``):
                    this rank's program started with ``pid``
 
 Every report proves it comes from this job. The launcher makes a random secret and a job id for

@@ -18,7 +18,7 @@ recovery itself, and the first step after it (a newcomer's carries its start-up,
 wait for it), are left out of every rank's figures, so a recovery is charged to no rank.
 
 The launcher prints every rank's :meth:`Recorder.summary` at the end of the job ("where the
-time went"; ``launch.summary``); ranks also send it every :data:`REPORT_EVERY` seconds, so
+time went"; ``syncdp.launch.summary``); ranks also send it every :data:`REPORT_EVERY` seconds, so
 ``kill -USR1`` of ``syncdp-run`` prints the figures so far. ``syncdp.timing()`` returns this
 rank's.
 """

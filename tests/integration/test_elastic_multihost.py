@@ -17,7 +17,7 @@ process's result, the launcher must exit 0, and no process of the job may remain
   recovers.
 - Every process of hc (daemon, supervisor, rank) is SIGKILLed, and the script stops listing
   hc: Open MPI's runtime ends the job when it loses a daemon, ULFM or not, so the launcher
-  starts the job again on ha and hb, which resume from the last commit (launch.restart).
+  starts the job again on ha and hb, which resume from the last commit (syncdp.launch.restart).
 
 Open MPI 5.0.11 limits where a replacement can go: a host the script lists must be one of the
 job's hosts (-H/--hostfile; adding a host at spawn time, PMIX_ADD_HOST, kills the daemons with
@@ -201,7 +201,7 @@ def test_a_whole_host_lost_with_min_np_still_met_restarts_without_it(cluster, tm
     # runtime ends the job ("A daemon failed to report back"): ULFM recovers from lost
     # processes, not lost daemons. The launcher sees hc's processes gone without a word and
     # starts the job again on the hosts the script still lists, from the last commit
-    # (launch.restart; tests/integration/test_elastic_hostloss.py cuts a link instead).
+    # (syncdp.launch.restart; tests/integration/test_elastic_hostloss.py cuts a link instead).
     marker = tmp_path / "hc-gone"
     script = _discovery(tmp_path, "ha:1\\nhb:1\\nhc:1", unless=str(marker), then="ha:1\\nhb:1")
     flags, *command = _command(

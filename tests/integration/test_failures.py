@@ -62,7 +62,7 @@ STALL_LIMIT = 30.0
 def _start(tmp_path, mode: str, at: int, extra_env: dict | None = None):
     script = python_script(tmp_path, TRAIN, name=f"failures_{mode}_{os.getpid()}.py")
     env = rank_env({"FAIL_MODE": mode, "FAIL_STEP": str(at), **(extra_env or {})})
-    cmd = [sys.executable, "-m", "launch", "-np", "2", "python", script]
+    cmd = [sys.executable, "-m", "syncdp.launch", "-np", "2", "python", script]
     out = open(tmp_path / "out.txt", "w+")
     proc = subprocess.Popen(
         cmd,
@@ -234,7 +234,7 @@ def test_a_rank_whose_supervisor_never_reports_fails_the_job_named(tmp_path, np)
     script = python_script(tmp_path, PLAIN, name=f"silent_{np}_{os.getpid()}.py")
     victim = np - 1
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launch", "-np", str(np), "python", script],
+        [sys.executable, "-m", "syncdp.launch", "-np", str(np), "python", script],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -310,7 +310,7 @@ def test_nothing_of_the_job_outlives_its_launcher(tmp_path, signum):
     marker = f"syncdp-orphan-{os.getpid()}-{signum}"
     script = python_script(tmp_path, QUIET, name=f"{marker}.py")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launch", "-np", "2", "python", script],
+        [sys.executable, "-m", "syncdp.launch", "-np", "2", "python", script],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -326,7 +326,7 @@ def test_nothing_of_the_job_outlives_its_launcher(tmp_path, signum):
         assert training == 2, "the ranks did not start training"
         job = _job_processes(marker)
         kinds = " ".join(job)
-        assert "prterun" in kinds and "launch.worker" in kinds and len(job) >= 6, job
+        assert "prterun" in kinds and "syncdp.launch.worker" in kinds and len(job) >= 6, job
         killed = time.monotonic()
         os.kill(proc.pid, signum)  # the launcher alone, not its process group
         proc.wait(timeout=30)

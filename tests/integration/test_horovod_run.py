@@ -122,3 +122,31 @@ def test_a_value_that_cannot_travel_is_named_with_its_rank(tmp_path):
     assert kind == "RunError" and rank in (0, 1) and cause == "NoneType"
     assert message.startswith(f"horovod.run: rank {rank} failed: TypeError: func returned a lock")
     assert "cannot be pickled" in message
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_callers_own_launch_module_and_helpers_are_its_own(tmp_path, n):
+    # The caller's folder holds a launch.py of its own (a common name in projects) and the
+    # module its function comes from: horovod.run is syncdp's launcher all the same, and the
+    # ranks import the function's module from the caller's folder (pickled by reference).
+    (tmp_path / "launch.py").write_text("raise SystemExit('the project launch.py was run')\n")
+    (tmp_path / "helpers.py").write_text(
+        "import os\n\n\ndef scaled_rank(k):\n"
+        "    return k * int(os.environ['OMPI_COMM_WORLD_RANK']) ** 2\n"
+    )
+    (tmp_path / "caller.py").write_text(
+        "import json, horovod\nfrom helpers import scaled_rank\n"
+        f"print('RESULT ' + json.dumps(horovod.run(scaled_rank, args=(3,), num_proc={n})))\n"
+    )
+    env = rank_env()
+    env["PYTHONPATH"] = str(tmp_path)  # the project's folder first, as PYTHONPATH=. has it
+    done = subprocess.run(
+        [sys.executable, "caller.py"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _line(done, "RESULT ") == [3 * r * r for r in range(n)]

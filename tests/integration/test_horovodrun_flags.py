@@ -128,7 +128,7 @@ def test_no_stall_check_reaches_the_ranks_and_log_level_error_is_quiet(tmp_path)
 def test_gloo_runs_on_mpi_saying_so_in_one_line(tmp_path):
     marker = tmp_path / "started"
     result = subprocess.run(
-        [sys.executable, "-m", "launch", "-np", "2", "--gloo", "python", "-c"]
+        [sys.executable, "-m", "syncdp.launch", "-np", "2", "--gloo", "python", "-c"]
         + [f"open({str(marker)!r} + __import__('os').environ['OMPI_COMM_WORLD_RANK'], 'w')"],
         env=rank_env(),
         cwd=ROOT,

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from launch import output
+from syncdp.launch import output
 from tests.launcher import ROOT, python_script, rank_env, start
 
 NOISY = r"""
@@ -43,7 +43,7 @@ syncdp.barrier()
 
 def _run(np: int, script: str, *launcher_args: str, timeout: float = 120):
     """The launcher's exit code, stdout and stderr as bytes (nothing decoded for us)."""
-    cmd = [sys.executable, "-m", "launch", "-np", str(np), *launcher_args, "python", script]
+    cmd = [sys.executable, "-m", "syncdp.launch", "-np", str(np), *launcher_args, "python", script]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -129,7 +129,7 @@ def test_a_slow_reader_of_the_launchers_output_gets_every_line(tmp_path, np):
     # The reader takes nothing for longer than the launcher's grace after the ranks' last
     # reports (5 s, then 5 s after SIGTERM): mpirun waits to hand over the rest, and must not be
     # stopped, nor the rest dropped, while the output still moves.
-    from launch import supervision
+    from syncdp.launch import supervision
 
     with _ended(start(np, sys.executable, python_script(tmp_path, MANY_LINES))) as proc:
         time.sleep(2 * supervision.FINISHED_GRACE_SECONDS + 2)

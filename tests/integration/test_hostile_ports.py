@@ -37,7 +37,7 @@ def test_a_crowd_on_the_report_port_does_not_fail_a_healthy_job(tmp_path):
     # the ranks' exit reports still get through, and the job succeeds.
     go = tmp_path / "go"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launch", "-np", "2", "python", python_script(tmp_path, JOB)],
+        [sys.executable, "-m", "syncdp.launch", "-np", "2", "python", python_script(tmp_path, JOB)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -44,6 +44,8 @@ def test_an_elastic_variable_runs_mpirun_with_ulfm(tmp_path):
         )
     )
     assert _views(result) == ["autotune=False elastic=True stall=60"] * 2, result.stdout
-    command = next(line for line in result.stderr.splitlines() if " -m launch.worker " in line)
+    command = next(
+        line for line in result.stderr.splitlines() if " -m syncdp.launch.worker " in line
+    )
     assert "--with-ft ulfm" in command, command
     assert "syncdp-run: elastic:" in result.stderr  # the launcher's elastic verdict

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from launch import cleanup
+from syncdp.launch import cleanup
 from tests.launcher import ROOT, check, launch, python_script, rank_env, start
 
 HELLO = "import syncdp; syncdp.init(); print('hello', syncdp.rank(), syncdp.size())"
@@ -59,7 +59,7 @@ def test_plain_mpirun_works_without_the_launcher():
 
 
 def _nic_besides_loopback() -> str | None:
-    from launch import hosts
+    from syncdp.launch import hosts
 
     return next((name for name, _ in hosts._ip_addresses() if name != "lo"), None)
 
@@ -191,7 +191,7 @@ def test_segments_that_killed_processes_left_are_gone_after_the_next_job(tmp_pat
             "-c",
             "import os\n"
             "from mpi4py import MPI\n"
-            "from launch.cleanup import _mapped\n"
+            "from syncdp.launch.cleanup import _mapped\n"
             "MPI.COMM_WORLD.Barrier()\n"
             "print(*_mapped(os.getpid(), '/dev/shm'), flush=True)\n"
             "os._exit(0)\n",
@@ -212,19 +212,19 @@ def test_segments_that_killed_processes_left_are_gone_after_the_next_job(tmp_pat
 
 
 @pytest.mark.parametrize("shadow", ["launch.py", "launch/__init__.py"])
-def test_a_launch_module_in_the_jobs_directory_is_the_users_not_the_launchers(tmp_path, shadow):
-    # A project's own launch.py (or launch/ package) in the working directory is neither run
-    # by the launcher's supervisors nor does it stop the job.
+def test_a_launch_module_on_the_users_path_is_the_users_not_the_launchers(tmp_path, shadow):
+    # A project's own launch.py (or launch/ package), in the working directory and on the
+    # PYTHONPATH ahead of syncdp (PYTHONPATH=. is common), is neither run by the launcher or its
+    # supervisors nor does it stop the job: the launcher is syncdp.launch.
     (tmp_path / shadow).parent.mkdir(exist_ok=True)
     (tmp_path / shadow).write_text("print('THE USERS LAUNCH RAN', flush=True)\n")
     (tmp_path / "train.py").write_text(
         "import launch, os\nprint('rank', os.environ['OMPI_COMM_WORLD_RANK'], launch.__file__)\n"
     )
     env = rank_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT), env.get("PYTHONPATH", "")])
     result = subprocess.run(
-        # -P as the syncdp-run command (whose sys.path starts at its own folder) has it.
-        [sys.executable, "-P", "-m", "launch", "-np", "2", sys.executable, "train.py"],
+        [sys.executable, "-m", "syncdp.launch", "-np", "2", sys.executable, "train.py"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

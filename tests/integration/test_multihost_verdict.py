@@ -10,7 +10,7 @@ the supervisors' reports and lifelines can tell the launcher how they ended.
   supervisors must end everything there once the launcher has been unreachable long enough.
 - Every process of hb (daemon, supervisors, ranks) is stopped with SIGSTOP: they cannot act, so
   the launcher fails the job naming hb's ranks, and kills what is left there through the remote
-  shell (:mod:`launch.cleanup`); nothing remains on any host.
+  shell (:mod:`syncdp.launch.cleanup`); nothing remains on any host.
 - hb's daemon is stopped after every rank reported a clean exit: the job succeeds (the reports
   say so) although mpirun would wait for that daemon for good.
 - The launcher is SIGKILLed (issue 21.2): nothing of the job may survive on any host.
@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from launch.lifeline import lost_after
+from syncdp.launch.lifeline import lost_after
 from tests.launcher import python_script, start
 from tests.netns import NamespaceHosts, Unavailable
 

@@ -46,7 +46,7 @@ def _run_attacked(tmp_path, lines_for, env=None):
     go = tmp_path / "go"
     script = python_script(tmp_path, JOB)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launch", "-np", "2", "python", script],
+        [sys.executable, "-m", "syncdp.launch", "-np", "2", "python", script],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

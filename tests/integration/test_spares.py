@@ -90,7 +90,7 @@ def _spare_pid(data, world_rank: int) -> int | None:
     for pid in _processes(data):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"launch.worker" in f.read():
+                if b"syncdp.launch.worker" in f.read():
                     continue
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)

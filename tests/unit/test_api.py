@@ -97,6 +97,8 @@ def _module_names() -> dict[str, pathlib.Path]:
     found = {}
     for path in sorted(SOURCE.rglob("*.py")):
         parts = ["syncdp", *path.relative_to(SOURCE).with_suffix("").parts]
+        if parts[-1] == "__main__":
+            continue  # a program (python -m syncdp.launch): importing it runs it
         if parts[-1] == "__init__":
             parts.pop()
         found[".".join(parts)] = path

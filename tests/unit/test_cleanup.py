@@ -1,4 +1,4 @@
-"""The launcher's sweep of a host (launch.cleanup): this job's processes die, stopped or not;
+"""The launcher's sweep of a host (syncdp.launch.cleanup): this job's processes die, stopped or not;
 no other process does."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 
-from launch import cleanup
-from launch.hosts import Host
+from syncdp.launch import cleanup
+from syncdp.launch.hosts import Host
 
 # Stands for a rank: sleeps, and its command line says which job's mark it carries.
 SLEEPER = "import time; time.sleep(60)"

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from launch import elastic, run
+from syncdp.launch import elastic, run
 
 
 def test_min_np_turns_elastic_mode_on_with_ulfm():
@@ -151,8 +151,8 @@ def test_an_unfinished_elastic_job_names_each_final_member_that_did_not_exit_cle
     # np=2; rank 1 (label 1) is lost and replaced by label 2 on host hc. At the end, label 2
     # ended by syncdp's finalize bound and label 0's supervisor went without a report (the
     # runtime ended the job after losing a daemon): the last line names both, not a count.
-    from launch.lifeline import Link
-    from launch.verdict import Verdict
+    from syncdp.launch.lifeline import Link
+    from syncdp.launch.verdict import Verdict
 
     log = elastic.ElasticLog(ranks=2)
     verdict = Verdict(num_proc=2, start_timeout=10.0, elastic=log)
@@ -180,7 +180,7 @@ def test_an_unfinished_elastic_job_names_each_final_member_that_did_not_exit_cle
 
 
 def test_an_elastic_job_whose_final_members_all_exit_cleanly_succeeds():
-    from launch.verdict import Verdict
+    from syncdp.launch.verdict import Verdict
 
     log = elastic.ElasticLog(ranks=2)
     verdict = Verdict(num_proc=2, start_timeout=10.0, elastic=log)
@@ -195,7 +195,7 @@ def test_an_elastic_job_whose_final_members_all_exit_cleanly_succeeds():
 
 
 def test_an_elastic_loss_no_recovery_followed_is_named_so():
-    from launch.verdict import Verdict
+    from syncdp.launch.verdict import Verdict
 
     verdict = Verdict(num_proc=2, start_timeout=10.0, elastic=elastic.ElasticLog(ranks=2))
     verdict.add(_exit(100, rank=0))
@@ -364,7 +364,7 @@ def test_worker_labels_a_replacement_and_tells_its_child(tmp_path, monkeypatch):
         [
             sys.executable,
             "-m",
-            "launch.worker",
+            "syncdp.launch.worker",
             "--replacement",
             "5",
             sys.executable,
@@ -566,7 +566,7 @@ def test_an_elastic_rank_bounds_mpi_finalize_at_exit(monkeypatch):
 
 
 def test_the_launcher_names_the_finalize_bound():
-    from launch.worker import describe_exit
+    from syncdp.launch.worker import describe_exit
 
     text = describe_exit(-signal.SIGALRM)
     assert text.startswith("was killed by signal 14 (SIGALRM")

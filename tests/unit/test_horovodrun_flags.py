@@ -16,12 +16,12 @@ import textwrap
 
 import pytest
 
-from launch import config_file, horovodrun_flags, output, run
 from syncdp.base import settings
+from syncdp.launch import config_file, horovodrun_flags, output, run
 from tests.launcher import ROOT, rank_env
 
 # Every option of horovodrun 0.28 (horovod/runner/launch.py parse_args), its spellings together:
-# written out here, apart from launch.horovodrun_flags, so a row dropped there is noticed.
+# written out here, apart from syncdp.launch.horovodrun_flags, so a row dropped there is noticed.
 HOROVODRUN = [
     ("--help", "-h"),
     ("--version", "-v"),
@@ -255,14 +255,17 @@ def test_version_prints_syncdps_and_exits_0():
     import syncdp
 
     done = subprocess.run(
-        [sys.executable, "-m", "launch", "--version"], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-m", "syncdp.launch", "--version"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert (done.returncode, done.stdout.strip()) == (0, syncdp.__version__)
 
 
 def test_check_build_needs_no_np_and_lists_what_this_install_supports():
     done = subprocess.run(
-        [sys.executable, "-m", "launch", "-cb"],
+        [sys.executable, "-m", "syncdp.launch", "-cb"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -588,12 +591,12 @@ def test_each_ranks_lines_go_to_its_file_without_the_tag(tmp_path, monkeypatch):
 def test_the_docs_hold_the_flag_table():
     from pathlib import Path
 
-    from launch import horovodrun_flags
+    from syncdp.launch import horovodrun_flags
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "horovodrun-flags.md").read_text()
     assert horovodrun_flags.markdown_table() in doc, (
         "docs/horovodrun-flags.md is stale: paste the output of "
-        '`python -c "from launch import horovodrun_flags as h; print(h.markdown_table())"`.'
+        '`python -c "from syncdp.launch import horovodrun_flags as h; print(h.markdown_table())"`.'
     )
 
 

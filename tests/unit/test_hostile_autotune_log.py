@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from launch import cli
 from syncdp.base import settings
 from syncdp.base.errors import ConfigError
+from syncdp.launch import cli
 
 
 def test_what_cannot_be_written_is_named(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from launch import cli, config_file
+from syncdp.launch import cli, config_file
 
 
 def test_a_file_that_is_not_utf8_is_named(tmp_path, capsys):

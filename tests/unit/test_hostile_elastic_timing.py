@@ -2,7 +2,7 @@
 
 import pytest
 
-from launch import summary
+from syncdp.launch import summary
 from syncdp.watch import stats
 
 

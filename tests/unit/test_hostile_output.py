@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import io
 
-from launch import output, worker
+from syncdp.launch import output, worker
 
 ABORT_BANNER = (
     b"--------------------------------------------------------------------------\n"
@@ -57,8 +57,9 @@ def test_an_unterminated_last_line_stays_with_its_rank(tmp_path):
         b"[1]<stdout>:partial line from rank 1",
         b"[0]<stdout>:partial line from rank 0",
     ]
-    assert (tmp_path / "rank.0" / "stdout").read_bytes() == b"partial line from rank 0\n"
-    assert (tmp_path / "rank.1" / "stdout").read_bytes() == b"first\npartial line from rank 1\n"
+    # The files hold what the ranks wrote: no newline after their last words.
+    assert (tmp_path / "rank.0" / "stdout").read_bytes() == b"partial line from rank 0"
+    assert (tmp_path / "rank.1" / "stdout").read_bytes() == b"first\npartial line from rank 1"
 
 
 def test_an_unterminated_line_over_a_piece_is_joined_whole_among_other_ranks(tmp_path):
@@ -73,7 +74,7 @@ def test_an_unterminated_line_over_a_piece_is_joined_whole_among_other_ranks(tmp
         b"[0]<stdout>:partial line from rank 0",
         b"[1]<stdout>:" + long_tail,
     ]
-    assert (tmp_path / "rank.1" / "stdout").read_bytes() == long_tail + b"\n"
+    assert (tmp_path / "rank.1" / "stdout").read_bytes() == long_tail
 
 
 def test_the_console_gets_text_whatever_mpirun_sends(tmp_path):

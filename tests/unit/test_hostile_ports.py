@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from launch.lifeline import Lifeline, LifelineServer
-from launch.report_server import ReportServer
-from launch.verdict import Verdict
+from syncdp.launch.lifeline import Lifeline, LifelineServer
+from syncdp.launch.report_server import ReportServer
+from syncdp.launch.verdict import Verdict
 from syncdp.watch import report
 from tests.hostile_peers import Crowd
 

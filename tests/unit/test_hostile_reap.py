@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from launch import worker
+from syncdp.launch import worker
 
 
 def _rank(source: str) -> subprocess.Popen:

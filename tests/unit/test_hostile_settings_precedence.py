@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from launch import run
 from syncdp.base import settings
+from syncdp.launch import run
 
 
 def _launch(argv, environ):

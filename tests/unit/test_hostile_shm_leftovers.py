@@ -6,8 +6,8 @@ import subprocess
 import sys
 import time
 
-from launch import cleanup
-from launch.cleanup import ShmLeftovers
+from syncdp.launch import cleanup
+from syncdp.launch.cleanup import ShmLeftovers
 
 _HOLD = """
 import mmap, sys, time

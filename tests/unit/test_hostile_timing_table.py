@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from launch import summary
+from syncdp.launch import summary
 
 
 def _timing(rank: int, gbps) -> dict:

@@ -1,10 +1,9 @@
 """Surviving a lost host, in one process: the commits on disk and the launcher's restart plan.
 
 The commits each host keeps on its local disk (syncdp.membership.commits), how the ranks agree on
-the
-newest one and take it (syncdp.elastic), and what the launcher decides after a lost host
-(launch.restart): which hosts, how many ranks, what --min-np and --reset-limit allow. The real
-thing (a link cut between namespace hosts, the job restarted and resumed) is in
+the newest one and take it (syncdp.elastic), and what the launcher decides after a lost host
+(syncdp.launch.restart): which hosts, how many ranks, what --min-np and --reset-limit allow. The
+real thing (a link cut between namespace hosts, the job restarted and resumed) is in
 tests/integration/test_elastic_hostloss.py.
 """
 
@@ -20,8 +19,8 @@ import types
 import numpy as np
 import pytest
 
-from launch import cleanup, elastic, restart, run
-from launch.lifeline import Link
+from syncdp.launch import cleanup, elastic, restart, run
+from syncdp.launch.lifeline import Link
 from syncdp.membership import commits, jobenv
 
 # --- The commits on each host's disk. ---
@@ -396,7 +395,7 @@ def test_a_host_listed_by_address_is_lost_under_every_name(checked):
 def test_the_watch_names_a_lost_host_by_its_entry_and_addresses():
     # The lifelines of the lost host came from its address; the sweeper maps that address to
     # the -H entry it was listed by.
-    from launch.hosts import Host
+    from syncdp.launch.hosts import Host
 
     now = time.monotonic()
     sweeper = cleanup.Sweeper("job", ["ssh"], [Host("10.77.0.11", 2), Host("10.77.0.12", 2)])
@@ -428,9 +427,9 @@ def test_mpiruns_banners_name_the_host_whose_daemon_failed():
 
 def _watch(num_proc=4, spares=()):
     """A Watch over a fake runtime of ranks 0..num_proc-1 (and spares), that can restart."""
-    from launch.cleanup import Sweeper
-    from launch.hosts import Host
-    from launch.verdict import Verdict
+    from syncdp.launch.cleanup import Sweeper
+    from syncdp.launch.hosts import Host
+    from syncdp.launch.verdict import Verdict
 
     said = []
     log = elastic.ElasticLog(out=io.StringIO(), spares=spares, ranks=num_proc)

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from launch import hosts, restart, run
-from launch.hosts import Host, HostError
+from syncdp.launch import hosts, restart, run
+from syncdp.launch.hosts import Host, HostError
 
 
 def test_host_list_with_and_without_slots():
@@ -173,7 +173,7 @@ def test_this_machines_own_addresses_are_local_and_others_are_not():
     # such ranks here too); another machine's address, or a name, is not taken for it.
     import socket
 
-    from launch.hosts import is_local
+    from syncdp.launch.hosts import is_local
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:

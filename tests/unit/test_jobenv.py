@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-from launch import run
+from syncdp.launch import run
 from syncdp.membership import jobenv, membership
 from syncdp.watch import report
 from tests.launcher import ROOT, python_script
@@ -107,7 +107,7 @@ def test_worker_args_put_the_job_env_before_the_label(monkeypatch):
     for name, value in _rank_env().items():
         monkeypatch.setenv(name, value)
     args = membership.worker_args(5, ("python", "train.py"), spare=True)
-    assert args[:4] == ["-P", "-m", "launch.worker", jobenv.JOB_ENV_FLAG]
+    assert args[:4] == ["-P", "-m", "syncdp.launch.worker", jobenv.JOB_ENV_FLAG]
     assert args[5:] == ["--replacement", "5", "--spare", "python", "train.py"]
 
 
@@ -117,7 +117,7 @@ from mpi4py import MPI
 info = MPI.Info.Create()
 info.Set("wdir", os.getcwd())
 child = [
-    "-m", "launch.worker", "--replacement", "3", sys.executable, "-c",
+    "-m", "syncdp.launch.worker", "--replacement", "3", sys.executable, "-c",
     "import syncdp; syncdp.init(); print('TRAINED', syncdp.rank(), syncdp.size(), flush=True)",
 ]
 inter = MPI.COMM_SELF.Spawn(sys.executable, child, maxprocs=1, info=info)

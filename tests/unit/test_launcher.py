@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from launch import run
-from launch.lifeline import LIFELINE_VAR
 from syncdp.base import settings
+from syncdp.launch import run
+from syncdp.launch.lifeline import LIFELINE_VAR
 from syncdp.watch import report
 from tests.launcher import ROOT, rank_env
 
@@ -148,7 +148,7 @@ def test_the_real_launcher_exits_2_in_one_line_and_starts_no_rank(args, env, tmp
         [
             sys.executable,
             "-m",
-            "launch",
+            "syncdp.launch",
             "-np",
             "2",
             *args,
@@ -254,7 +254,7 @@ def test_mpirun_command_exports_the_job_by_name_never_its_secret():
     } <= exported
     assert job.secret not in " ".join(cmd)  # other users can read command lines
     assert "--mca btl self,tcp -v" in " ".join(cmd)
-    assert cmd[-6:] == [sys.executable, "-P", "-m", "launch.worker", "python", "train.py"]
+    assert cmd[-6:] == [sys.executable, "-P", "-m", "syncdp.launch.worker", "python", "train.py"]
 
 
 def test_an_enclosing_jobs_channel_is_never_passed_on():
@@ -326,7 +326,7 @@ def test_more_ranks_than_the_listed_slots_are_refused(tmp_path, capsys):
 
 def test_a_rank_command_not_found_exits_127_and_one_not_runnable_126(tmp_path, monkeypatch):
     # As a shell says it: the verdict carries the rank's code.
-    from launch import worker
+    from syncdp.launch import worker
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.sh").write_text("echo hi\n")  # not executable

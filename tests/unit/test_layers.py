@@ -1,6 +1,7 @@
 """Layers import one way: base <- watch <- transport <- membership <- job <- engine <- elastic <-
 tensorflow <- data <- checkpoint <- keras <- horovod_names (Horovod's import names, answered by
-every layer below). The folders follow the data's way, from who a rank is to the Keras face.
+every layer below) <- launch (the launcher, ``syncdp-run``, which starts and watches the ranks
+from outside them). The folders follow the data's way, from who a rank is to the Keras face.
 
 Read from the source (no import needed): a module may import syncdp modules of its own layer
 or lower ones, never higher. The Horovod-path alias ``syncdp.tensorflow.keras`` (a re-export
@@ -30,6 +31,7 @@ LAYERS = [
     "checkpoint",
     "keras",
     "horovod_names",
+    "launch",
 ]
 EXEMPT = {
     "__init__.py",
@@ -71,7 +73,8 @@ def test_imports_point_down(rel, path):
 
 
 def test_the_rooms_below_tensorflow_import_no_tensorflow_at_module_level():
-    for layer in ("base", "watch", "transport", "membership", "job", "engine"):
+    # The launcher too: syncdp-run and each rank's supervisor start without TensorFlow.
+    for layer in ("base", "watch", "transport", "membership", "job", "engine", "launch"):
         for path in (ROOT / layer).glob("*.py"):
             tree = ast.parse(path.read_text())
             for node in tree.body:  # module level only: init() may import TensorFlow lazily

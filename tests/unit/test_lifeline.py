@@ -1,7 +1,7 @@
 """The lifeline: a supervisor ends its rank (and whatever the rank started) when its launcher is
 gone, and the launcher knows each supervisor's link.
 
-The supervisor tests run the real ``launch.worker`` under a stand-in launcher process (the
+The supervisor tests run the real ``syncdp.launch.worker`` under a stand-in launcher process (the
 launcher's lifeline and report servers, nothing else) and SIGKILL that process, as a user or
 the OOM killer would kill ``syncdp-run``.
 """
@@ -15,15 +15,15 @@ import time
 
 import pytest
 
-from launch.lifeline import LIFELINE_VAR, Lifeline, LifelineServer
+from syncdp.launch.lifeline import LIFELINE_VAR, Lifeline, LifelineServer
 from syncdp.watch import report
 from tests.launcher import ROOT, rank_env
 
 # A stand-in for syncdp-run: the two servers a supervisor talks to, then nothing.
 LAUNCHER = """
 import time
-from launch.lifeline import LifelineServer
-from launch.report_server import ReportServer
+from syncdp.launch.lifeline import LifelineServer
+from syncdp.launch.report_server import ReportServer
 from syncdp.watch import report
 job = report.Job.from_env()
 lifeline = LifelineServer(job).start()
@@ -84,7 +84,7 @@ def test_a_supervisor_ends_its_rank_group_when_the_launcher_is_sigkilled():
             "OMPI_COMM_WORLD_RANK": "1",
         }
         worker = subprocess.Popen(
-            [sys.executable, "-m", "launch.worker", sys.executable, "-c", RANK],
+            [sys.executable, "-m", "syncdp.launch.worker", sys.executable, "-c", RANK],
             env=rank_env(env),
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -124,7 +124,7 @@ def test_a_supervisor_whose_launcher_is_gone_starts_nothing(tmp_path):
         [
             sys.executable,
             "-m",
-            "launch.worker",
+            "syncdp.launch.worker",
             sys.executable,
             "-c",
             f"open({str(marker)!r}, 'w')",

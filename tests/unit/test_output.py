@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from launch import output, worker
+from syncdp.launch import output, worker
 
 
 def _through_supervisor(rank: int, stream: str, text: bytes) -> bytes:
@@ -143,7 +143,7 @@ def test_the_supervisor_forwards_all_its_ranks_output_to_a_slow_reader():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SYNCDP_", "OMPI_"))}
     env["OMPI_COMM_WORLD_RANK"] = "1"
     proc = subprocess.Popen(
-        [sys.executable, "-P", "-m", "launch.worker", sys.executable, "-c", rank],
+        [sys.executable, "-P", "-m", "syncdp.launch.worker", sys.executable, "-c", rank],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,

@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from launch import hosts, supervision
-from launch.lifeline import Link
-from launch.report_server import ReportServer, describe_rejected
-from launch.verdict import START_GRACE_SECONDS, Verdict
+from syncdp.launch import hosts, supervision
+from syncdp.launch.lifeline import Link
+from syncdp.launch.report_server import ReportServer, describe_rejected
+from syncdp.launch.verdict import START_GRACE_SECONDS, Verdict
 from syncdp.watch import report
 
 
@@ -121,7 +121,7 @@ def test_a_ranks_exception_report_is_the_first_failure(listen, monkeypatch):
     ids=["one-line", "multi-line", "traced", "empty", "cut"],
 )
 def test_the_failure_line_carries_the_errors_own_message(message, line):
-    from launch.verdict import _error_line
+    from syncdp.launch.verdict import _error_line
 
     assert _error_line({"message": message, "type": message and "ValueError" or "KeyError"}) == line
 

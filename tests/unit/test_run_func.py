@@ -4,8 +4,8 @@ Horovod refuses are refused."""
 
 import pytest
 
-from launch import run_func
-from launch.cli import parse_args
+from syncdp.launch import run_func
+from syncdp.launch.cli import parse_args
 
 
 def test_horovods_keyword_arguments_become_the_launchers_flags():
@@ -43,9 +43,9 @@ def test_horovods_keyword_arguments_become_the_launchers_flags():
 
 def test_the_flags_parse_as_a_command_line_does():
     argv = run_func._flag_arguments({"num_proc": 3, "min_num_proc": 2, "use_gloo": True})
-    config = parse_args(argv + ["python", "-m", "launch.run_func"], environ={})
+    config = parse_args(argv + ["python", "-m", "syncdp.launch.run_func"], environ={})
     assert config.num_proc == 3 and config.elastic
-    assert config.command == ("python", "-m", "launch.run_func")
+    assert config.command == ("python", "-m", "syncdp.launch.run_func")
 
 
 @pytest.mark.parametrize(

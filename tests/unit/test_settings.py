@@ -10,9 +10,9 @@ import argparse
 
 import pytest
 
-from launch import horovodrun_flags, run
 from syncdp.base import settings
 from syncdp.base.errors import ConfigError
+from syncdp.launch import horovodrun_flags, run
 from tests.launcher import ROOT
 
 MiB = 1024 * 1024

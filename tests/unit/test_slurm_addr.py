@@ -14,8 +14,8 @@ import socket
 
 import pytest
 
-from launch import hosts
-from launch.lifeline import Lifeline, LifelineServer
+from syncdp.launch import hosts
+from syncdp.launch.lifeline import Lifeline, LifelineServer
 from syncdp.watch import report
 
 SLURM = {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]"}

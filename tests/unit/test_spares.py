@@ -11,8 +11,8 @@ import types
 
 import pytest
 
-from launch import elastic, run
 from syncdp.base import settings
+from syncdp.launch import elastic, run
 from syncdp.membership import membership, refill, spares
 from tests.unit.test_elastic import membership_report
 
@@ -229,7 +229,7 @@ def test_the_keeper_starts_one_spare_at_a_time_and_adopts_it_once_it_waits(monke
     keeper._thread.join(5)
     assert [label for _, _, label in started] == [5]
     args = started[0][0]
-    assert args[:6] == ["-P", "-m", "launch.worker", "--replacement", "5", "--spare"]
+    assert args[:6] == ["-P", "-m", "syncdp.launch.worker", "--replacement", "5", "--spare"]
     assert args[6:] == ["python", "train.py"] and plan.next_label == 6
     assert keeper.order(plan, []) is None and len(started) == 1  # still starting: no second
     keeper._started = ("pair", "port", 5)  # the new spare waits

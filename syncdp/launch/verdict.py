@@ -13,7 +13,7 @@ Otherwise the job failed, and the launcher's last line says how::
 
 The first failure is the earliest failure report by the time it was sent. Ranks that never
 reported how they ended are named with their hosts and the reason, as far as the lifelines
-(:mod:`launch.lifeline`) tell it: the supervisor's connection closed without a report (it was
+(:mod:`syncdp.launch.lifeline`) tell it: the supervisor's connection closed without a report (it was
 killed), the host fell silent (unreachable, or its daemon lost), the supervisor still ran when
 mpirun ended (its daemon was lost), or no supervisor ever connected (never started). That line
 comes just before the last one when there was a first failure, and is the last one otherwise.
@@ -32,11 +32,11 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from launch.worker import describe_exit
+from syncdp.launch.worker import describe_exit
 
 if TYPE_CHECKING:
-    from launch.elastic import ElasticLog
-    from launch.lifeline import Link
+    from syncdp.launch.elastic import ElasticLog
+    from syncdp.launch.lifeline import Link
 
 __all__ = ["Verdict", "Outcome", "START_GRACE_SECONDS", "ranks_text"]
 
@@ -269,7 +269,8 @@ class Verdict:
         """The verdict, once mpirun has ended.
 
         Args:
-            links: Each rank's lifeline (:meth:`launch.lifeline.LifelineServer.links`), to say
+            links: Each rank's lifeline (:meth:`syncdp.launch.lifeline.LifelineServer.links`), to
+            say
                 why a rank never reported. Defaults to none known.
             mpirun_code: mpirun's exit status, only to mention when no rank ever started.
                 Defaults to None.

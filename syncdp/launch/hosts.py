@@ -254,7 +254,9 @@ def _probe(shell: list[str], host: str, timeout: float) -> tuple[str | None, str
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.communicate()
+        proc.wait()  # not its pipes: a process the shell started may hold them open
+        proc.stdout.close()
+        proc.stderr.close()
         return None, f"did not answer over the remote shell within {timeout:g} s"
     finally:
         with _PROBES_LOCK:
@@ -286,9 +288,9 @@ def check_hosts(hosts: Sequence[Host], shell: list[str], timeout: float = 30.0) 
 
 def host_problems(hosts: Sequence[Host], shell: list[str], timeout: float = 30.0) -> dict[str, str]:
     """:func:`check_hosts`, by host: what is wrong with each bad remote host, in list order."""
-    import syncdp
+    from syncdp import __version__
 
-    mine = f"{sys.version.split()[0]} {syncdp.__version__}"
+    mine = f"{sys.version.split()[0]} {__version__}"
     problems: dict[str, str] = {}
     remote = [h.name for h in hosts if not is_local(h.name)]
 

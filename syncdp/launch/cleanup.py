@@ -1,14 +1,14 @@
 """The launcher's last resort: it kills what is left of the job on a host whose ranks never
 reported.
 
-A supervisor (:mod:`launch.worker`) ends its rank and Open MPI's daemon itself when the launcher
-goes away, but a process that cannot run cannot do that: on a host whose processes were all
+A supervisor (:mod:`syncdp.launch.worker`) ends its rank and Open MPI's daemon itself when the
+launcher goes away, but a process that cannot run cannot do that: on a host whose processes were all
 stopped (SIGSTOP, a frozen container, a debugger), the daemon, the supervisors and the ranks
 stay there for good. So the launcher sweeps such a host itself, through the remote shell Open
 MPI used to start the daemon there (the ``plm_rsh_agent`` in ``--mpi-args``, or ssh with the
 job's port and key; a host that is this machine needs none): the moment the host falls silent
-(:mod:`launch.lifeline` tells), and at the end of the job for every host with ranks that never
-reported how they ended.
+(:mod:`syncdp.launch.lifeline` tells), and at the end of the job for every host with ranks that
+never reported how they ended.
 
 A sweep sends SIGKILL (which also ends a stopped process) to the processes of this host that
 are this job's, and to nothing else: those whose environment holds ``SYNCDP_JOB_ID`` with this
@@ -59,10 +59,10 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from launch.hosts import Host, is_local
+from syncdp.launch.hosts import Host, is_local
 
 if TYPE_CHECKING:
-    from launch.lifeline import Link
+    from syncdp.launch.lifeline import Link
 
 __all__ = [
     "STALE_SEGMENT_SECONDS",
@@ -176,9 +176,10 @@ class Sweeper:
 
     Args:
         job_id: The job's id.
-        shell: The remote shell, ``[*shell, HOST, COMMAND]`` (:func:`launch.hosts.remote_shell`).
-        hosts: The hosts of ``-H``/``--hostfile``, in order; empty for a job on this machine.
-        timeout: The most one sweep takes. Defaults to :data:`SWEEP_SECONDS`.
+        shell: The remote shell, ``[*shell, HOST, COMMAND]``
+        (:func:`syncdp.launch.hosts.remote_shell`). hosts: The hosts of ``-H``/``--hostfile``, in
+        order; empty for a job on this machine. timeout: The most one sweep takes. Defaults to
+        :data:`SWEEP_SECONDS`.
     """
 
     def __init__(
@@ -237,7 +238,7 @@ class Sweeper:
             self.start(host.name)
 
     def on_lost(self, host: str | None, links: Iterable[Link]) -> None:
-        """For :class:`launch.lifeline.LifelineServer`: sweeps the host that fell silent."""
+        """For :class:`syncdp.launch.lifeline.LifelineServer`: sweeps the host that fell silent."""
         for link in links:
             if isinstance(link.rank, int):
                 self.start(self.host_of(link.rank, host, link.address))

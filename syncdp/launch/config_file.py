@@ -179,10 +179,11 @@ def apply(
 
     Args:
         path: The config file.
-        parser: The launcher's parser (:func:`launch.run.build_parser`): each key's flag
+        parser: The launcher's parser (:func:`syncdp.launch.run.build_parser`): each key's flag
             arguments are parsed by it, so a value is checked as its flag's is.
         args: The command line, parsed.
-        spelled: dest -> how the command line spelled it (:func:`launch.horovodrun_flags.scan`);
+        spelled: dest -> how the command line spelled it
+        (:func:`syncdp.launch.horovodrun_flags.scan`);
             the places the file sets are added, as ``"KEY in PATH"``.
 
     Returns:

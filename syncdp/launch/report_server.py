@@ -4,7 +4,7 @@ Ranks and their supervisors send one signed line per report (:mod:`syncdp.watch.
 server, one thread around a selector:
 
 - listens on one address only: loopback for a job on this host, the job's interface otherwise
-  (the caller chooses; :func:`launch.hosts.job_address`);
+  (the caller chooses; :func:`syncdp.launch.hosts.job_address`);
 - keeps at most ``max_connections`` connections open and never buffers more than one line of
   :data:`~syncdp.watch.report.MAX_LINE_BYTES`;
 - gives a connection :data:`_FIRST_LINE_SECONDS` to deliver a signed line, however it trickles

@@ -579,7 +579,7 @@ def scan(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str
 
     Args:
         argv: The arguments after ``syncdp-run``.
-        parser: :func:`launch.run.build_parser`'s parser.
+        parser: :func:`syncdp.launch.run.build_parser`'s parser.
 
     Returns:
         ``argv`` with a bare ``--hierarchical-allreduce`` (horovodrun's switch, no value) made

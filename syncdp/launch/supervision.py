@@ -2,7 +2,7 @@
 
 - :func:`start_mpirun` starts mpirun in its own session (a signal meant for the launcher never
   reaches it by accident) with a parent-death signal: if the launcher dies, SIGKILL included,
-  mpirun gets SIGTERM and ends the job. The supervisors' lifelines (:mod:`launch.lifeline`)
+  mpirun gets SIGTERM and ends the job. The supervisors' lifelines (:mod:`syncdp.launch.lifeline`)
   end whatever is left, on every host, within seconds.
 - :func:`supervise` waits for mpirun, and ends the job when a rank reported a failure or the
   ranks did not all reach ``init()`` within the start timeout; and when every rank has reported
@@ -11,7 +11,7 @@
   elastic mode that holds for the final membership's ranks, whatever their verdict: warm spares
   are never needed for a job to end, and one that does not leave is stopped with mpirun. When
   mpirun has ended, the shared-memory segments that the job's killed processes left in
-  ``/dev/shm`` on this host are removed (:class:`launch.cleanup.ShmLeftovers`).
+  ``/dev/shm`` on this host are removed (:class:`syncdp.launch.cleanup.ShmLeftovers`).
 - :class:`StopOnSignals` turns SIGINT, SIGTERM and SIGHUP to the launcher into stopping the job
   (mpirun is asked first, then killed after a grace), and remembers the signal.
 """
@@ -27,13 +27,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from launch.cleanup import ShmLeftovers, remove_stale_segments, remove_stale_session_dirs
-from launch.elastic import SPARE_GRACE_SECONDS
+from syncdp.launch.cleanup import ShmLeftovers, remove_stale_segments, remove_stale_session_dirs
+from syncdp.launch.elastic import SPARE_GRACE_SECONDS
 
 if TYPE_CHECKING:
-    from launch.lifeline import Link
-    from launch.output import Flow
-    from launch.verdict import Verdict
+    from syncdp.launch.lifeline import Link
+    from syncdp.launch.output import Flow
+    from syncdp.launch.verdict import Verdict
 
 __all__ = ["start_mpirun", "stop", "supervise", "StopOnSignals"]
 
@@ -50,7 +50,7 @@ START_STOP_GRACE_SECONDS = 2.0
 # after SIGTERM.
 FINISHED_GRACE_SECONDS = 5.0
 # How often the job's processes on this host are looked at for their shared-memory segments
-# (until one is found: launch.cleanup.ShmLeftovers).
+# (until one is found: syncdp.launch.cleanup.ShmLeftovers).
 _LOOK_SECONDS = 2.0
 
 
@@ -65,9 +65,9 @@ def _end_with_launcher() -> None:
 def start_mpirun(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
     """Starts mpirun (see the module docstring), its output on pipes, once the session
     directories that killed mpiruns left behind are gone (one would stop an mpirun that gets
-    its process id: :func:`launch.cleanup.remove_stale_session_dirs`) and so are the
+    its process id: :func:`syncdp.launch.cleanup.remove_stale_session_dirs`) and so are the
     shared-memory segments that killed processes of earlier jobs left on this host
-    (:func:`launch.cleanup.remove_stale_segments`)."""
+    (:func:`syncdp.launch.cleanup.remove_stale_segments`)."""
     remove_stale_session_dirs(env)
     remove_stale_segments()
     return subprocess.Popen(
@@ -116,11 +116,11 @@ def supervise(
     Args:
         process: mpirun.
         verdict: What the ranks reported.
-        links: The supervisors' lifelines (:meth:`launch.lifeline.LifelineServer.links`): the
+        links: The supervisors' lifelines (:meth:`syncdp.launch.lifeline.LifelineServer.links`): the
             grace starts only once every supervisor has exited too (it sends its report before
             the last of its rank's output, which mpirun still forwards). Defaults to None (the
             grace starts at the last report).
-        flow: mpirun's output through the launcher (:class:`launch.output.Flow`): the grace
+        flow: mpirun's output through the launcher (:class:`syncdp.launch.output.Flow`): the grace
             counts only while none moves (mpirun waits for a slow reader of the launcher's
             output to take the rest of it: stopping it then would lose it). Defaults to None.
 

@@ -2,8 +2,9 @@
 turned into one :class:`LaunchConfig` before anything starts (:func:`parse_args`).
 
 The command line is horovodrun's: every flag of horovodrun 0.28 is accepted with Horovod's
-spelling and argument type (:mod:`launch.horovodrun_flags` has the table). :mod:`launch.run`
-turns the LaunchConfig into mpirun's environment and command and runs the job.
+spelling and argument type (:mod:`syncdp.launch.horovodrun_flags` has the table).
+:mod:`syncdp.launch.run` turns the LaunchConfig into mpirun's environment and command and runs the
+job.
 
 Flags of the launcher itself:
 
@@ -21,11 +22,11 @@ Flags of the launcher itself:
     --mpi-args "ARGS"          extra arguments for mpirun, split like a shell would
     --binding-args "ARGS"      mpirun's binding arguments, instead of --bind-to none
     --output-filename DIR      each rank's stdout and stderr also go to DIR/rank.N/stdout and
-                               DIR/rank.N/stderr (:mod:`launch.output`)
+                               DIR/rank.N/stderr (:mod:`syncdp.launch.output`)
     --prefix-output-with-timestamp
                                every output line starts with the time it arrived
     --config-file FILE         horovodrun's YAML settings; flags on the command line win
-                               (:mod:`launch.config_file`)
+                               (:mod:`syncdp.launch.config_file`)
     --log-level LEVEL          the launcher's own verbosity: TRACE and DEBUG print the mpirun
                                command; ERROR and FATAL leave out its notes and timing table
     --version, --check-build   print syncdp's version, or what this install supports, and exit
@@ -70,10 +71,10 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from launch import check_build, config_file, horovodrun_flags
-from launch import hosts as _hosts
 from syncdp.base import settings
 from syncdp.base.errors import ConfigError
+from syncdp.launch import check_build, config_file, horovodrun_flags
+from syncdp.launch import hosts as _hosts
 
 __all__ = ["LaunchConfig", "LOG_LEVELS", "TCP_ONLY", "build_parser", "parse_args"]
 
@@ -181,11 +182,11 @@ class _CheckBuild(argparse.Action):
 
 def _version(prog: str) -> str:
     """What ``--version`` prints: syncdp's version, and under Horovod's name, which one runs."""
-    import syncdp
+    from syncdp import __version__
 
     if prog != "horovodrun":
-        return syncdp.__version__
-    return f"horovodrun from syncdp {syncdp.__version__} (syncdp-run; Horovod is not installed)"
+        return __version__
+    return f"horovodrun from syncdp {__version__} (syncdp-run; Horovod is not installed)"
 
 
 def _add_launcher_flags(p: argparse.ArgumentParser) -> None:
@@ -285,11 +286,11 @@ def _add_launcher_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser(prog: str = "syncdp-run") -> argparse.ArgumentParser:
     """The argument parser: the launcher's own flags, one flag per setting (with horovodrun's
-    spellings of it), and horovodrun's other flags (:mod:`launch.horovodrun_flags`).
+    spellings of it), and horovodrun's other flags (:mod:`syncdp.launch.horovodrun_flags`).
 
     Args:
         prog: The command's name in usage, errors and ``--version``: ``syncdp-run`` or
-            ``horovodrun`` (:mod:`launch.horovodrun`). Defaults to ``"syncdp-run"``.
+            ``horovodrun`` (:mod:`syncdp.launch.horovodrun`). Defaults to ``"syncdp-run"``.
 
     Returns:
         A parser whose settings flags store into ``dest`` = the setting's name, None when the

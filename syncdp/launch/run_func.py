@@ -1,7 +1,7 @@
 """``horovod.run(func, ...)``: a Python function run on every rank, its return values collected.
 
 Horovod's programmatic launcher, on syncdp's: the call starts the ranks exactly as
-``horovodrun`` would (:func:`launch.run.run`, the same flags as keyword arguments), each rank
+``horovodrun`` would (:func:`syncdp.launch.run.run`, the same flags as keyword arguments), each rank
 calls ``func(*args, **kwargs)``, and the call returns the list of the ranks' return values in
 rank order::
 
@@ -17,8 +17,8 @@ rank order::
 
 How the function and the values travel: the caller listens on a port of its own (on the
 interface the job's ranks reach, as the launcher's report channel does), and each rank runs
-``python -m launch.run_func``, which fetches ``func`` from there, runs it and sends back what it
-returned (or the exception it raised). Both directions are signed with a secret made for the
+``python -m syncdp.launch.run_func``, which fetches ``func`` from there, runs it and sends back
+what it returned (or the exception it raised). Both directions are signed with a secret made for the
 call and given only to the job's processes, in their environment (``SYNCDP_RUN_FUNC_ADDR``,
 ``SYNCDP_RUN_FUNC_SECRET``), so a job on several hosts needs no shared file system. ``func``,
 ``args``, ``kwargs`` and the return values are pickled with cloudpickle (so a function defined in
@@ -271,9 +271,9 @@ def run(
         RunError: A rank's ``func`` raised (the rank is named; its exception is the cause),
             or the job failed before every rank returned (the launcher's output says why).
     """
-    from launch import cli
-    from launch import hosts as hosts_module
-    from launch import run as launcher
+    from syncdp.launch import cli
+    from syncdp.launch import hosts as hosts_module
+    from syncdp.launch import run as launcher
     from syncdp.watch import report
 
     for old, new, value in (("np", "num_proc", np), ("min_np", "min_num_proc", min_np)):
@@ -292,7 +292,7 @@ def run(
     argv = _flag_arguments(options)
     python = executable or sys.executable
     try:
-        config = cli.parse_args(argv + [python, "-m", "launch.run_func"], prog="horovod.run")
+        config = cli.parse_args(argv + [python, "-m", "syncdp.launch.run_func"], prog="horovod.run")
     except SystemExit as e:  # argparse's way out, with its message on stderr
         raise ValueError(f"horovod.run: invalid arguments {argv} (see the line above)") from e
     listen, advertise = hosts_module.job_address(
@@ -358,7 +358,7 @@ def _talk(message: tuple) -> Any:
 def _main() -> int:
     """A rank: fetch the function, run it, send back its value or its exception."""
     if ADDRESS_VAR not in os.environ or SECRET_VAR not in os.environ:
-        print("launch.run_func runs on the ranks that horovod.run starts.", file=sys.stderr)
+        print("syncdp.launch.run_func runs on the ranks that horovod.run starts.", file=sys.stderr)
         return 2
     func, args, kwargs, paths = _talk((_FETCH, None))
     for path in paths:

@@ -21,8 +21,8 @@ ending.
 In elastic mode (``SYNCDP_ELASTIC=1``, or ``SYNCDP_MIN_NP`` and the like set) a child that fails
 takes the supervisor with it by SIGKILL: Open MPI's ULFM treats a process killed by a signal as
 a failed rank the others can recover from, while one that merely exits non-zero leaves them
-waiting. Replacements spawned by a recovery run as ``python -m launch.worker --replacement LABEL
-COMMAND...``: their output lines carry ``LABEL`` plus their index among the ranks spawned
+waiting. Replacements spawned by a recovery run as ``python -m syncdp.launch.worker --replacement
+LABEL COMMAND...``: their output lines carry ``LABEL`` plus their index among the ranks spawned
 together (the original ranks are labelled 0..N-1), and the child finds that label in
 ``SYNCDP_REPLACEMENT``. The spawning rank puts the job's settings first (``--job-env JSON``,
 :mod:`syncdp.membership.jobenv`): the supervisor takes them into its environment before it
@@ -39,7 +39,7 @@ stopped for the stall timeout, or a rank stopped for :data:`_STOPPED_RANK_MARGIN
 ULFM sees as a lost process the job goes on without.
 
 Before it starts its rank, the supervisor connects to the launcher's lifeline
-(``SYNCDP_LIFELINE_ADDR``, :mod:`launch.lifeline`); when the launcher cannot be reached it
+(``SYNCDP_LIFELINE_ADDR``, :mod:`syncdp.launch.lifeline`); when the launcher cannot be reached it
 starts nothing. The rank runs in its own process group. When the launcher is gone (its
 lifeline closed: it ended, however it was killed; or silent past the stall timeout, at least
 10 s, with its address refusing connections: a cut link), the supervisor ends the rank's process
@@ -50,7 +50,7 @@ What a rank starts dies with it too: once the rank has ended, the supervisor end
 group and every process the rank left behind outside it (a child in a session of its own: the
 supervisor is the subreaper of its rank's descendants), SIGTERM then SIGKILL a second later.
 
-Usage (by the launcher, not by hand): ``python -m launch.worker COMMAND [ARGS...]``.
+Usage (by the launcher, not by hand): ``python -m syncdp.launch.worker COMMAND [ARGS...]``.
 """
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ import threading
 import time
 from collections.abc import Mapping
 
-from launch.cleanup import _descendants
-from launch.lifeline import LIFELINE_VAR, Lifeline, lost_after
-from launch.output import CONTINUED, PIECE_BYTES, UNTERMINATED, Flow
 from syncdp.base import settings
+from syncdp.launch.cleanup import _descendants
+from syncdp.launch.lifeline import LIFELINE_VAR, Lifeline, lost_after
+from syncdp.launch.output import CONTINUED, PIECE_BYTES, UNTERMINATED, Flow
 from syncdp.membership import jobenv, spares
 from syncdp.watch import report  # none imports TensorFlow or MPI
 
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     # it with its host's environment, which a remote shell leaves bare).
     argv = jobenv.apply(argv, os.environ)
     if not argv:
-        print("usage: python -m launch.worker COMMAND [ARGS...]", file=sys.stderr)
+        print("usage: python -m syncdp.launch.worker COMMAND [ARGS...]", file=sys.stderr)
         return 2
     rank = _rank()
     config = settings.from_env_or_default()

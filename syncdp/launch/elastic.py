@@ -11,7 +11,7 @@ heal it themselves (:mod:`syncdp.membership.membership`). The launcher then only
   them and how long recovery took;
 - a rank's watchdog reports a ``stall`` naming the stalled processes: the launcher kills them
   (SIGKILL, on their host: through the remote shell Open MPI uses to reach it, the
-  ``plm_rsh_agent`` in ``--mpi-args`` or ssh, as :mod:`launch.cleanup` does), which turns the
+  ``plm_rsh_agent`` in ``--mpi-args`` or ssh, as :mod:`syncdp.launch.cleanup` does), which turns the
   stall into a failure the job recovers from;
 - ``elastic_abort`` (fewer than ``--min-np`` ranks left, or the reset limit hit) and an
   exception on a rank end the job as they do outside elastic mode.
@@ -44,8 +44,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from launch.hosts import is_local
-from launch.worker import describe_exit
+from syncdp.launch.hosts import is_local
+from syncdp.launch.worker import describe_exit
 from syncdp.membership import membership
 
 __all__ = ["check_ulfm", "check_discovery", "ElasticLog", "SPARE_GRACE_SECONDS"]
@@ -120,7 +120,7 @@ def _who(report: Mapping[str, Any]) -> str:
 
 def _kill(host: str, pid: int, shell: list[str]) -> None:
     """SIGKILLs process ``pid`` on ``host``: this host directly, another through ``shell``
-    (``[*shell, HOST, COMMAND]``, :func:`launch.hosts.remote_shell`)."""
+    (``[*shell, HOST, COMMAND]``, :func:`syncdp.launch.hosts.remote_shell`)."""
     if host is None or is_local(host):
         try:
             os.kill(pid, signal.SIGKILL)
@@ -169,11 +169,11 @@ class ElasticLog:
             spares', are replacements. Defaults to the first spare's label; with neither, no
             exit is taken for a replacement's.
         on_abort: Called with a report that must end the job. Defaults to doing nothing (the
-            launcher's :class:`~launch.verdict.Verdict` sets it).
+            launcher's :class:`~syncdp.launch.verdict.Verdict` sets it).
         shell: The remote shell that reaches the job's other hosts, ``[*shell, HOST, COMMAND]``
-            (:func:`launch.hosts.remote_shell`). Defaults to ssh in batch mode.
+            (:func:`syncdp.launch.hosts.remote_shell`). Defaults to ssh in batch mode.
         reset_budget: Membership changes this runtime may make before the job ends, when a
-            restart used the last of ``--reset-limit`` (:mod:`launch.restart`); None for no
+            restart used the last of ``--reset-limit`` (:mod:`syncdp.launch.restart`); None for no
             limit of the launcher's. Defaults to None.
         restarted: ``(lost host, time.monotonic() it was noticed)`` when this runtime is a
             restart, for the log line of its resume. Defaults to None.

@@ -6,12 +6,12 @@ killed) the survivors wait for it, mpirun reports "lost communication with a rem
 and nothing recovers. So the launcher survives a lost host above the runtime:
 
 1. **Noticed.** A host is lost when every supervisor on it has been silent on its lifeline
-   for :data:`HOST_LOST_SECONDS` (:mod:`launch.lifeline`; a stopped launcher judges nothing),
+   for :data:`HOST_LOST_SECONDS` (:mod:`syncdp.launch.lifeline`; a stopped launcher judges nothing),
    or when mpirun ended with training unfinished while a host's supervisors vanished without a
    report (its daemon was killed, and the runtime ended the job).
 2. **Ended.** The launcher closes the lifeline (the supervisors on the other hosts then end
    their ranks and Open MPI's daemon), stops mpirun, and sweeps the hosts still reachable
-   (:mod:`launch.cleanup`); each step is bounded, so this takes seconds. On the lost host the
+   (:mod:`syncdp.launch.cleanup`); each step is bounded, so this takes seconds. On the lost host the
    supervisors end everything themselves once the launcher stops answering (the same
    :data:`HOST_LOST_SECONDS` in elastic mode).
 3. **Placed.** The hosts to go on with are the discovery script's current list, or the
@@ -39,10 +39,10 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 
-from launch import cleanup, supervision
-from launch import hosts as _hosts
-from launch.cli import LaunchConfig
-from launch.lifeline import ELASTIC_LOST_SECONDS, Link
+from syncdp.launch import cleanup, supervision
+from syncdp.launch import hosts as _hosts
+from syncdp.launch.cli import LaunchConfig
+from syncdp.launch.lifeline import ELASTIC_LOST_SECONDS, Link
 from syncdp.membership import membership
 
 __all__ = [
@@ -149,7 +149,7 @@ class Watch:
         restarts: The job's restarts, or None when it cannot restart (then a lost host ends
             the job, named, instead of leaving it waiting).
         lifeline: The runtime's lifeline server.
-        sweeper: The runtime's sweeper (:mod:`launch.cleanup`).
+        sweeper: The runtime's sweeper (:mod:`syncdp.launch.cleanup`).
         verdict: The runtime's verdict.
         say: Prints one line of the launcher's log.
 
@@ -180,7 +180,8 @@ class Watch:
         return self.loss is not None
 
     def on_lost(self, host: str | None, links: list[Link]) -> None:
-        """For :class:`launch.lifeline.LifelineServer`: ``host``'s supervisors fell silent."""
+        """For :class:`syncdp.launch.lifeline.LifelineServer`: ``host``'s supervisors fell
+        silent."""
         now = time.monotonic()
         everyone = [link for link in self.lifeline.links().values() if link.host == host]
         if any(link.closed is None and not link.silent(now) for link in everyone):
@@ -226,7 +227,7 @@ class Watch:
         return (elastic.trained or not unfinished) and not others and rank0 not in unfinished
 
     def on_banner(self, words: str) -> None:
-        """For :func:`launch.output.copy_output`: notes a host whose daemon mpirun says it
+        """For :func:`syncdp.launch.output.copy_output`: notes a host whose daemon mpirun says it
         could not start or lost."""
         host = daemon_host(words)
         if host is not None and host not in self.daemons_lost:
@@ -387,7 +388,7 @@ class Restarts:
 
     Args:
         config: The job as the command line gave it.
-        shell: The remote shell (:func:`launch.hosts.remote_shell`).
+        shell: The remote shell (:func:`syncdp.launch.hosts.remote_shell`).
         say: Prints one line of the launcher's log.
     """
 
@@ -416,7 +417,7 @@ class Restarts:
         given (``-H``/``--hostfile``), with another to go on with (several listed, or a
         discovery script). In a Slurm allocation of several nodes, an elastic job without ``-H``
         is given the allocation's nodes as its hosts when its command line is read
-        (:func:`launch.hosts.slurm_allocation`)."""
+        (:func:`syncdp.launch.hosts.slurm_allocation`)."""
         listed = _hosts.listed(config.hosts, config.hostfile) or []
         script = config.settings.get("host_discovery_script")
         return config.elastic and bool(listed) and (len(listed) > 1 or bool(script))

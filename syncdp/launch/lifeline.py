@@ -3,7 +3,7 @@
 The job must not outlive its launcher, however the launcher ends (SIGKILL included, when it can
 clean up nothing), and the launcher must know which ranks' hosts went quiet. So the launcher
 listens at ``SYNCDP_LIFELINE_ADDR`` (:class:`LifelineServer`), and every supervisor
-(:mod:`launch.worker`), on every host, connects before it starts its rank and keeps the
+(:mod:`syncdp.launch.worker`), on every host, connects before it starts its rank and keeps the
 connection (:class:`Lifeline`):
 
 - its first line is a signed ``lifeline`` report (:mod:`syncdp.watch.report`: rank, host, the
@@ -14,10 +14,10 @@ connection (:class:`Lifeline`):
   connections (a link cut between hosts). One closed or reset connection proves neither: the
   supervisor connects again at once and sends its signed line again. A launcher that is merely
   stopped (Ctrl-Z) still accepts, so its job waits for it. The supervisor then ends its rank's
-  process group and Open MPI's daemon above it (:func:`launch.worker.main`);
+  process group and Open MPI's daemon above it (:func:`syncdp.launch.worker.main`);
 - the launcher records, per rank, when the supervisor connected, when it was last heard from
-  and whether its connection closed; the verdict (:mod:`launch.verdict`) names from this why a
-  rank never reported how it ended (supervisor killed, host unreachable, never started). When
+  and whether its connection closed; the verdict (:mod:`syncdp.launch.verdict`) names from this why
+  a rank never reported how it ended (supervisor killed, host unreachable, never started). When
   a host's supervisors stay silent for ``lost_after`` seconds (the time after which they give
   up on the launcher too), the launcher is told once per host (``on_lost``) and ends the job:
   those ranks will never report, and Open MPI may wait for their daemon for a long time.
@@ -27,7 +27,7 @@ connection (:class:`Lifeline`):
   the oldest of them makes room for a new one, so connections that prove nothing never keep a
   supervisor out.
 - in elastic mode a silent host is not a reason to end the job but to start it again without
-  that host (:mod:`launch.restart`), after :data:`ELASTIC_LOST_SECONDS` whatever the stall
+  that host (:mod:`syncdp.launch.restart`), after :data:`ELASTIC_LOST_SECONDS` whatever the stall
   timeout; the supervisors there give up on the launcher as soon.
 """
 
@@ -70,7 +70,7 @@ _LOST_MIN_SECONDS = 10.0
 
 
 # In elastic mode a silent host is not waited for: the job starts again without it
-# (launch.restart) after this long, and the supervisors there give up as soon.
+# (syncdp.launch.restart) after this long, and the supervisors there give up as soon.
 ELASTIC_LOST_SECONDS = _LOST_MIN_SECONDS
 
 

@@ -2,7 +2,7 @@
 
 ``horovodrun -np 4 python train.py`` is how Horovod's users start every job. Installed with
 syncdp, ``horovodrun`` takes horovodrun's whole command line (every flag ``syncdp-run`` takes:
-:mod:`launch.horovodrun_flags`) and does exactly what ``syncdp-run`` does with it; its
+:mod:`syncdp.launch.horovodrun_flags`) and does exactly what ``syncdp-run`` does with it; its
 ``--version`` says that syncdp answers.
 
 Where Horovod itself is installed (its ``horovod`` package importable), this command hands the
@@ -16,8 +16,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-from launch import cli, run
 from syncdp import horovod_names
+from syncdp.launch import cli, run
 
 __all__ = ["main"]
 

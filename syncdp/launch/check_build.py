@@ -104,8 +104,8 @@ def report(mpirun: str | None, environ: Mapping[str, str] | None = None) -> str:
     Returns:
         The lines, joined.
     """
-    import syncdp
-    from launch.elastic import check_ulfm
+    from syncdp import __version__
+    from syncdp.launch.elastic import check_ulfm
 
     environ = os.environ if environ is None else environ
     tensorflow = _version("tensorflow", "tensorflow-cpu", "tf-nightly")
@@ -125,7 +125,7 @@ def report(mpirun: str | None, environ: Mapping[str, str] | None = None) -> str:
         mpi = f"{_box(True)} MPI (Open MPI {ompi}, {mpirun})"
     ulfm = ompi is not None and check_ulfm(mpirun) is None
     lines = [
-        f"syncdp v{syncdp.__version__}:",
+        f"syncdp v{__version__}:",
         "",
         "Available Frameworks:",
         f"    {_box(bool(tensorflow))} TensorFlow{' ' + tensorflow if tensorflow else ''}",

@@ -1,6 +1,6 @@
 """The job's output on the launcher: mpirun's two streams copied to its own, line by line.
 
-Every rank's supervisor (:mod:`launch.worker`) tags its rank's lines ``[N]<stdout>:`` or
+Every rank's supervisor (:mod:`syncdp.launch.worker`) tags its rank's lines ``[N]<stdout>:`` or
 ``[N]<stderr>:``, and mpirun brings them to the launcher on its stdout and stderr. Two of
 horovodrun's flags act here, on the launcher's host, whichever hosts the ranks run on:
 
@@ -216,7 +216,7 @@ _TF_CONTINUED = re.compile(
 # syncdp rebuilds every communicator and window after a recovery (syncdp.job.runtime).
 _ULFM_UNTESTED = re.compile(rb".*is (?:not|insuficiently) tested (?:for|in) post-failure")
 # mpirun's banners on a daemon that did not start or was lost: the launcher names that host
-# (launch.restart) and says whether the job starts again without it.
+# (syncdp.launch.restart) and says whether the job starts again without it.
 _DAEMON_LOST = re.compile(
     rb"A daemon failed to report back|\S+ has lost communication with a remote daemon"
 )

@@ -8,36 +8,37 @@ Usage::
     syncdp-run -H a:2,b:2 -p 2222 -i ~/.ssh/id_cluster --network-interface eth1 python train.py
 
 The command line is horovodrun's: every flag of horovodrun 0.28 is accepted with Horovod's
-spelling and argument type (:mod:`launch.horovodrun_flags` has the table: what each one does
+spelling and argument type (:mod:`syncdp.launch.horovodrun_flags` has the table: what each one does
 here, and which change nothing and say why on stderr; ``--gloo`` and ``--jsrun`` run on
 syncdp's engine over Open MPI and say so). Every rank runs under a small supervisor
-(:mod:`launch.worker`) that prefixes its output lines with ``[rank]<stdout>:`` or
+(:mod:`syncdp.launch.worker`) that prefixes its output lines with ``[rank]<stdout>:`` or
 ``[rank]<stderr>:`` and makes mpirun end all the other ranks when its rank dies or exits
 non-zero. Ctrl-C, SIGTERM or SIGHUP stops every rank.
 
-The pipeline, each step testable without starting a process: :func:`launch.cli.parse_args`
-(the command line, checked) -> :class:`~launch.cli.LaunchConfig` -> :func:`build_env` and
+The pipeline, each step testable without starting a process: :func:`syncdp.launch.cli.parse_args`
+(the command line, checked) -> :class:`~syncdp.launch.cli.LaunchConfig` -> :func:`build_env` and
 :func:`build_command` -> :func:`run` -> :func:`main`. The concerns :func:`run` ties together have
 their own modules:
-:mod:`launch.report_server` (the authenticated report channel), :mod:`launch.lifeline` (the job
-ends with the launcher), :mod:`launch.verdict` (success or failure, from the reports) and
-:mod:`launch.supervision` (mpirun as a child process).
+:mod:`syncdp.launch.report_server` (the authenticated report channel),
+:mod:`syncdp.launch.lifeline` (the job ends with the launcher), :mod:`syncdp.launch.verdict`
+(success or failure, from the reports) and :mod:`syncdp.launch.supervision` (mpirun as a child
+process).
 
 The command line itself (the launcher's flags, the settings' flags, ``--spares``) is
-parsed and checked by :mod:`launch.cli`.
+parsed and checked by :mod:`syncdp.launch.cli`.
 
 With hosts, before anything starts, every remote host is asked over the remote shell (ssh, or
 the agent in --mpi-args "--mca plm_rsh_agent AGENT") for its Python and syncdp versions,
 within 30 s; a host that does not answer or differs is named and nothing starts
-(:mod:`launch.hosts`). If a host vanishes later, the ranks waiting for it name it at the stall
-timeout and the job ends; on that host, the supervisors end Open MPI's daemon and the ranks
-once the launcher has been silent and unreachable that long (:mod:`launch.lifeline`).
+(:mod:`syncdp.launch.hosts`). If a host vanishes later, the ranks waiting for it name it at the
+stall timeout and the job ends; on that host, the supervisors end Open MPI's daemon and the ranks
+once the launcher has been silent and unreachable that long (:mod:`syncdp.launch.lifeline`).
 
 Also set on every rank: SYNCDP_LAUNCHER=1; SYNCDP_REPORT_ADDR=host:port, where the launcher
 listens for the ranks' reports; SYNCDP_LIFELINE_ADDR=host:port, the launcher's lifeline (each
 may list several host:port, comma-separated, when the launcher cannot tell which of its
 addresses the other hosts route to: the first that answers is used, and a name that resolves to
-loopback is never one of them, :func:`launch.hosts.job_address`);
+loopback is never one of them, :func:`syncdp.launch.hosts.job_address`);
 SYNCDP_JOB_ID and SYNCDP_REPORT_SECRET, the job's id and the key its reports are signed with
 (new for every job; exported to other hosts by name, so never on a command line);
 SYNCDP_CARRIED, the names of the variables every process of the job carries, so that a rank
@@ -52,11 +53,11 @@ Elastic mode: ``--min-np M``, ``--max-np K``, ``--elastic`` or ``--host-discover
 (horovodrun's flags) run mpirun with ``--with-ft ulfm`` (checked first: an MPI without ULFM is an
 error before anything starts, and so is a discovery script that fails); a lost or stalled rank
 is replaced while training goes on, and the launcher logs each membership change
-(:mod:`launch.elastic`). ``--min-np`` defaults to
+(:mod:`syncdp.launch.elastic`). ``--min-np`` defaults to
 ``-np`` and may not exceed it; ``--max-np`` may not be below it. A lost *host* ends Open MPI's
 runtime, so the launcher ends what is left of it and starts the job again on the hosts left,
 where the ranks resume from the last commit, which each host keeps on its local disk
-(SYNCDP_COMMIT_DIR on every rank of a job on several listed hosts; :mod:`launch.restart`).
+(SYNCDP_COMMIT_DIR on every rank of a job on several listed hosts; :mod:`syncdp.launch.restart`).
 With a discovery script, ``--slots-per-host`` also gives the slots of a host it prints without a
 count (SYNCDP_DISCOVERY_SLOTS on every rank).
 
@@ -64,7 +65,7 @@ Failures arrive as data, not as text to parse: ranks and their supervisors send 
 report per event to SYNCDP_REPORT_ADDR (:mod:`syncdp.watch.report`); the launcher listens only on
 the interface the job uses (loopback for a job on one host), drops reports that do not prove
 they are this job's and says how many it dropped. The verdict comes from the reports, never
-from mpirun's exit code (:mod:`launch.verdict`): the job succeeded only if every rank's
+from mpirun's exit code (:mod:`syncdp.launch.verdict`): the job succeeded only if every rank's
 supervisor reported a clean exit; otherwise the last line names the first failure, and the
 ranks that never reported are named with their hosts and why. The launcher also bounds
 start-up: once the first rank has reached ``syncdp.init()``, every rank must follow within the
@@ -73,7 +74,7 @@ A program that never calls ``syncdp.init()`` is never stopped for this.
 
 Nothing of a job outlives the launcher, however it ends (SIGKILL included): mpirun gets SIGTERM
 when the launcher dies, and every supervisor, on every host, ends its rank and Open MPI's
-daemon when its lifeline to the launcher closes (:mod:`launch.lifeline`).
+daemon when its lifeline to the launcher closes (:mod:`syncdp.launch.lifeline`).
 """
 
 from __future__ import annotations
@@ -88,17 +89,17 @@ import sys
 import time
 from collections.abc import Collection, Mapping
 
-from launch import cleanup, output, restart, supervision
-from launch import hosts as _hosts
-from launch.cli import LOG_LEVELS, TCP_ONLY, LaunchConfig, build_parser, parse_args
-from launch.elastic import ElasticLog, check_discovery, check_ulfm
-from launch.lifeline import LIFELINE_VAR, LifelineServer, lost_after
-from launch.report_server import ReportServer, describe_rejected
-from launch.restart import Restarts
-from launch.summary import TimingBoard
-from launch.verdict import Verdict, ranks_text
 from syncdp.base import settings
 from syncdp.base.errors import ConfigError
+from syncdp.launch import cleanup, output, restart, supervision
+from syncdp.launch import hosts as _hosts
+from syncdp.launch.cli import LOG_LEVELS, TCP_ONLY, LaunchConfig, build_parser, parse_args
+from syncdp.launch.elastic import ElasticLog, check_discovery, check_ulfm
+from syncdp.launch.lifeline import LIFELINE_VAR, LifelineServer, lost_after
+from syncdp.launch.report_server import ReportServer, describe_rejected
+from syncdp.launch.restart import Restarts
+from syncdp.launch.summary import TimingBoard
+from syncdp.launch.verdict import Verdict, ranks_text
 from syncdp.membership import jobenv, membership, spares
 from syncdp.membership.commits import COMMIT_DIR_VAR
 from syncdp.watch import report
@@ -238,7 +239,7 @@ def _find_mpirun() -> str:
 
 
 def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpirun") -> list[str]:
-    """The mpirun command line that starts every rank under :mod:`launch.worker`.
+    """The mpirun command line that starts every rank under :mod:`syncdp.launch.worker`.
 
     Args:
         config: The parsed command line.
@@ -296,8 +297,8 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
         cmd += ["-x", key]
     cmd += list(config.mpi_args)
     # -P: the job's working directory is not put first on the supervisor's sys.path, where a
-    # launch.py or launch/ of the user's project would be imported instead of this package.
-    cmd += [sys.executable, "-P", "-m", "launch.worker", *config.command]
+    # launch.py or syncdp/launch/ of the user's project would be imported instead of this package.
+    cmd += [sys.executable, "-P", "-m", "syncdp.launch.worker", *config.command]
     return cmd
 
 
@@ -344,8 +345,9 @@ def _listed_hosts(config: LaunchConfig) -> list[_hosts.Host]:
 
 
 def _sweeper(config: LaunchConfig, job: report.Job) -> cleanup.Sweeper:
-    """What kills the job's leftovers on hosts whose ranks never reported (:mod:`launch.cleanup`),
-    through the remote shell that started Open MPI's daemons there."""
+    """What kills the job's leftovers on hosts whose ranks never reported
+    (:mod:`syncdp.launch.cleanup`), through the remote shell that started Open MPI's daemons
+    there."""
     shell = _hosts.remote_shell(
         config.mpi_args,
         ssh_port=config.ssh_port,
@@ -429,14 +431,14 @@ def run(config: LaunchConfig) -> int:
     """Starts the job, copies its output, and returns the launcher's exit status.
 
     An elastic job that loses a host is started again on the hosts left, from its last commit
-    (:mod:`launch.restart`), as often as hosts remain and ``--reset-limit`` allows. The
+    (:mod:`syncdp.launch.restart`), as often as hosts remain and ``--reset-limit`` allows. The
     launcher's own lines outlive their reader (:class:`_Console`).
 
     Args:
         config: The parsed command line.
 
     Returns:
-        0 when every rank reported a clean exit (:mod:`launch.verdict`); otherwise the first
+        0 when every rank reported a clean exit (:mod:`syncdp.launch.verdict`); otherwise the first
         failure's exit status (1 when it has none), 128 + the signal number when the launcher
         was stopped by SIGINT, SIGTERM or SIGHUP, 2 when the settings are not allowed.
     """
@@ -719,7 +721,7 @@ def _run_once(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``syncdp-run`` and ``python -m launch``.
+    """Entry point of ``syncdp-run`` and ``python -m syncdp.launch``.
 
     Args:
         argv: The arguments after the program name. Defaults to ``sys.argv[1:]``.

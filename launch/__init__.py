@@ -1,1 +1,0 @@
-"""The ``syncdp-run`` launcher (see :mod:`launch.run`)."""

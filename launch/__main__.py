@@ -1,7 +1,0 @@
-"""``python -m launch`` is ``syncdp-run``."""
-
-import sys
-
-from launch.run import main
-
-sys.exit(main())

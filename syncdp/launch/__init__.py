@@ -1,0 +1,1 @@
+"""The ``syncdp-run`` launcher (see :mod:`syncdp.launch.run`)."""
