@@ -35,6 +35,8 @@ __all__ = [
     "remote_shell",
     "check_hosts",
     "host_problems",
+    "stop_probes",
+    "loopback_interface",
     "is_local",
     "resolve",
     "local_address",
