@@ -286,14 +286,9 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
         outside = [i for i in config.network_interfaces if not _hosts.loopback_interface(i)]
         if outside:
             cmd += ["--prtemca", "oob_tcp_if_include", ",".join(outside)]
-    # Ranks on other hosts do not inherit mpirun's environment: export what they need.
-    exported = sorted(
-        k
-        for k in env
-        if k.startswith(("SYNCDP_", "OMPI_ALLOW", "TF_"))
-        or k in ("PYTHONUNBUFFERED", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH")
-    )
-    for key in exported:
+    # Ranks on other hosts do not inherit mpirun's environment: export it, by name, as
+    # horovodrun does (jobenv.exported leaves out what belongs to this host or process).
+    for key in sorted(k for k in env if jobenv.exported(k)):
         cmd += ["-x", key]
     cmd += list(config.mpi_args)
     # -P: the job's working directory is not put first on the supervisor's sys.path, where a

@@ -1,6 +1,7 @@
 """What every process of a launched job carries: the job's settings and its identity.
 
-``syncdp-run`` gives the ranks it starts their settings and identity as environment variables
+``syncdp-run`` gives the ranks it starts its environment, as horovodrun does (:func:`exported`:
+all but what belongs to its own host or process), with their settings and identity among it
 (``SYNCDP_*``, the job's id and secret, the launcher's addresses), exported to other hosts by
 name with mpirun's ``-x``. A process the job starts later is not covered by that list: a
 replacement or a new warm spare is spawned by a rank, and Open MPI starts it from the daemon on
@@ -14,9 +15,10 @@ that spawns passes those variables on with its own values (:func:`spawn_parts`):
 - the job's id and secrets (every ``*_SECRET``) through the spawn's MPI info (``PMIX_ENVAR``:
   Open MPI sets them in the new process's environment), never on a command line, where any user
   of the host could read them; Open MPI bounds an info value to 255 characters, which they fit;
-- everything else (settings, addresses, ``SYNCDP_CARRIED`` itself, the user's ``TF_*`` and
-  ``-x`` variables) as one JSON argument of :mod:`syncdp.launch.worker` (``--job-env``), which the
-  supervisor puts into its environment before it reads any setting.
+- everything else (settings, addresses, ``SYNCDP_CARRIED`` itself, the user's variables but
+  those that look like credentials, and ``-x`` ones) as one JSON argument of
+  :mod:`syncdp.launch.worker` (``--job-env``), which the supervisor puts into its environment
+  before it reads any setting.
 
 A process that was spawned (``SYNCDP_REPLACEMENT`` set) and still lacks them refuses to train
 (:func:`missing`, checked by ``syncdp.init()``).
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
 
 from syncdp.watch import report
@@ -35,6 +38,7 @@ from syncdp.watch import report
 __all__ = [
     "CARRIED_VAR",
     "JOB_ENV_FLAG",
+    "exported",
     "carried_names",
     "carried",
     "spawn_parts",
@@ -58,15 +62,27 @@ _INFO_VALUE_CHARS = 255
 _IDENTITY = ("SYNCDP_LAUNCHER", report.JOB_VAR, report.SECRET_VAR, _LIFELINE_VAR)
 
 
-def _exported(name: str) -> bool:
-    """Names the launcher gives every rank (syncdp.launch.run.build_command exports these by
-    name)."""
-    return name.startswith(("SYNCDP_", "OMPI_ALLOW", "TF_")) or name in (
-        "PYTHONUNBUFFERED",
-        "PYTHONPATH",
-        "PATH",
-        "LD_LIBRARY_PATH",
-    )
+# The launcher's variables it does not give the ranks: those of its own host and login (as
+# horovodrun leaves out OLDPWD, BASH_FUNC_* and CUDA_VISIBLE_DEVICES; the remote shell sets
+# HOME, USER and the like for the host), and those Open MPI,
+# PMIx and Slurm set per process or read themselves (OMPI_MCA_* reach the ranks through
+# mpirun; -x would give every rank the launcher's own OMPI_COMM_WORLD_RANK or SLURM_PROCID).
+_NOT_EXPORTED = re.compile(
+    r"BASH_FUNC_.*|OLDPWD|PWD|HOSTNAME|HOME|USER|LOGNAME|SHELL|MAIL|SHLVL|_|SSH_.*|DISPLAY"
+    r"|.*CUDA_VISIBLE_DEVICES"
+    r"|XDG_RUNTIME_DIR|XDG_SESSION_.*|OMPI_(?!ALLOW_RUN_AS_ROOT).*|PMIX_.*|PRTE_.*|PRRTE_.*"
+    r"|SLURM_.*|SLURMD_.*"
+)
+# Names that look like credentials: given to the first ranks by name (-x), but not carried to
+# a spawned process, whose job environment travels on its command line (see the docstring).
+_CREDENTIAL = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|API_?KEY|ACCESS_KEY|PRIVATE")
+
+
+def exported(name: str) -> bool:
+    """Whether the launcher gives its variable ``name`` to every rank, on every host (by name,
+    with mpirun's ``-x``), as horovodrun does: all but those of its own host and session and
+    Open MPI's, PMIx's and Slurm's per-process ones."""
+    return _NOT_EXPORTED.fullmatch(name) is None
 
 
 def carried_names(env: Mapping[str, str], extra: Iterable[str] = ()) -> list[str]:
@@ -78,9 +94,16 @@ def carried_names(env: Mapping[str, str], extra: Iterable[str] = ()) -> list[str
             settings the launcher or the user put in the environment). Defaults to none.
 
     Returns:
-        The names, sorted: those of ``env`` the launcher exports, and ``extra``.
+        The names, sorted: those of ``env`` the launcher exports (:func:`exported`) but the
+        user's that look like credentials (``*TOKEN*``, ``*PASSWORD*``, ...: they would be on
+        a command line), and ``extra``.
     """
-    names = {n for n in env if _exported(n)} | set(extra)
+    names = {
+        n
+        for n in env
+        if exported(n) and (n.startswith("SYNCDP_") or not _CREDENTIAL.search(n.upper()))
+    }
+    names |= set(extra)
     return sorted(names - _PER_PROCESS - {CARRIED_VAR})
 
 

@@ -47,6 +47,7 @@ def _flags(cluster, *extra):
 
 
 JOB = """
+import os
 import socket
 import numpy as np
 import tensorflow as tf
@@ -57,6 +58,10 @@ from syncdp.job import runtime
 syncdp.init()
 r, n = syncdp.rank(), syncdp.size()
 host = socket.gethostname()
+# The launcher's environment reaches every host, as horovodrun's does (the remote shell gives
+# a bare one); its own host's name does not.
+assert os.environ.get("PROJECT_DATA") == "/data/set 1", os.environ.get("PROJECT_DATA")
+assert os.environ.get("HOSTNAME") != "launcher-host", host
 comm = runtime.communicator()
 # Horovod's local/cross ranks from shared memory: 2 ranks per host, ranks in host order.
 hosts = syncdp.allgather_object(host)
@@ -90,7 +95,8 @@ print(f"rank {r} on {host}: ok", flush=True)
 
 def test_six_ranks_on_three_hosts(cluster, tmp_path):
     script = python_script(tmp_path, JOB)
-    result = check(launch(6, "python", script, launcher_args=_flags(cluster), timeout=300))
+    env = {"PROJECT_DATA": "/data/set 1", "HOSTNAME": "launcher-host"}
+    result = check(launch(6, "python", script, launcher_args=_flags(cluster), env=env, timeout=300))
     for r in range(6):
         assert f"[{r}]<stdout>:rank {r} on {HOSTS[r // 2]}: ok" in result.stdout
 

@@ -26,7 +26,15 @@ def _rank_env(*argv: str) -> dict[str, str]:
     config = run.parse_args(["-np", "2", "--min-np", "1", *argv, "python", "train.py"])
     return run.build_env(
         config,
-        environ={"PATH": "/usr/bin", "HOME": "/root", "MY_VAR": "x", "OMPI_MCA_btl": "self,tcp"},
+        environ={
+            "PATH": "/usr/bin",
+            "HOME": "/root",
+            "MY_VAR": "x",
+            "OMPI_MCA_btl": "self,tcp",
+            "DATA_DIR": "/data",
+            "HF_TOKEN": "hf_xyz",
+            "SLURM_PROCID": "0",
+        },
         report_addr="10.0.0.1:5000",
         lifeline_addr="10.0.0.1:5001",
         job=_JOB,
@@ -50,9 +58,13 @@ def test_the_launcher_names_what_every_process_carries():
         "OMPI_MCA_btl",  # the user's Open MPI settings
         "MY_VAR",  # the user's -x NAME
         "OTHER",  # and -x NAME=VALUE
+        "DATA_DIR",  # the user's variables, as horovodrun exports them
     ):
         assert name in names, name
     assert "HOME" not in names and jobenv.CARRIED_VAR not in names
+    # A credential would be on a spawned supervisor's command line; a per-task Slurm value
+    # would be wrong on every other rank.
+    assert "HF_TOKEN" not in names and "SLURM_PROCID" not in names
     # Every name is one variable: ranks read them back with split(",").
     assert all(n and "=" not in n for n in names)
 

@@ -257,6 +257,39 @@ def test_mpirun_command_exports_the_job_by_name_never_its_secret():
     assert cmd[-6:] == [sys.executable, "-P", "-m", "syncdp.launch.worker", "python", "train.py"]
 
 
+def test_mpirun_exports_the_launchers_environment_as_horovodrun_does():
+    # Ranks on other hosts start from the bare environment the remote shell gives: every
+    # variable of the launcher's reaches them by name (horovodrun's -x for each), but those of
+    # its own host and login, and Open MPI's, PMIx's and Slurm's per-process ones.
+    c = run.parse_args(["-np", "2", "-H", "h1:1,h2:1", "python", "train.py"], environ={})
+    given = {
+        "DATA_DIR": "/data",
+        "OMP_NUM_THREADS": "4",
+        "NCCL_DEBUG": "INFO",
+        "HF_TOKEN": "hf_x",
+        "TMPDIR": "/scratch",
+    }
+    own = {
+        "HOSTNAME": "node0",
+        "PWD": "/home/u",
+        "OLDPWD": "/",
+        "HOME": "/home/u",
+        "SHLVL": "2",
+        "SSH_CONNECTION": "1 2 3 4",
+        "CUDA_VISIBLE_DEVICES": "0",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "OMPI_COMM_WORLD_RANK": "0",
+        "PMIX_RANK": "0",
+        "OMPI_MCA_btl": "self,tcp",  # mpirun passes Open MPI's settings on itself
+        "BASH_FUNC_f%%": "() { :; }",
+    }
+    cmd = run.build_command(c, run.build_env(c, environ={**given, **own}), mpirun="mpirun")
+    exported = {cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"}
+    assert set(given) <= exported
+    assert not set(own) & exported, set(own) & exported
+
+
 def test_an_enclosing_jobs_channel_is_never_passed_on():
     outer = {report.ADDRESS_VAR: "a:1", LIFELINE_VAR: "a:2", **report.Job.new().env()}
     env = run.build_env(run.parse_args(["-np", "1", "python"], environ={}), environ=outer)
