@@ -177,9 +177,9 @@ class Sweeper:
     Args:
         job_id: The job's id.
         shell: The remote shell, ``[*shell, HOST, COMMAND]``
-        (:func:`syncdp.launch.hosts.remote_shell`). hosts: The hosts of ``-H``/``--hostfile``, in
-        order; empty for a job on this machine. timeout: The most one sweep takes. Defaults to
-        :data:`SWEEP_SECONDS`.
+            (:func:`syncdp.launch.hosts.remote_shell`).
+        hosts: The hosts of ``-H``/``--hostfile``, in order; empty for a job on this machine.
+        timeout: The most one sweep takes. Defaults to :data:`SWEEP_SECONDS`.
     """
 
     def __init__(

@@ -3,8 +3,8 @@ turned into one :class:`LaunchConfig` before anything starts (:func:`parse_args`
 
 The command line is horovodrun's: every flag of horovodrun 0.28 is accepted with Horovod's
 spelling and argument type (:mod:`syncdp.launch.horovodrun_flags` has the table).
-:mod:`syncdp.launch.run` turns the LaunchConfig into mpirun's environment and command and runs the
-job.
+:mod:`syncdp.launch.run` turns the LaunchConfig into mpirun's environment and command and runs
+the job.
 
 Flags of the launcher itself:
 

@@ -183,8 +183,8 @@ def apply(
             arguments are parsed by it, so a value is checked as its flag's is.
         args: The command line, parsed.
         spelled: dest -> how the command line spelled it
-        (:func:`syncdp.launch.horovodrun_flags.scan`);
-            the places the file sets are added, as ``"KEY in PATH"``.
+            (:func:`syncdp.launch.horovodrun_flags.scan`); the places the file sets are added,
+            as ``"KEY in PATH"``.
 
     Returns:
         A line for each key of the file that horovodrun does not read.

@@ -21,8 +21,8 @@ The pipeline, each step testable without starting a process: :func:`syncdp.launc
 their own modules:
 :mod:`syncdp.launch.report_server` (the authenticated report channel),
 :mod:`syncdp.launch.lifeline` (the job ends with the launcher), :mod:`syncdp.launch.verdict`
-(success or failure, from the reports) and :mod:`syncdp.launch.supervision` (mpirun as a child
-process).
+(success or failure, from the reports) and :mod:`syncdp.launch.supervision` (mpirun as a
+child process).
 
 The command line itself (the launcher's flags, the settings' flags, ``--spares``) is
 parsed and checked by :mod:`syncdp.launch.cli`.

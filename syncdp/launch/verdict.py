@@ -269,9 +269,8 @@ class Verdict:
         """The verdict, once mpirun has ended.
 
         Args:
-            links: Each rank's lifeline (:meth:`syncdp.launch.lifeline.LifelineServer.links`), to
-            say
-                why a rank never reported. Defaults to none known.
+            links: Each rank's lifeline (:meth:`syncdp.launch.lifeline.LifelineServer.links`),
+                to say why a rank never reported. Defaults to none known.
             mpirun_code: mpirun's exit status, only to mention when no rank ever started.
                 Defaults to None.
 

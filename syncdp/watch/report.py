@@ -23,8 +23,7 @@ Its ``kind`` says what happened; the launcher reads the fields and never parses 
                    ``code`` (exit status) or ``signal`` (number); ``requested`` is true when
                    it was stopped because the job was ending
     lifeline       written by the supervisor on its lifeline connection
-    (``syncdp.launch.lifeline``):
-                   this rank's program started with ``pid``
+                   (``syncdp.launch.lifeline``): this rank's program started with ``pid``
 
 Every report proves it comes from this job. The launcher makes a random secret and a job id for
 each job and gives them only to the job's processes, in their environment
