@@ -635,7 +635,7 @@ def _run_once(
         files=files,
         full_banners=chatty,
         chatter=chatty,
-        on_banner=loss.on_banner,
+        on_banner=lambda words: (loss.on_banner(words), verdict.on_banner(words)),
         recovery_notes=chatty or not config.elastic,
         said=said,
         flow=flow,

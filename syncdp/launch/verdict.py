@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import signal
 import threading
 import time
@@ -33,6 +34,11 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from syncdp.launch.worker import describe_exit
+
+# mpirun's banner for a rank's own MPI_Abort, its words joined by single spaces.
+_ABORTED = re.compile(
+    r"MPI_ABORT was invoked on rank (\d+) in communicator MPI_COMM_WORLD .*?Errorcode: (-?\d+)"
+)
 
 if TYPE_CHECKING:
     from syncdp.launch.elastic import ElasticLog
@@ -135,6 +141,17 @@ class Verdict:
         self._first_start: float | None = None  # time.monotonic() of the first "started"
         self._created = time.monotonic()  # just before mpirun starts
         self._lock = threading.Lock()
+        # Rank -> error code of an MPI_Abort its own code called (mpirun's banner says so).
+        self.aborted: dict[int, int] = {}
+
+    def on_banner(self, words: str) -> None:
+        """For :func:`syncdp.launch.output.copy_output`: notes a rank that called
+        ``MPI_Abort`` (outside elastic mode, its rank in ``MPI_COMM_WORLD`` is the job's). A
+        rank that aborts with error code 0 exits 0, and must not count as a clean exit."""
+        found = _ABORTED.search(words)
+        if found and self.elastic is None:
+            with self._lock:
+                self.aborted.setdefault(int(found[1]), int(found[2]))
 
     def add(self, report: dict) -> None:
         """Records one report; sets :attr:`failed` when it is a failure."""
@@ -286,8 +303,12 @@ class Verdict:
             clean = [
                 r
                 for r, e in self.exits.items()
-                if r in range(self.num_proc) and not e.get("code") and not e.get("signal")
+                if r in range(self.num_proc)
+                and not e.get("code")
+                and not e.get("signal")
+                and r not in self.aborted
             ]
+            aborted = sorted(r for r, e in self.exits.items() if r in self.aborted)
         # After a failure the job is ended on purpose, and supervisors killed in the teardown
         # are its casualties, not news; hosts gone silent or ranks never started still are.
         silent = self._unreported_text(links, mpirun_code, teardown=first is not None)
@@ -298,6 +319,15 @@ class Verdict:
             return Outcome(_exit_status(first), tuple(lines))
         if silent:
             return Outcome(1, (f"the job failed ({tally}): {silent}",))
+        if aborted:
+            r = aborted[0]
+            return Outcome(
+                1,
+                (
+                    f"the job failed ({tally}): rank {r} called MPI_Abort with error code "
+                    f"{self.aborted[r]}, and its process exited {self.exits[r].get('code', 0)}",
+                ),
+            )
         if len(clean) < self.num_proc:
             return Outcome(1, (f"the job failed ({tally}): {self._stopped_text()}",))
         return Outcome(0)

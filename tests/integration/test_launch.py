@@ -83,6 +83,22 @@ def test_loopback_as_the_network_interface_runs_the_job(n, interfaces):
     assert sorted(re.findall(r"<stdout>:up (\d)", result.stdout)) == [str(r) for r in range(n)]
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_rank_that_calls_mpi_abort_with_code_0_fails_the_job_named(tmp_path, n):
+    # MPI_Abort(0) in the program's own code: the aborting process exits 0, but the job did
+    # not succeed, and the rank that aborted (not one stopped as the job ended) is named.
+    script = python_script(
+        tmp_path,
+        "import time\nfrom mpi4py import MPI\n"
+        "if MPI.COMM_WORLD.Get_rank() == 1:\n    MPI.COMM_WORLD.Abort(0)\ntime.sleep(30)\n",
+    )
+    result = launch(n, "python", script, timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("syncdp-run: the job failed ("), last
+    assert last.endswith("rank 1 called MPI_Abort with error code 0, and its process exited 0")
+
+
 def test_exception_on_one_rank_ends_the_job_naming_it(tmp_path):
     script = python_script(
         tmp_path,
