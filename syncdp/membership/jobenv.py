@@ -15,8 +15,8 @@ that spawns passes those variables on with its own values (:func:`spawn_parts`):
 - the job's id and secrets (every ``*_SECRET``) through the spawn's MPI info (``PMIX_ENVAR``:
   Open MPI sets them in the new process's environment), never on a command line, where any user
   of the host could read them; Open MPI bounds an info value to 255 characters, which they fit;
-- everything else (settings, addresses, ``SYNCDP_CARRIED`` itself, the user's variables but
-  those that look like credentials, and ``-x`` ones) as one JSON argument of
+- everything else (settings, addresses, ``SYNCDP_CARRIED`` itself, ``PATH``, ``PYTHONPATH``,
+  ``LD_LIBRARY_PATH``, the user's ``TF_*`` and ``-x`` variables) as one JSON argument of
   :mod:`syncdp.launch.worker` (``--job-env``), which the supervisor puts into its environment
   before it reads any setting.
 
@@ -68,14 +68,19 @@ _IDENTITY = ("SYNCDP_LAUNCHER", report.JOB_VAR, report.SECRET_VAR, _LIFELINE_VAR
 # PMIx and Slurm set per process or read themselves (OMPI_MCA_* reach the ranks through
 # mpirun; -x would give every rank the launcher's own OMPI_COMM_WORLD_RANK or SLURM_PROCID).
 _NOT_EXPORTED = re.compile(
-    r"BASH_FUNC_.*|OLDPWD|PWD|HOSTNAME|HOME|USER|LOGNAME|SHELL|MAIL|SHLVL|_|SSH_.*|DISPLAY"
-    r"|.*CUDA_VISIBLE_DEVICES"
+    r"BASH_FUNC_.*|OLDPWD|PWD|HOSTNAME|HOST|HOME|USER|LOGNAME|SHELL|MAIL|SHLVL|_|SSH_.*|DISPLAY"
+    r"|KRB5CCNAME|DBUS_SESSION_BUS_ADDRESS"
+    r"|.*CUDA_VISIBLE_DEVICES|ROCR_VISIBLE_DEVICES|HIP_VISIBLE_DEVICES|GPU_DEVICE_ORDINAL"
+    r"|ZE_AFFINITY_MASK|PMI_.*|MPI_LOCALRANKID|PBS_.*|LSB_.*"
     r"|XDG_RUNTIME_DIR|XDG_SESSION_.*|OMPI_(?!ALLOW_RUN_AS_ROOT).*|PMIX_.*|PRTE_.*|PRRTE_.*"
     r"|SLURM_.*|SLURMD_.*"
 )
-# Names that look like credentials: given to the first ranks by name (-x), but not carried to
-# a spawned process, whose job environment travels on its command line (see the docstring).
-_CREDENTIAL = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|API_?KEY|ACCESS_KEY|PRIVATE")
+# What a spawned process carries of the launcher's variables besides the job's (SYNCDP_*) and
+# the user's -x names: its job environment travels on its supervisor's command line, where any
+# user of the host can read it and Linux bounds one argument to 128 KiB, so not the whole
+# environment (a proxy URL with a password, Lmod's tables) but what the ranks need to start.
+_SPAWN_CARRIES = ("TF_", "OMPI_ALLOW")
+_SPAWN_CARRIES_NAMES = ("PYTHONUNBUFFERED", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH")
 
 
 def exported(name: str) -> bool:
@@ -94,14 +99,15 @@ def carried_names(env: Mapping[str, str], extra: Iterable[str] = ()) -> list[str
             settings the launcher or the user put in the environment). Defaults to none.
 
     Returns:
-        The names, sorted: those of ``env`` the launcher exports (:func:`exported`) but the
-        user's that look like credentials (``*TOKEN*``, ``*PASSWORD*``, ...: they would be on
-        a command line), and ``extra``.
+        The names, sorted: those of ``env`` that are the job's (``SYNCDP_*``), ``TF_*``,
+        ``PATH``, ``PYTHONPATH``, ``LD_LIBRARY_PATH``, ``PYTHONUNBUFFERED`` and
+        ``OMPI_ALLOW_*``, and ``extra``. Not the rest of the launcher's environment, which the
+        first ranks get (:func:`exported`): it would ride on a command line.
     """
     names = {
         n
         for n in env
-        if exported(n) and (n.startswith("SYNCDP_") or not _CREDENTIAL.search(n.upper()))
+        if n.startswith(("SYNCDP_", *_SPAWN_CARRIES)) or n in _SPAWN_CARRIES_NAMES
     }
     names |= set(extra)
     return sorted(names - _PER_PROCESS - {CARRIED_VAR})
