@@ -350,6 +350,8 @@ def loopback_interface(interface: str) -> bool:
     try:
         return ipaddress.ip_network(interface, strict=False).is_loopback
     except ValueError:  # a name
+        if interface == "lo":  # Linux's, also where ip(8) cannot list addresses
+            return True
         address = local_address(interface)
         return address is not None and _loopback(address)
 
@@ -494,7 +496,7 @@ def job_address(
         return "127.0.0.1", ("127.0.0.1",)
     for interface in network_interfaces:
         address = local_address(interface)
-        if address:
+        if address and not _loopback(address):  # remote ranks cannot reach loopback
             return address, (address,)
     addresses = {name: _resolve(name) for name in remote}
     if slurm:

@@ -292,7 +292,7 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
         cmd += ["-x", key]
     cmd += list(config.mpi_args)
     # -P: the job's working directory is not put first on the supervisor's sys.path, where a
-    # launch.py or syncdp/launch/ of the user's project would be imported instead of this package.
+    # module of the user's project could be imported in place of one the supervisor uses.
     cmd += [sys.executable, "-P", "-m", "syncdp.launch.worker", *config.command]
     return cmd
 

@@ -344,7 +344,7 @@ def worker_args(label: int, command, *, spare: bool = False) -> list[str]:
     (:mod:`syncdp.membership.jobenv`), its output label, and the job's command."""
     args, _ = jobenv.spawn_parts()
     spare_flag = ["--spare"] if spare else []
-    # -P: not the user's launch.py from the working directory (see syncdp.launch.run.build_command).
+    # -P: not the user's modules from the working directory (see syncdp.launch.run.build_command).
     return [
         "-P",
         "-m",

@@ -474,6 +474,16 @@ def test_a_multi_host_job_listens_on_the_interface_towards_its_hosts():
     assert advertised == (address,) and address not in ("0.0.0.0", "127.0.0.1")
 
 
+def test_remote_ranks_are_never_told_a_loopback_interface():
+    # --network-interface lo,eth0 (or lo alone) with a remote host: loopback is skipped, as it
+    # is for a name that resolves there.
+    remote = [hosts.Host("192.0.2.7", 2)]
+    assert hosts.loopback_interface("lo") and hosts.loopback_interface("127.0.0.0/8")
+    for interfaces in (["lo"], ["127.0.0.0/8"], ["lo", "192.0.2.0/24"]):
+        address, advertised = hosts.job_address(remote, network_interfaces=interfaces)
+        assert not address.startswith("127.") and not any(a.startswith("127.") for a in advertised)
+
+
 def test_a_send_without_the_jobs_secret_is_not_delivered(listen, monkeypatch):
     verdict, server = listen()
     monkeypatch.setenv(report.ADDRESS_VAR, server.address)
