@@ -124,6 +124,7 @@ class RankFiles:
         self.directory = directory
         self._width = len(str(max(num_proc - 1, 0)))
         self._files: dict[tuple[int, str], BinaryIO] = {}
+        self._open_lines: set[tuple[int, str]] = set()  # the last write ended mid-line
         self._lock = threading.Lock()
         os.makedirs(directory, exist_ok=True)
         for rank in range(num_proc):
@@ -151,6 +152,19 @@ class RankFiles:
             f.flush()
         except OSError:
             pass
+        with self._lock:
+            if line.endswith(b"\n"):
+                self._open_lines.discard((rank, stream))
+            elif line:
+                self._open_lines.add((rank, stream))
+
+    def end_open_lines(self) -> None:
+        """Ends with a newline each file whose rank's last words had none: a restarted job's
+        ranks write on in the same files, and their first line must not join that one."""
+        with self._lock:
+            ended, self._open_lines = self._open_lines, set()
+        for rank, stream in sorted(ended):
+            self.write(rank, stream, b"\n")
 
     def close(self) -> None:
         """Closes every file."""

@@ -512,6 +512,8 @@ def _run(config: LaunchConfig) -> int:
                 )
                 return 1
             _say(f"elastic: {line}")
+            if files is not None:
+                files.end_open_lines()
             job = report.Job.new()  # the old runtime's stragglers can no longer report
     finally:
         if files is not None:

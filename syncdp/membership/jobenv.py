@@ -105,9 +105,7 @@ def carried_names(env: Mapping[str, str], extra: Iterable[str] = ()) -> list[str
         first ranks get (:func:`exported`): it would ride on a command line.
     """
     names = {
-        n
-        for n in env
-        if n.startswith(("SYNCDP_", *_SPAWN_CARRIES)) or n in _SPAWN_CARRIES_NAMES
+        n for n in env if n.startswith(("SYNCDP_", *_SPAWN_CARRIES)) or n in _SPAWN_CARRIES_NAMES
     }
     names |= set(extra)
     return sorted(names - _PER_PROCESS - {CARRIED_VAR})

@@ -62,6 +62,20 @@ def test_an_unterminated_last_line_stays_with_its_rank(tmp_path):
     assert (tmp_path / "rank.1" / "stdout").read_bytes() == b"first\npartial line from rank 1"
 
 
+def test_a_restarted_jobs_first_line_does_not_join_the_last_runtimes_unterminated_one(tmp_path):
+    # Keras' progress bar ends in "\r...", no newline, until the epoch ends: after a host-loss
+    # restart the same rank's file takes the new runtime's lines on a line of their own.
+    files = output.RankFiles(str(tmp_path), 1)
+    _launcher(_supervised(0, b"epoch 1\n\r 10/100 loss: 0.5"), files)
+    files.end_open_lines()
+    _launcher(_supervised(0, b"resumed\n"), files)
+    files.end_open_lines()  # nothing open: nothing added
+    files.close()
+    assert (tmp_path / "rank.0" / "stdout").read_bytes() == (
+        b"epoch 1\n\r 10/100 loss: 0.5\nresumed\n"
+    )
+
+
 def test_an_unterminated_line_over_a_piece_is_joined_whole_among_other_ranks(tmp_path):
     long_tail = b"x" * (output.PIECE_BYTES + 123)  # two pieces, the last unterminated
     one = _supervised(1, long_tail).splitlines(keepends=True)
