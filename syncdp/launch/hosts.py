@@ -236,21 +236,24 @@ def remote_shell(
     return cmd
 
 
-# The host checks' remote shells running now, for stop_probes().
+# The host checks' remote shells running now, for stop_probes(), which also stops new ones.
 _PROBES: set[subprocess.Popen] = set()
 _PROBES_LOCK = threading.Lock()
+_PROBES_STOPPED = threading.Event()
 
 
 def _probe(shell: list[str], host: str, timeout: float) -> tuple[str | None, str]:
     """Runs the version probe on ``host``; returns (its output or None, why it failed)."""
     command = f"{shlex.quote(sys.executable)} -c {shlex.quote(_PROBE)}"
-    try:
-        proc = subprocess.Popen(
-            [*shell, host, command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-    except OSError as e:
-        return None, f"the remote shell {shell[0]!r} could not run: {e.strerror}"
-    with _PROBES_LOCK:
+    with _PROBES_LOCK:  # started and registered at once: stop_probes misses none
+        if _PROBES_STOPPED.is_set():
+            return None, "not checked: the launcher is stopping"
+        try:
+            proc = subprocess.Popen(
+                [*shell, host, command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        except OSError as e:
+            return None, f"the remote shell {shell[0]!r} could not run: {e.strerror}"
         _PROBES.add(proc)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -270,8 +273,10 @@ def _probe(shell: list[str], host: str, timeout: float) -> tuple[str | None, str
 
 
 def stop_probes() -> None:
-    """Kills the host checks' remote shells still running (the launcher is stopping)."""
+    """Kills the host checks' remote shells still running, and starts no more (the launcher
+    is stopping)."""
     with _PROBES_LOCK:
+        _PROBES_STOPPED.set()
         running = list(_PROBES)
     for proc in running:
         with contextlib.suppress(OSError):

@@ -504,7 +504,13 @@ def _run(config: LaunchConfig) -> int:
             if ended.loss is None:
                 return ended.code
             assert restarts is not None  # only a job that can restart reports a loss
-            attempt, line = restarts.next_config(attempt, ended.loss)
+            try:
+                with _signals_raise():  # it checks the hosts left, as before the first start
+                    attempt, line = restarts.next_config(attempt, ended.loss)
+            except _Stopped as e:
+                _hosts.stop_probes()
+                _say(f"stopped by {signal.Signals(e.signum).name} before the job's restart.")
+                return 128 + e.signum
             if attempt is None:
                 _say(
                     f"the job failed (elastic): host {ended.loss.host} was lost "
