@@ -297,31 +297,11 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
     return cmd
 
 
-class _Stopped(Exception):
-    """SIGINT, SIGTERM or SIGHUP arrived before the job started (:func:`_signals_raise`)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _signals_raise():
-    """Within: SIGINT, SIGTERM and SIGHUP raise :class:`_Stopped` (those ignored when the
-    launcher started stay ignored), so work before the job starts ends as the job would."""
-
-    def raise_stopped(signum, frame):
-        raise _Stopped(signum)
-
-    previous = {}
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(s) is not signal.SIG_IGN:
-            previous[s] = signal.signal(s, raise_stopped)
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+def _stopped(e: supervision.Stopped, when: str) -> int:
+    """A signal before the job (re)started: the host checks killed, one line, 128 + it."""
+    _hosts.stop_probes()
+    _say(f"stopped by {signal.Signals(e.signum).name} {when}.")
+    return 128 + e.signum
 
 
 def _check_hosts(config: LaunchConfig) -> str | None:
@@ -465,15 +445,10 @@ def _run(config: LaunchConfig) -> int:
             return 2
     if config.multihost:
         try:
-            with _signals_raise():
+            with supervision.StopOnSignals(None):
                 problem = _check_hosts(config)
-        except _Stopped as e:
-            _hosts.stop_probes()
-            _say(
-                f"stopped by {signal.Signals(e.signum).name} while checking the hosts; no rank "
-                "was started."
-            )
-            return 128 + e.signum
+        except supervision.Stopped as e:
+            return _stopped(e, "while checking the hosts; no rank was started")
         if problem is not None:
             _say(problem)
             return 1
@@ -505,12 +480,10 @@ def _run(config: LaunchConfig) -> int:
                 return ended.code
             assert restarts is not None  # only a job that can restart reports a loss
             try:
-                with _signals_raise():  # it checks the hosts left, as before the first start
+                with supervision.StopOnSignals(None):  # it checks the hosts left
                     attempt, line = restarts.next_config(attempt, ended.loss)
-            except _Stopped as e:
-                _hosts.stop_probes()
-                _say(f"stopped by {signal.Signals(e.signum).name} before the job's restart.")
-                return 128 + e.signum
+            except supervision.Stopped as e:
+                return _stopped(e, "before the job's restart")
             if attempt is None:
                 _say(
                     f"the job failed (elastic): host {ended.loss.host} was lost "

@@ -181,11 +181,20 @@ def _every_rank_reported(verdict: Verdict) -> bool:
     return all(report is not None for report in unfinished.values())
 
 
+class Stopped(Exception):
+    """A signal stopped the launcher before the job started (:class:`StopOnSignals`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class StopOnSignals:
     """``with StopOnSignals(process) as signals:`` SIGINT, SIGTERM and SIGHUP stop the job.
 
-    A signal that was ignored when the launcher started (``nohup`` ignores SIGHUP) stays
-    ignored.
+    Before the job starts (``process`` None: the hosts are being checked), they raise
+    :class:`Stopped` in the main thread instead. A signal that was ignored when the launcher
+    started (``nohup`` ignores SIGHUP) stays ignored.
 
     Attributes:
         received: The signals received, in order.
@@ -193,13 +202,15 @@ class StopOnSignals:
 
     _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-    def __init__(self, process: subprocess.Popen):
+    def __init__(self, process: subprocess.Popen | None):
         self.process = process
         self.received: list[int] = []
         self._previous: dict[int, object] = {}
 
     def _on_signal(self, signum, frame) -> None:
         self.received.append(signum)
+        if self.process is None:
+            raise Stopped(signum)
         threading.Thread(target=stop, args=(self.process,), daemon=True).start()
 
     def __enter__(self) -> StopOnSignals:
