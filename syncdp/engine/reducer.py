@@ -358,9 +358,9 @@ class BucketReducer:
         shard = -(-layout.total // n)
         send = _POOL.get(f"{self.name}.send", n * shard, dtype)
         members_end = self._write_step(send, layout, step_elems, step, comm)
+        if self.prescale != 1.0 and not self.scales_on_receipt:  # packed prescaled
+            flats = [_half_prescaled(f, self.prescale, dtype) for f in flats]
         _pack(send, layout, flats)
-        if self.prescale != 1.0 and not self.scales_on_receipt:
-            send[:members_end] = _half_prescaled(send[:members_end], self.prescale, dtype)
         received = _POOL.get(f"{self.name}.scatter", n * shard, dtype).reshape(n, shard)
         comm.alltoall(
             send.reshape(n, shard), name=f"{self.name}.scatter", out=received, info=self.info
