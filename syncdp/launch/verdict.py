@@ -308,7 +308,7 @@ class Verdict:
                 and not e.get("signal")
                 and r not in self.aborted
             ]
-            aborted = sorted(r for r, e in self.exits.items() if r in self.aborted)
+            aborted = sorted(r for r in self.exits if r in self.aborted)
         # After a failure the job is ended on purpose, and supervisors killed in the teardown
         # are its casualties, not news; hosts gone silent or ranks never started still are.
         silent = self._unreported_text(links, mpirun_code, teardown=first is not None)

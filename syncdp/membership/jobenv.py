@@ -64,9 +64,9 @@ _IDENTITY = ("SYNCDP_LAUNCHER", report.JOB_VAR, report.SECRET_VAR, _LIFELINE_VAR
 
 # The launcher's variables it does not give the ranks: those of its own host and login (as
 # horovodrun leaves out OLDPWD, BASH_FUNC_* and CUDA_VISIBLE_DEVICES; the remote shell sets
-# HOME, USER and the like for the host), and those Open MPI,
-# PMIx and Slurm set per process or read themselves (OMPI_MCA_* reach the ranks through
-# mpirun; -x would give every rank the launcher's own OMPI_COMM_WORLD_RANK or SLURM_PROCID).
+# HOME, USER and the like for the host), and those that MPI, PMIx and the batch systems set per
+# process or read themselves (OMPI_MCA_* reach the ranks through mpirun; -x would give every
+# rank the launcher's own OMPI_COMM_WORLD_RANK or SLURM_PROCID).
 _NOT_EXPORTED = re.compile(
     r"BASH_FUNC_.*|OLDPWD|PWD|HOSTNAME|HOST|HOME|USER|LOGNAME|SHELL|MAIL|SHLVL|_|SSH_.*|DISPLAY"
     r"|KRB5CCNAME|DBUS_SESSION_BUS_ADDRESS"
@@ -75,12 +75,19 @@ _NOT_EXPORTED = re.compile(
     r"|XDG_RUNTIME_DIR|XDG_SESSION_.*|OMPI_(?!ALLOW_RUN_AS_ROOT).*|PMIX_.*|PRTE_.*|PRRTE_.*"
     r"|SLURM_.*|SLURMD_.*"
 )
-# What a spawned process carries of the launcher's variables besides the job's (SYNCDP_*) and
-# the user's -x names: its job environment travels on its supervisor's command line, where any
-# user of the host can read it and Linux bounds one argument to 128 KiB, so not the whole
-# environment (a proxy URL with a password, Lmod's tables) but what the ranks need to start.
-_SPAWN_CARRIES = ("TF_", "OMPI_ALLOW")
-_SPAWN_CARRIES_NAMES = ("PYTHONUNBUFFERED", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH")
+
+
+def _spawns_carry(name: str) -> bool:
+    """Whether a spawned process carries the launcher's ``name`` (besides the user's ``-x``
+    names): its job environment travels on its supervisor's command line, where any user of the
+    host can read it and Linux bounds one argument to 128 KiB, so not the whole environment (a
+    proxy URL with a password, Lmod's tables) but the job's and what the ranks need to start."""
+    return name.startswith(("SYNCDP_", "TF_", "OMPI_ALLOW")) or name in (
+        "PYTHONUNBUFFERED",
+        "PYTHONPATH",
+        "PATH",
+        "LD_LIBRARY_PATH",
+    )
 
 
 def exported(name: str) -> bool:
@@ -104,10 +111,7 @@ def carried_names(env: Mapping[str, str], extra: Iterable[str] = ()) -> list[str
         ``OMPI_ALLOW_*``, and ``extra``. Not the rest of the launcher's environment, which the
         first ranks get (:func:`exported`): it would ride on a command line.
     """
-    names = {
-        n for n in env if n.startswith(("SYNCDP_", *_SPAWN_CARRIES)) or n in _SPAWN_CARRIES_NAMES
-    }
-    names |= set(extra)
+    names = {n for n in env if _spawns_carry(n)} | set(extra)
     return sorted(names - _PER_PROCESS - {CARRIED_VAR})
 
 

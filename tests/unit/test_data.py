@@ -48,21 +48,22 @@ def test_count_records_of_a_large_file_reads_only_headers(tmp_path):
     assert count_records(path) == 8
 
 
-@pytest.mark.parametrize("compression", ["GZIP", "ZLIB"])
-def test_count_records_compressed(tmp_path, compression):
-    path = str(tmp_path / "c.tfrecord")
-    with tf.io.TFRecordWriter(path, options=compression) as writer:
+def _write_compressed(path, compression: str) -> str:
+    with tf.io.TFRecordWriter(str(path), options=compression) as writer:
         for payload in PAYLOADS:
             writer.write(payload)
+    return str(path)
+
+
+@pytest.mark.parametrize("compression", ["GZIP", "ZLIB"])
+def test_count_records_compressed(tmp_path, compression):
+    path = _write_compressed(tmp_path / "c.tfrecord", compression)
     assert count_records(path, compression_type=compression) == len(PAYLOADS)
 
 
 @pytest.mark.parametrize("compression", ["GZIP", "ZLIB"])
 def test_a_compressed_file_read_as_plain_names_its_compression(tmp_path, compression):
-    path = str(tmp_path / "c.tfrecord")
-    with tf.io.TFRecordWriter(path, options=compression) as writer:
-        for payload in PAYLOADS:
-            writer.write(payload)
+    path = _write_compressed(tmp_path / "c.tfrecord", compression)
     with pytest.raises(DataError, match=f"pass compression_type='{compression}' to read it"):
         count_records(path)
 
