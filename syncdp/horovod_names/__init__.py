@@ -4,7 +4,7 @@ A Horovod program imports ``horovod``, ``horovod.tensorflow``, ``horovod.tensorf
 ``horovod.keras``, their ``elastic`` and ``callbacks`` modules, and a few helpers
 (``horovod.common.util``, ``horovod.tensorflow.util``, ``horovod.tensorflow.mpi_ops``, ...),
 and calls ``horovod.run(func, ...)`` (also ``horovod.runner.run``), which syncdp's launcher
-answers (:mod:`syncdp.launch.run_func`).
+answers (:mod:`syncdp.launch.run_func`); ``python -m horovod.runner.launch`` is ``horovodrun``.
 :class:`HorovodNames` is an import hook that answers those names with syncdp's modules
 themselves (``horovod.tensorflow`` *is* ``syncdp.tensorflow``: the same module object, so there
 is one set of classes and one runtime whichever name a program uses).
@@ -53,6 +53,7 @@ MODULES: dict[str, str | None] = {
     "horovod.common.process_sets": "syncdp.job.process_sets",
     "horovod.common.elastic": "syncdp.elastic",
     "horovod.runner": None,
+    "horovod.runner.launch": "syncdp.launch.horovodrun",
     "horovod.runner.util": None,
     "horovod.runner.util.threads": "syncdp.horovod_names.threads",
     "horovod.tensorflow.mpi_ops": "syncdp.tensorflow",
@@ -114,6 +115,14 @@ class HorovodNames:
 
     def exec_module(self, module):
         pass  # the module is syncdp's, already executed (or an empty package)
+
+    def get_code(self, fullname):
+        """What ``python -m horovod.X`` runs (``runpy`` asks the loader): the code of the
+        syncdp module that answers ``horovod.X``; None for an empty package."""
+        name = _target(fullname)
+        if name is None:
+            return None
+        return importlib.import_module(name).__spec__.loader.get_code(name)
 
 
 def _answer(fullname: str) -> ModuleType:

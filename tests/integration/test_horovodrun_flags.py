@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.launcher import ROOT, check, launch, python_script, rank_env
 
 # time.asctime(): "Tue May  6 10:12:01 2025"
@@ -140,3 +142,21 @@ def test_gloo_runs_on_mpi_saying_so_in_one_line(tmp_path):
     said = [line for line in result.stderr.splitlines() if "--gloo" in line]
     assert len(said) == 1 and "runs on syncdp's engine over Open MPI" in said[0]
     assert all((tmp_path / f"started{r}").exists() for r in range(2))
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3])
+def test_python_m_horovod_runner_launch_is_horovodrun(tmp_path, np_):
+    # Horovod's launcher module run as a script (python -m horovod.runner.launch -np N ...)
+    script = python_script(tmp_path, HELLO_MPI)
+    result = subprocess.run(
+        [sys.executable, "-m", "horovod.runner.launch", "-np", str(np_), "python", script],
+        env=rank_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    total = np_ * (np_ + 1) // 2
+    for rank in range(np_):
+        assert _ranks_lines(result.stdout, rank) == [f"[{rank}]<stdout>:out {rank} sum {total}"]
