@@ -16,7 +16,11 @@ server, one thread around a selector:
   callback, and answers ``ok``; a sender's retry of a report already taken (the same line, whose
   answer it missed) is answered ``ok`` again and not passed on; every other line is dropped and
   counted by reason in :attr:`ReportServer.rejected` (the launcher says how many at the end)
-  and answered ``no``, so that its sender stops trying.
+  and answered ``no``, so that its sender stops trying;
+- answers a request (a report whose kind is one of ``answers``, :meth:`ReportServer.start`)
+  with ``ok`` and the data it asks for on the same line: a process that elastic mode spawns on
+  another host asks for the job's environment this way (``job_env``,
+  :func:`syncdp.watch.report.ask`), so it never rides on a command line.
 
 A forged ``exception`` report, a replayed report of another job, or a flood of junk therefore
 changes nothing in the job's verdict.
@@ -44,6 +48,9 @@ __all__ = ["ReportServer", "describe_rejected"]
 _FIRST_LINE_SECONDS = 5.0
 # A sender whose report was taken closes its end; one silent this long is closed here.
 _IDLE_SECONDS = 5.0
+# An answer longer than the socket's buffer is sent within this long (only to the job's own
+# processes: a request is answered once its signature checks).
+_ANSWER_SECONDS = 5.0
 # While closing, reports already sent are read until the connections fall quiet, but no longer
 # than this (a sender that never stops must not hold up the launcher's exit).
 _DRAIN_SECONDS = 2.0
@@ -96,13 +103,24 @@ class ReportServer:
         self._sock.setblocking(False)
         self.address = report.join_address(advertise or host, self._sock.getsockname()[1])
         self._on_report: Callable[[dict], None] = lambda r: None
+        self._answers: Mapping[str, bytes] = {}
         self._seen: dict[str, bytes] = {}  # nonce -> digest of the line that carried it
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="syncdp-reports", daemon=True)
 
-    def start(self, on_report: Callable[[dict], None]) -> ReportServer:
-        """Starts passing every authentic report to ``on_report``; returns self."""
+    def start(
+        self, on_report: Callable[[dict], None], answers: Mapping[str, bytes] | None = None
+    ) -> ReportServer:
+        """Starts passing every authentic report to ``on_report``; returns self.
+
+        Args:
+            on_report: Called, on the server's thread, with each report taken.
+            answers: Request kind -> the data (one line's worth, no newline) that an authentic
+                report of that kind is answered with, after ``ok`` and a space. Defaults to
+                none.
+        """
         self._on_report = on_report
+        self._answers = dict(answers or {})
         self._thread.start()
         return self
 
@@ -202,37 +220,50 @@ class ReportServer:
             line = bytes(buffer[: end + 1])
             del buffer[: end + 1]
             taken = self._take(line)
-            state.proved = state.proved or taken
-            try:
-                conn.send(report.ACK if taken else report.NACK)
-            except OSError:
-                pass
+            state.proved = state.proved or taken is not None
+            self._reply(conn, taken)
         if len(buffer) > report.MAX_LINE_BYTES:
             self.rejected["too long"] += 1
             self._drop(selector, conns, conn)
 
-    def _take(self, line: bytes) -> bool:
-        """Passes on the report in ``line`` if it is authentic; counts it otherwise."""
+    def _take(self, line: bytes) -> dict | None:
+        """Passes on the report in ``line`` if it is authentic and returns it; counts it and
+        returns None otherwise."""
         try:
             got = report.decode(line, self.job)
         except report.Rejected as e:
             self.rejected[e.reason] += 1
-            return False
+            return None
         nonce = str(got.get("nonce"))
         if nonce in self._seen:
             # The same signed line again: a sender that missed the answer retries (a report is
             # taken once); anything else reusing a nonce is a replay.
             if self._seen[nonce] == _digest(line):
-                return True
+                return got
             self.rejected["replayed"] += 1
-            return False
+            return None
         self._seen[nonce] = _digest(line)
         self.accepted += 1
         try:
             self._on_report(got)
         except Exception:  # the launcher must keep listening whatever one report does
             traceback.print_exc(file=sys.stderr)
-        return True
+        return got
+
+    def _reply(self, conn: socket.socket, taken: dict | None) -> None:
+        """Answers ``no``, ``ok``, or ``ok DATA`` to a request ``answers`` knows."""
+        answer = self._answers.get(taken.get("kind")) if taken is not None else None
+        try:
+            if answer is None:
+                conn.send(report.ACK if taken is not None else report.NACK)
+                return
+            conn.settimeout(_ANSWER_SECONDS)  # blocking, bounded: the asker reads at once
+            try:
+                conn.sendall(report.ACK[:-1] + b" " + answer + b"\n")
+            finally:
+                conn.setblocking(False)
+        except OSError:
+            pass
 
     @staticmethod
     def _drop(selector, conns, conn: socket.socket) -> None:

@@ -582,7 +582,9 @@ def _run_once(
         timings.add(report)
         verdict.add(report)
 
-    server.start(on_report)
+    # A process elastic mode spawns on another host asks for the environment -x gave the rest.
+    answers = {jobenv.REQUEST: jobenv.launcher_env(env).encode()} if config.elastic else None
+    server.start(on_report, answers)
     sweeper = _sweeper(config, job)
     loss = restart.Watch(restarts, lifeline, sweeper, verdict, _say)
 

@@ -386,6 +386,23 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+def _widen_environment(env: dict[str, str], label: str) -> None:
+    """A spawned process (replacement or new spare) labelled ``label``: asks the launcher for
+    the environment it gave the first ranks and puts it into ``env`` under the job's carried
+    values (see :mod:`syncdp.membership.jobenv`); says so in one line when no answer comes."""
+    launchers = report.ask(jobenv.REQUEST, int(label))
+    if isinstance(launchers, dict):
+        jobenv.widen(env, launchers)
+        return
+    print(
+        f"syncdp-run: [{label}]: the launcher did not answer with its environment; this "
+        "process starts with the job's settings, PATH, PYTHONPATH, LD_LIBRARY_PATH, TF_* "
+        "and -x variables only.",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs ``argv`` as this rank's program; returns the exit status for mpirun.
 
@@ -425,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         spare = False
         rank = str(int(argv[1]) + (int(rank) if rank.isdigit() else 0))
         argv = argv[2:]
+        if lifeline is not None:
+            _widen_environment(env, rank)
         env["SYNCDP_REPLACEMENT"] = rank
         if argv[0] == "--spare" and len(argv) > 1:  # a spare rank 0 starts in the background
             argv = argv[1:]

@@ -20,6 +20,12 @@ that spawns passes those variables on with its own values (:func:`spawn_parts`):
   :mod:`syncdp.launch.worker` (``--job-env``), which the supervisor puts into its environment
   before it reads any setting.
 
+The rest of the launcher's environment, which the first ranks get (:func:`exported`), would
+not fit there (a proxy URL with its password, Lmod's tables: readable by any user of the host, and
+Linux bounds one argument to 128 KiB). The spawned supervisor asks the launcher for it instead,
+over the job's authenticated report channel (:data:`REQUEST`, :func:`syncdp.watch.report.ask`;
+:func:`launcher_env` is the answer), and puts it under the carried values (:func:`widen`).
+
 A process that was spawned (``SYNCDP_REPLACEMENT`` set) and still lacks them refuses to train
 (:func:`missing`, checked by ``syncdp.init()``).
 
@@ -38,15 +44,20 @@ from syncdp.watch import report
 __all__ = [
     "CARRIED_VAR",
     "JOB_ENV_FLAG",
+    "REQUEST",
     "exported",
     "carried_names",
     "carried",
     "spawn_parts",
     "apply",
+    "launcher_env",
+    "widen",
     "missing",
 ]
 
 CARRIED_VAR = "SYNCDP_CARRIED"
+# The request (syncdp.watch.report.ask) a spawned supervisor makes for the launcher's environment.
+REQUEST = "job_env"
 # The worker's argument that carries the job's environment, as JSON (see the docstring).
 JOB_ENV_FLAG = "--job-env"
 # Where the launcher's lifeline and report server listen (syncdp.launch.lifeline,
@@ -81,7 +92,8 @@ def _spawns_carry(name: str) -> bool:
     """Whether a spawned process carries the launcher's ``name`` (besides the user's ``-x``
     names): its job environment travels on its supervisor's command line, where any user of the
     host can read it and Linux bounds one argument to 128 KiB, so not the whole environment (a
-    proxy URL with a password, Lmod's tables) but the job's and what the ranks need to start."""
+    proxy URL with a password, Lmod's tables) but the job's and what the ranks need to start;
+    its supervisor asks the launcher for the rest (:func:`widen`)."""
     return name.startswith(("SYNCDP_", "TF_", "OMPI_ALLOW")) or name in (
         "PYTHONUNBUFFERED",
         "PYTHONPATH",
@@ -109,7 +121,8 @@ def carried_names(env: Mapping[str, str], extra: Iterable[str] = ()) -> list[str
         The names, sorted: those of ``env`` that are the job's (``SYNCDP_*``), ``TF_*``,
         ``PATH``, ``PYTHONPATH``, ``LD_LIBRARY_PATH``, ``PYTHONUNBUFFERED`` and
         ``OMPI_ALLOW_*``, and ``extra``. Not the rest of the launcher's environment, which the
-        first ranks get (:func:`exported`): it would ride on a command line.
+        first ranks get (:func:`exported`): it would ride on a command line (a spawned
+        supervisor asks the launcher for it instead).
     """
     names = {n for n in env if _spawns_carry(n)} | set(extra)
     return sorted(names - _PER_PROCESS - {CARRIED_VAR})
@@ -154,6 +167,23 @@ def apply(argv: list[str], environ: dict[str, str]) -> list[str]:
         environ.update({str(k): str(v) for k, v in json.loads(argv[1]).items()})
         return argv[2:]
     return argv
+
+
+def launcher_env(env: Mapping[str, str]) -> str:
+    """The launcher's answer to a spawned supervisor's :data:`REQUEST`: the variables of
+    the ranks' environment ``env`` that it exports to the first ranks (:func:`exported`), as
+    JSON."""
+    return json.dumps({n: v for n, v in env.items() if exported(n)}, sort_keys=True)
+
+
+def widen(environ: dict[str, str], launchers: Mapping[str, str]) -> list[str]:
+    """The spawned supervisor's side: puts the launcher's environment ``launchers`` into
+    ``environ`` as mpirun's ``-x`` would have, under the values the spawning rank carried (the
+    job's, which win) and never a per-process variable; returns the names it set."""
+    keep = set(environ.get(CARRIED_VAR, "").split(",")) | _PER_PROCESS | {CARRIED_VAR}
+    names = [str(n) for n in launchers if n not in keep and exported(str(n))]
+    environ.update({n: str(launchers[n]) for n in names})
+    return names
 
 
 def missing(environ: Mapping[str, str] | None = None, *, elastic: bool) -> list[str]:

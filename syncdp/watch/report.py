@@ -24,6 +24,9 @@ Its ``kind`` says what happened; the launcher reads the fields and never parses 
                    it was stopped because the job was ending
     lifeline       written by the supervisor on its lifeline connection
                    (``syncdp.launch.lifeline``): this rank's program started with ``pid``
+    job_env        a request (:func:`ask`), from the supervisor of a process elastic mode
+                   spawned: the launcher answers ``ok`` and the environment it gave the job's
+                   first ranks, as JSON on the same line
 
 Every report proves it comes from this job. The launcher makes a random secret and a job id for
 each job and gives them only to the job's processes, in their environment
@@ -69,6 +72,7 @@ __all__ = [
     "connect",
     "join_address",
     "send",
+    "ask",
 ]
 
 ADDRESS_VAR = "SYNCDP_REPORT_ADDR"
@@ -88,6 +92,8 @@ _FIRST_PAUSE_SECONDS, _LAST_PAUSE_SECONDS = 0.05, 2.0
 # What the launcher answers to each report it took, and to each line it read and refused.
 ACK = b"ok\n"
 NACK = b"no\n"
+# The longest answer to a request (ask) read: an environment, bounded by Linux well below this.
+_MAX_ANSWER_BYTES = 16 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,41 +325,72 @@ def send(
     Returns:
         Whether the launcher took the report (it answered that it did).
     """
+    return _exchange(kind, rank, message, patience, False, fields) == ACK
+
+
+def ask(kind: str, rank: int | None, *, patience: float | None = None, **fields):
+    """Sends a request (a report the launcher answers with data) and returns the answer;
+    never raises.
+
+    Args:
+        kind: What is asked for (``job_env``; see the module docstring).
+        rank: The rank asking, if it has one.
+        patience: Seconds to keep trying, as :func:`send`. Defaults to 15.
+        **fields: Extra data for the request.
+
+    Returns:
+        The answer, decoded from JSON; None without a launcher, when it refused the request or
+        never answered, or when it answered without data (one that does not know the request).
+    """
+    reply = _exchange(kind, rank, "", patience, True, fields)
+    if reply is None or not reply.startswith(ACK[:-1] + b" "):
+        return None
+    try:
+        return json.loads(reply[len(ACK) :])
+    except ValueError:
+        return None
+
+
+def _exchange(kind, rank, message, patience, answered: bool, fields) -> bytes | None:
+    """Delivers one signed report, trying again until the launcher answers (see :func:`send`);
+    returns the answer's line, or None when there is no launcher or it never answered."""
     address = os.environ.get(ADDRESS_VAR)
     job = Job.from_env()
     if not address or job is None:
-        return False
+        return None
     try:
         line = encode(make(kind, rank, message, **fields), job)
     except ValueError:
-        return False
+        return None
     deadline = time.monotonic() + (_PATIENCE_SECONDS if patience is None else patience)
     pause = _FIRST_PAUSE_SECONDS
     while True:
         try:
-            reply = _deliver(address, line)
-            if reply in (ACK, NACK):  # taken, or refused for good (not this job's secret)
-                return reply == ACK
+            reply = _deliver(address, line, answered)
+            if reply == NACK or reply.startswith(ACK[:-1]) and reply.endswith(b"\n"):
+                return reply  # taken, or refused for good (not this job's secret)
         except ConnectionRefusedError:
-            return False  # nothing listens there: the launcher is gone
+            return None  # nothing listens there: the launcher is gone
         except (OSError, ValueError):
             pass
         if time.monotonic() + pause > deadline:
-            return False
+            return None
         time.sleep(pause)
         pause = min(2 * pause, _LAST_PAUSE_SECONDS)
 
 
-def _deliver(address: str, line: bytes) -> bytes:
-    """One try: sends ``line``; returns the launcher's answer (empty when none came)."""
+def _deliver(address: str, line: bytes, answered: bool = False) -> bytes:
+    """One try: sends ``line``; returns the launcher's answer (empty when none came): its
+    three bytes, or with ``answered`` its whole line (a request's data)."""
+    limit = _MAX_ANSWER_BYTES if answered else len(ACK)
     with connect(address, _CONNECT_SECONDS) as s:
         s.sendall(line)
         s.shutdown(socket.SHUT_WR)
         s.settimeout(_REPLY_SECONDS)
-        reply = b""
-        while len(reply) < len(ACK):
-            chunk = s.recv(len(ACK) - len(reply))
+        reply = bytearray()
+        while len(reply) < limit and not reply.endswith(b"\n"):
+            chunk = s.recv(min(limit - len(reply), 65536))
             if not chunk:
                 break
             reply += chunk
-    return reply
+    return bytes(reply)

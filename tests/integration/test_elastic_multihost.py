@@ -56,6 +56,7 @@ WRAPPER = f"""
 import os, runpy, socket, sys
 label = os.environ.get("SYNCDP_REPLACEMENT") or os.environ.get("OMPI_COMM_WORLD_RANK")
 print(f"HOST {{label}} {{socket.gethostname()}}", flush=True)
+print(f"ENV {{label}} {{os.environ.get('USERS_DATA_LABEL', '-')}}", flush=True)
 sys.argv = [{str(ROOT / EXAMPLE)!r}, *sys.argv[1:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -105,9 +106,14 @@ def _command(cluster, tmp_path, hosts, script, *kills, extra=()):
     return flags, "python", wrapper, *args
 
 
-def _run(cluster, tmp_path, np_, hosts, script, *kills, timeout=TIMEOUT, launcher=()):
+def _run(cluster, tmp_path, np_, hosts, script, *kills, timeout=TIMEOUT, launcher=(), env=None):
     flags, *command = _command(cluster, tmp_path, hosts, script, *kills)
-    return launch(np_, *command, launcher_args=(*flags, *launcher), timeout=timeout)
+    return launch(np_, *command, launcher_args=(*flags, *launcher), timeout=timeout, env=env)
+
+
+def _users_variable(stdout: str) -> dict[int, str]:
+    """Output label -> the value of USERS_DATA_LABEL that process found, as it printed."""
+    return {int(label): value for label, value in re.findall(r"<stdout>:ENV (\d+) (\S+)", stdout)}
 
 
 def _where(stdout: str) -> dict[int, str]:
@@ -254,13 +260,17 @@ def test_hosts_given_by_address_a_replacement_on_a_remote_host_joins_the_job(clu
     # (syncdp.membership.jobenv), join the job and not train alone as a second rank 0 (which
     # printed "final rank 0 size 1" and hung).
     a, b = cluster.address["ha"], cluster.address["hb"]
-    result = _run(cluster, tmp_path, 4, f"{a}:2,{b}:2", "", "1:0:4")
+    env = {"USERS_DATA_LABEL": "from-the-launcher"}
+    result = _run(cluster, tmp_path, 4, f"{a}:2,{b}:2", "", "1:0:4", env=env)
     _assert_finished(result, size=4, changes=1)
     assert re.search(r"elastic: lost rank 1 \(pid \d+ on ha\)", result.stderr), result.stderr[
         -3000:
     ]
     assert _where(result.stdout).get(4) in ("ha", "hb"), result.stdout[-3000:]
     assert "lacks the job's settings" not in result.stderr
+    # The launcher's environment reaches every process, the replacement (4) too, as -x gives
+    # it to the first ranks: the spawned supervisor asks the launcher for it.
+    assert _users_variable(result.stdout) == dict.fromkeys(range(5), "from-the-launcher")
     # Issue 35.6: the recovery reads as one. The launcher's account is there; the ranks' and
     # Open MPI's notes on it are not (they are in --log-level DEBUG and the rank files).
     assert re.search(r"size 4 -> 4, recovered in [0-9.]+ s\.", result.stderr)
@@ -283,8 +293,13 @@ def test_a_spare_on_a_remote_host_takes_over_and_a_new_one_is_started_there(clus
     # Issue 35.1 with warm spares: spare [2] takes rank 1's place, and rank 0 starts spare [3]
     # in the background by spawn; both on remote hosts with bare environments. The new spare
     # used to train alone and the job ended with a SIGSEGV on rank 0.
-    result = _run(cluster, tmp_path, 2, "ha:1,hb:2", "", "1:0:4", launcher=("--spares", "1"))
+    env = {"USERS_DATA_LABEL": "from-the-launcher"}
+    result = _run(
+        cluster, tmp_path, 2, "ha:1,hb:2", "", "1:0:4", launcher=("--spares", "1"), env=env
+    )
     results = _assert_finished(result, size=2, changes=1)
+    # The new spare [3] was spawned: it asked the launcher for its environment too.
+    assert _users_variable(result.stdout) == dict.fromkeys(range(4), "from-the-launcher")
     assert "1 spare(s) took over, 0 replacement(s) started" in result.stderr, result.stderr[-3000:]
     assert "starting a new spare [3]" in result.stderr, result.stderr[-3000:]
     assert sorted(r["label"] for r in results) == [0, 2]

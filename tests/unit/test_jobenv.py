@@ -99,6 +99,25 @@ def test_the_worker_takes_the_job_env_before_anything_else():
     assert jobenv.apply(["--replacement", "3", "x"], host) == ["--replacement", "3", "x"]
 
 
+def test_a_spawned_process_gets_the_launchers_environment_under_the_jobs_values():
+    # The answer to its job_env request: what -x gave the first ranks (DATA_DIR, HF_TOKEN),
+    # never what belongs to the launcher's host or process (HOME, SLURM_PROCID).
+    env = _rank_env()
+    answer = json.loads(jobenv.launcher_env(env))
+    assert answer["DATA_DIR"] == "/data" and answer["HF_TOKEN"] == "hf_xyz"
+    assert not {"HOME", "SLURM_PROCID"} & set(answer)
+    # The spawned supervisor's environment: the host's, then the carried values (--job-env).
+    carried = json.loads(jobenv.spawn_parts({**env, "OMPI_COMM_WORLD_RANK": "1"})[0][1])
+    spawned = {"PATH": "/host/bin", "HOME": "/home/u", "DATA_DIR": "/host/data", **carried}
+    spawned["SYNCDP_MIN_NP"] = "2"  # the spawning rank's value, newer than the launcher's
+    answer["SYNCDP_REPLACEMENT"] = "9"  # per process: never taken from another
+    set_names = jobenv.widen(spawned, answer)
+    assert spawned["DATA_DIR"] == "/data" and spawned["HF_TOKEN"] == "hf_xyz"  # -x's values
+    assert spawned["SYNCDP_MIN_NP"] == "2" and spawned["PATH"] == carried["PATH"]
+    assert spawned["HOME"] == "/home/u" and "SYNCDP_REPLACEMENT" not in spawned
+    assert {"DATA_DIR", "HF_TOKEN"} <= set(set_names) and "PATH" not in set_names
+
+
 def test_outside_a_launched_job_a_spawn_passes_nothing():
     assert jobenv.spawn_parts({"PATH": "/bin"}) == ([], "")
 

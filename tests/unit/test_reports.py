@@ -494,6 +494,28 @@ def test_a_send_without_the_jobs_secret_is_not_delivered(listen, monkeypatch):
     assert not verdict.failed.is_set() and server.rejected == {"bad signature": 1}
 
 
+def test_a_request_is_answered_with_its_data_only_to_the_job(listen, monkeypatch):
+    # A spawned supervisor asks for the launcher's environment (job_env): the answer may be
+    # larger than a socket buffer, and only a request signed with the job's secret gets it.
+    job = report.Job.new()
+    verdict = Verdict(2, 10.0, 60.0)
+    data = {"DATA_DIR": "/data", "BIG": "x" * 3_000_000}
+    server = ReportServer(job).start(verdict.add, {"job_env": json.dumps(data).encode()})
+    try:
+        monkeypatch.setenv(report.ADDRESS_VAR, server.address)
+        for name, value in job.env().items():
+            monkeypatch.setenv(name, value)
+        assert report.ask("job_env", 3) == data
+        assert report.send("exception", 1, "RuntimeError: x")  # a report is answered "ok"
+        assert report.ask("unknown_request", 3) is None  # "ok" without data
+        for name, value in report.Job.new().env().items():  # someone else's job
+            monkeypatch.setenv(name, value)
+        assert report.ask("job_env", 3) is None
+    finally:
+        server.close()
+    assert server.rejected == {"bad signature": 1} and verdict.failed.is_set()
+
+
 def test_a_host_lost_from_the_lifelines_is_a_failure_named_once():
     verdict = Verdict(num_proc=4, start_timeout=10.0)
     verdict.add(_exit(0, code=None, signal=15, requested=True))
