@@ -112,7 +112,7 @@ def ordered_call(fn, inputs: Sequence[tf.Tensor], out_dtypes, out_shapes, name: 
     v1_graph = in_v1_graph()
     run = _with_status(fn, out_dtypes) if v1_graph else fn
     dtypes = list(out_dtypes) + ([tf.int32] if v1_graph else [])
-    with tf.control_dependencies([previous] if previous is not None else []):
+    with tf.control_dependencies([_after(previous, graph)] if previous is not None else []):
         outs = host_call(run, inputs, dtypes, name=name.replace(".", "_"))
     if own_chain is None:
         _last_collective[graph] = outs[0].op
@@ -123,6 +123,43 @@ def ordered_call(fn, inputs: Sequence[tf.Tensor], out_dtypes, out_shapes, name: 
     for out, shape in zip(outs, out_shapes):
         out.set_shape(shape)
     return outs
+
+
+def _after(previous, graph):
+    """What the next collective built in ``graph`` waits for: the ``previous`` one, or, where
+    TF1 control flow (``tf.compat.v1.cond`` and ``while_loop`` as Switch, Merge, Enter and Exit
+    nodes in one graph) puts it where a plain control edge would not do, an op that runs once it
+    has run or never will.
+
+    Two cases break a plain edge. A ``previous`` in a cond branch not taken is dead, and its
+    deadness would spread to every collective after it: they, and the training step that needs
+    them, would be skipped without an error. A ``previous`` inside a while loop the next one is
+    not in lives in another frame, and TensorFlow refuses the edge when the graph runs. So the
+    edge goes from the exits of the outermost such loop (they run when the loop has ended), and
+    through a ``ControlTrigger``, which runs whether its inputs ran or were dead. Graphs of
+    ``tf.function`` (control flow v2: each branch and body a function of its own) have no such
+    contexts and always take the plain edge.
+    """
+    # TF1 control flow offers no public view of an op's context.
+    here = graph._get_control_flow_context()
+    there = previous._get_control_flow_context()
+    if _encloses(there, here):
+        return previous
+    anchors = [previous]
+    while there is not None and not _encloses(there, here):
+        if there.IsWhileContext():
+            anchors = [exit_.op for exit_ in there.loop_exits]
+        there = there.outer_context
+    with tf.control_dependencies(anchors):
+        return tf.raw_ops.ControlTrigger(name="syncdp_after_control_flow")
+
+
+def _encloses(outer, inner) -> bool:
+    """Whether TF1 control-flow context ``outer`` (None: the graph itself) is ``inner`` or one
+    of the contexts around it."""
+    while inner is not None and inner is not outer:
+        inner = inner.outer_context
+    return inner is outer
 
 
 def follow_collective(op) -> None:
