@@ -47,7 +47,7 @@ from syncdp.base.topology import Topology, discover
 from syncdp.membership import jobenv, membership, refill, spares
 from syncdp.transport.communicator import Communicator
 from syncdp.watch import report, stats
-from syncdp.watch.timeline import Timeline
+from syncdp.watch.timeline import Timeline, gather_and_write
 
 __all__ = [
     "init",
@@ -180,11 +180,13 @@ def init(comm=None, process_sets=None, **options) -> None:
         _state.steps_unsynced = spawned is not None  # a spare's is set when it becomes a rank
         base, plan = _elastic_base(base, config, spawned=spawned)
     timeline = Timeline(config.timeline) if config.timeline else None
+    # Before the communicator exists: an error past that point in init() (rank 0 cannot
+    # write the timeline) ends the job, named, instead of leaving the others waiting for it.
+    _install_failure_hook()
     world = _build(base, config, timeline, plan=plan)
     if made is not None:
         made.Free()  # syncdp trains on its own duplicate
     _pin_gpu(_state.topology.local_rank)
-    _install_failure_hook()
     if not _state.atexit_registered:
         atexit.register(_at_exit)
         _state.atexit_registered = True
@@ -853,9 +855,13 @@ def shutdown() -> None:
     comm = _state.comm
     if comm is None:
         return
-    if comm.timeline is not None and not comm.broken:
-        timeline, comm.timeline = comm.timeline, None  # the gather itself is not recorded
-        timeline.gather_and_write(comm.mpi)
+    timeline, comm.timeline = comm.timeline, None  # the gather itself is not recorded
+    if comm.config.timeline and not comm.broken:
+        # The job's timeline: the setting is the same on every rank, so every rank gathers,
+        # also one whose timeline start_timeline or stop_timeline (on rank 0) replaced.
+        gather_and_write(comm.mpi, timeline)
+    elif timeline is not None:
+        timeline.stop()  # rank 0's own events are in the file already
     if _state.reserve is not None and not comm.broken:
         if comm.rank == 0:  # training is over: the spares leave
             spares.release(_state.reserve, comm.size, _state.plan.spares if _state.plan else ())
@@ -956,30 +962,35 @@ def is_homogeneous() -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Starts recording a timeline into ``file_path`` (Horovod's name; every rank calls it).
+    """Starts recording rank 0's collectives into ``file_path``, as Horovod's does: not a
+    collective; on the other ranks it does nothing, so a program may call it on rank 0 only.
 
-    Events are recorded from now on and written by :func:`stop_timeline` (or at shutdown).
-    ``mark_cycles`` is accepted for Horovod compatibility.
+    Rank 0 writes each event into the file as it happens (valid JSON after each). A timeline
+    already being recorded (``--timeline-filename``, or an earlier call) stops, its file kept,
+    and the new file takes over. ``mark_cycles`` is accepted for Horovod compatibility.
 
     Raises:
-        ValueError: A timeline is already being recorded.
+        OSError: Rank 0 cannot write ``file_path``.
     """
     comm = communicator()
+    if comm.rank != 0:
+        return
     if comm.timeline is not None:
-        raise ValueError(f"A timeline is already being recorded to {comm.timeline.path}.")
-    timeline = Timeline(file_path)
-    comm.mpi.Barrier()  # start every rank's clock together
+        comm.timeline.stop()
+        comm.timeline = None
+    timeline = Timeline(file_path, every_rank=False)
     timeline.start(comm.rank)
     comm.timeline = timeline
 
 
 def stop_timeline() -> None:
-    """Stops recording the timeline and writes it (a collective); does nothing without one."""
+    """Stops recording the timeline; its file holds rank 0's collectives so far. Not a
+    collective (as in Horovod); does nothing without a timeline or on another rank."""
     comm = communicator()
-    if comm.timeline is None:
+    if comm.rank != 0 or comm.timeline is None:
         return
     timeline, comm.timeline = comm.timeline, None
-    timeline.gather_and_write(comm.mpi)
+    timeline.stop()
 
 
 def is_chief() -> bool:

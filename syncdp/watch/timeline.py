@@ -8,6 +8,13 @@ per rank, so the ranks' collectives line up under each other on a common clock: 
 starts its clock as it leaves one barrier in ``init()``, so no two hosts' wall clocks are ever
 compared.
 
+Until then rank 0 writes its own events to the file as they happen, and the file is valid JSON
+after each one (as Horovod's is): a job that ends by an error, a stall or a signal leaves rank
+0's collectives up to that moment. Rank 0 opens the file when the timeline starts, so a path it
+cannot write is an error then, not at the end. ``start_timeline``/``stop_timeline`` record rank
+0's collectives alone, as Horovod's do (a call on the other ranks does nothing): no rank waits
+for another, so a program may call them on rank 0 only.
+
 With the timeline on, the TensorFlow face also marks the moment each gradient is computed
 (row "gradients"), so the trace shows a bucket's collective starting while later gradients are
 still being computed.
@@ -21,9 +28,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 import time
 
-__all__ = ["Timeline", "load"]
+__all__ = ["Timeline", "gather_and_write", "load"]
+
+# Rows (thread ids) of each rank's process in the trace.
+_COLLECTIVES, _GRADIENTS = 0, 1
 
 
 class Timeline:
@@ -31,24 +43,45 @@ class Timeline:
 
     Args:
         path: Where rank 0 writes the trace.
+        every_rank: Whether every rank records and rank 0 gathers their events at the end (the
+            job's timeline, ``--timeline-filename``), or rank 0 records alone
+            (``start_timeline``). Defaults to True.
     """
 
-    # Rows (thread ids) of each rank's process in the trace.
-    COLLECTIVES, GRADIENTS = 0, 1
+    COLLECTIVES, GRADIENTS = _COLLECTIVES, _GRADIENTS
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, every_rank: bool = True):
         self.path = path
+        self.every_rank = every_rank
         self.rank = 0
         self.events: list[dict] = []
         self._origin = time.perf_counter()
         self.started = False
+        self._stream: _TraceFile | None = None
 
     def start(self, rank: int, reading: float = 0.0) -> None:
         """Sets this rank's number and starts its clock at ``reading`` seconds (``init()``
-        calls it after a barrier, with rank 0's reading for a rank joining a running job)."""
+        calls it after a barrier, with rank 0's reading for a rank joining a running job).
+        Rank 0 opens the file here and writes each event into it from now on.
+
+        Raises:
+            OSError: Rank 0 cannot write the file (the message names it).
+        """
         self.rank = rank
         self._origin = time.perf_counter() - reading
         self.started = True
+        if rank == 0 and self._stream is None:
+            self._stream = _TraceFile(self.path)
+
+    def stop(self) -> str | None:
+        """Stops recording on this rank alone; returns the path written, on rank 0 (the events
+        it recorded, already in the file), None elsewhere."""
+        self.events = []
+        if self._stream is None:
+            return None
+        self._stream.close()
+        self._stream = None
+        return self.path
 
     def reading(self) -> float:
         """Seconds on this rank's clock."""
@@ -56,7 +89,7 @@ class Timeline:
 
     def mark(self, name: str, when: float) -> None:
         """Records an instant on the gradients row, e.g. when a gradient was computed."""
-        self.events.append(
+        self._add(
             {
                 "name": name,
                 "cat": "gradient",
@@ -79,7 +112,7 @@ class Timeline:
             end: When it ended.
             **info: More fields for the event's ``args`` (bucket index, tensor count, op).
         """
-        self.events.append(
+        self._add(
             {
                 "name": name,
                 "cat": "collective",
@@ -92,48 +125,130 @@ class Timeline:
             }
         )
 
-    def gather_and_write(self, mpi_comm) -> str | None:
-        """Gathers every rank's events on rank 0 and writes the trace.
+    def _add(self, event: dict) -> None:
+        if self.every_rank:  # kept for the gather at the end
+            self.events.append(event)
+        if self._stream is not None:
+            self._stream.add(event)
 
-        A synchronization point: every rank must call it (``syncdp.shutdown()`` does). The
-        gather goes straight to MPI, outside the watchdog's numbering, so it neither appears
-        in the trace nor counts as a collective the other ranks must match.
 
-        Args:
-            mpi_comm: The mpi4py communicator of the ranks that recorded events.
 
-        Returns:
-            The path written, on rank 0; None elsewhere.
-        """
-        mine, self.events = self.events, []
-        every = mpi_comm.gather(mine, root=0)
-        if mpi_comm.Get_rank() != 0:
-            return None
-        trace = []
-        for r, events in enumerate(every):
-            trace.append(
-                {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
-            )
-            trace.append(
-                {"name": "process_sort_index", "ph": "M", "pid": r, "args": {"sort_index": r}}
-            )
-            for tid, row in ((self.COLLECTIVES, "collectives"), (self.GRADIENTS, "gradients")):
-                trace.append(
-                    {"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": row}}
+def gather_and_write(mpi_comm, timeline: Timeline | None) -> str | None:
+    """Gathers every rank's events of the job's timeline on rank 0, which writes the trace.
+
+    A synchronization point: every rank must call it (``syncdp.shutdown()`` does when the
+    job's timeline is on). The gather goes straight to MPI, outside the watchdog's numbering,
+    so it neither appears in the trace nor counts as a collective the other ranks must match.
+
+    Args:
+        mpi_comm: The mpi4py communicator of the ranks that recorded events.
+        timeline: This rank's timeline, or None. One that is not the job's (rank 0's
+            ``start_timeline``) adds nothing and is stopped; where rank 0 holds none of the
+            job's, its file already holds what it recorded and nothing more is written.
+
+    Returns:
+        The path written, on rank 0; None elsewhere.
+    """
+    job = timeline if timeline is not None and timeline.every_rank else None
+    mine = job.events if job is not None else []
+    if timeline is not None:
+        timeline.stop()
+    every = mpi_comm.gather(mine, root=0)
+    if mpi_comm.Get_rank() != 0 or job is None:
+        return None
+    trace = []
+    for r, events in enumerate(every):
+        trace += _rows(r)
+        trace += [_rounded({**event, "pid": r}) for event in events]
+    directory = os.path.dirname(os.path.abspath(job.path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{job.path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"displayTimeUnit": "ms", "traceEvents": trace}, f)
+    os.replace(tmp, job.path)
+    return job.path
+
+
+def _rows(rank: int) -> list[dict]:
+    """The metadata events that name rank ``rank``'s process and its two rows."""
+    return [
+        {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
+        {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}},
+        *(
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": row}}
+            for tid, row in ((_COLLECTIVES, "collectives"), (_GRADIENTS, "gradients"))
+        ),
+    ]
+
+
+def _rounded(event: dict) -> dict:
+    """``event`` with its times in whole nanoseconds (the trace's microseconds to 3 places)."""
+    event = dict(event)
+    event["ts"] = round(event["ts"], 3)
+    if "dur" in event:
+        event["dur"] = round(event["dur"], 3)
+    return event
+
+
+class _TraceFile:
+    """Rank 0's trace written as its events happen: after each, the file is a whole JSON
+    document (the event goes in before the closing ``]}``, which is written again after it).
+
+    Args:
+        path: The file; its directory is made if missing.
+
+    Raises:
+        OSError: The file cannot be written; the message names it.
+    """
+
+    _END = b"]}"
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._file = open(path, "wb")  # noqa: SIM115 - open for the timeline's life
+            head = json.dumps({"displayTimeUnit": "ms", "traceEvents": _rows(0)}).encode()
+            self._file.write(head)
+            self._file.flush()
+        except OSError as e:
+            raise type(e)(
+                f"syncdp: the timeline cannot be written to {path!r}: {e.strerror or e}"
+            ) from None
+        self._end = len(head) - len(self._END)
+        self._lock = threading.Lock()  # TensorFlow may run two collectives' host calls at once
+
+    def add(self, event: dict) -> None:
+        """Writes ``event`` into the file, which stays valid JSON."""
+        text = b"," + json.dumps(_rounded(event)).encode()
+        with self._lock:
+            if self._file is None:
+                return
+            try:
+                self._file.seek(self._end)
+                self._file.write(text + self._END)
+                self._file.flush()
+            except OSError as e:  # a full disk must not end the training
+                print(
+                    f"syncdp: the timeline stops here: writing {self.path!r} failed ({e})",
+                    file=sys.stderr,
+                    flush=True,
                 )
-            for event in events:
-                event["pid"] = r
-                event["ts"] = round(event["ts"], 3)
-                if "dur" in event:
-                    event["dur"] = round(event["dur"], 3)
-                trace.append(event)
-        directory = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(directory, exist_ok=True)
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
-        os.replace(tmp, self.path)
-        return self.path
+                self._close()
+                return
+            self._end += len(text)
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
 
 
 def load(path: str) -> dict[int, list[dict]]:

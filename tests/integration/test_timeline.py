@@ -118,3 +118,90 @@ def test_first_bucket_starts_before_the_last_gradient_exists(tmp_path):
                 f"rank {rank} step {s}: bucket0 started at {first['ts']:.0f} us, after the "
                 f"last gradient at {max(this_step):.0f} us: no overlap"
             )
+
+
+# Every rank reduces 5 times; then, in "raise", the last rank fails while the others wait for it
+# in a sixth collective; in "dynamic", rank 0 alone starts a timeline around 3 of them.
+EVENTS_JOB = """
+import sys
+import tensorflow as tf
+tf.config.threading.set_intra_op_parallelism_threads(1)
+import horovod.tensorflow as hvd
+
+hvd.init()
+r, n, mode = hvd.rank(), hvd.size(), sys.argv[1]
+for i in range(5):
+    if mode == "dynamic" and r == 0 and i == 1:
+        hvd.start_timeline(sys.argv[2])
+    hvd.allreduce(tf.ones([4]), name=f"ar{i}")
+    if mode == "dynamic" and r == 0 and i == 3:
+        hvd.stop_timeline()
+if mode == "raise" and r == n - 1:
+    raise RuntimeError("fails here")
+hvd.allreduce(tf.ones([4]), name="last")
+"""
+
+
+def _collectives(trace) -> dict[int, list[str]]:
+    data = json.loads(trace.read_text())  # valid JSON, however the job ended
+    ranks: dict[int, list[str]] = {}
+    for event in data["traceEvents"]:
+        if event.get("ph") == "X":
+            ranks.setdefault(event["pid"], []).append(event["name"])
+    return ranks
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_job_that_fails_keeps_rank_0s_timeline_so_far(tmp_path, np_):
+    # Rank 0 writes each of its events as it happens (Horovod's file is valid JSON at any
+    # moment): nothing was written before, as the gather at the end never came.
+    trace = tmp_path / "trace.json"
+    result = launch(
+        np_,
+        "python",
+        python_script(tmp_path, EVENTS_JOB),
+        "raise",
+        launcher_args=("--timeline-filename", str(trace)),
+        timeout=240,
+    )
+    assert result.returncode != 0 and "fails here" in result.stderr
+    assert _collectives(trace) == {0: [f"ar{i}.bucket0" for i in range(5)]}
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3])
+def test_start_and_stop_timeline_on_rank_0_alone(tmp_path, np_):
+    # Horovod's start_timeline/stop_timeline are not collectives: a program may call them on
+    # rank 0 only (it stalled until the stall timeout); the trace holds rank 0's collectives
+    # between the two calls.
+    trace = tmp_path / "dynamic.json"
+    check(
+        launch(
+            np_,
+            "python",
+            python_script(tmp_path, EVENTS_JOB),
+            "dynamic",
+            str(trace),
+            env={"HOROVOD_TIMELINE": "DYNAMIC"},
+            launcher_args=("--stall-timeout", "20"),
+            timeout=240,
+        )
+    )
+    expected = {0: ["ar1.bucket0", "ar2.bucket0", "ar3.bucket0"]} if np_ > 1 else {}
+    assert _collectives(trace) == expected  # one rank reduces nothing: no collective happens
+
+
+def test_a_timeline_rank_0_cannot_write_ends_the_job_at_init_naming_it(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    trace = blocker / "trace.json"  # under a file: no directory can be made there
+    result = launch(
+        2,
+        "python",
+        python_script(tmp_path, EVENTS_JOB),
+        "ok",
+        launcher_args=("--timeline-filename", str(trace), "--stall-timeout", "60"),
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert f"the timeline cannot be written to {str(trace)!r}" in result.stderr.splitlines()[-1]
+    assert result.elapsed < 45, result.stderr[-3000:]  # not the stall timeout
