@@ -132,7 +132,6 @@ class Timeline:
             self._stream.add(event)
 
 
-
 def gather_and_write(mpi_comm, timeline: Timeline | None) -> str | None:
     """Gathers every rank's events of the job's timeline on rank 0, which writes the trace.
 
