@@ -57,15 +57,25 @@ __all__ = [
 ]
 
 
-def _is_number(value) -> bool:
+def _numbers(value) -> np.ndarray | None:
+    """A log entry as a float64 array, when it holds numbers (a number, or an array or tensor
+    of them: ``Precision(thresholds=[...])`` logs one per threshold); None otherwise."""
     if isinstance(value, bool):
-        return False
-    if isinstance(value, numbers.Number):
-        return True
-    return (
-        isinstance(value, np.ndarray | np.generic)
-        and np.size(value) == 1
-        and np.issubdtype(np.asarray(value).dtype, np.number)
+        return None
+    if isinstance(value, tf.Tensor | tf.Variable) and tf.executing_eagerly():
+        value = value.numpy()
+    if not isinstance(value, numbers.Number | np.ndarray | np.generic):
+        return None
+    array = np.asarray(value)
+    if not np.issubdtype(array.dtype, np.number):
+        return None
+    return array.astype(np.float64)
+
+
+def _shapes(logged: dict) -> str:
+    """``['acc', 'prec (shape 2)']``: metric names, with the shape of those not one number."""
+    return str(
+        [k if np.ndim(v) == 0 else f"{k} (shape {np.shape(v)})" for k, v in sorted(logged.items())]
     )
 
 
@@ -200,13 +210,16 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
         (``loss``, ``accuracy``, ``val_*``, ...) are replaced by their mean over ranks, so every
         rank, the progress bar and every later callback (ReduceLROnPlateau, EarlyStopping, a
         rank-0 ModelCheckpoint) see the same values. Put it before those callbacks. A
-        synchronization point once per epoch. Non-numeric log entries are left alone.
+        synchronization point once per epoch. A metric that logs several numbers (one per
+        threshold) is averaged element by element, as Horovod's allreduce does; non-numeric
+        log entries are left alone.
 
         Args:
             device: Accepted for Horovod compatibility.
 
         Raises:
-            CollectiveError: Ranks logged different metric names.
+            CollectiveError: Ranks logged different metric names, or a metric of different
+                shapes.
         """
 
         def __init__(self, device: str = ""):
@@ -215,18 +228,22 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
         def on_epoch_end(self, epoch, logs=None):
             if logs is None:
                 return
-            mine = {k: float(v) for k, v in logs.items() if _is_number(v)}
+            found = {k: _numbers(v) for k, v in logs.items()}
+            mine = {k: v for k, v in found.items() if v is not None}
             everyone = ops.allgather_object(mine, name="MetricAverageCallback")
             names = sorted(mine)
             for r, theirs in enumerate(everyone):
-                if sorted(theirs) != names:
+                shapes = {k: np.shape(v) for k, v in theirs.items()}
+                if sorted(theirs) != names or any(shapes[k] != mine[k].shape for k in names):
                     raise CollectiveError(
                         "MetricAverageCallback needs the same metrics on every rank: rank "
-                        f"{runtime.rank()} logged {names}, rank {r} logged {sorted(theirs)}. "
-                        "Compile the same metrics and validation data on every rank."
+                        f"{runtime.rank()} logged {_shapes(mine)}, rank {r} logged "
+                        f"{_shapes(theirs)}. Compile the same metrics and validation data on "
+                        "every rank."
                     )
             for k in names:
-                logs[k] = float(np.mean([theirs[k] for theirs in everyone], dtype=np.float64))
+                mean = np.mean([theirs[k] for theirs in everyone], axis=0, dtype=np.float64)
+                logs[k] = float(mean) if mean.ndim == 0 else mean
 
     class LearningRateScheduleCallback(_SyncdpCallback):
         """Sets the learning rate to ``initial_lr * multiplier(epoch)`` for epochs in a window.

@@ -153,6 +153,35 @@ def test_metric_average_is_the_mean_over_ranks():
     _assert_identical_across_ranks([[logs[k] for k in sorted(logs)] for logs in after.epoch_logs])
 
 
+def test_metric_average_averages_a_metric_of_several_numbers_element_by_element():
+    # Precision with two thresholds logs two numbers; Horovod's allreduce averages each.
+    x = np.random.default_rng(hvd.rank()).random((16, 3)).astype("float32")
+    y = (np.random.default_rng(10 + hvd.rank()).random((16, 1)) < 0.2 + 0.2 * hvd.rank()).astype(
+        "float32"
+    )
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(1, activation="sigmoid", kernel_initializer="ones")]
+    )
+    model.compile(
+        optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.0)),
+        loss="binary_crossentropy",
+        metrics=[keras.metrics.Precision(thresholds=[0.8, 0.9], name="prec")],
+        jit_compile=False,
+    )
+    before, after = _Record(), _Record()
+    callbacks = [before, hvd.callbacks.MetricAverageCallback(), after]
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=callbacks)
+    everyone = hvd.allgather_object(before.epoch_logs)
+    mine = np.asarray(before.epoch_logs[0]["prec"])
+    assert mine.shape == (2,)
+    expected = np.mean([np.asarray(t[0]["prec"], np.float64) for t in everyone], axis=0)
+    np.testing.assert_allclose(after.epoch_logs[0]["prec"], expected, rtol=1e-12)
+    assert after.epoch_logs[0]["loss"] == pytest.approx(
+        np.mean([theirs[0]["loss"] for theirs in everyone]), rel=1e-12
+    )
+
+
 def test_warmup_learning_rate_follows_the_formula_step_by_step():
     local = _local_batch()
     steps, warmup, initial = 3, 2, 0.04
