@@ -15,7 +15,7 @@ import keras as _keras3
 import tensorflow as tf
 
 from syncdp.keras import optimizer as _optimizer
-from syncdp.tensorflow.compression import Compression
+from syncdp.tensorflow.compression import Compression, is_compressor
 from syncdp.tensorflow.keras2_names import create_optimizer_variables
 
 __all__ = ["load_model"]
@@ -31,7 +31,7 @@ def for_package(keras: ModuleType):
         filepath,
         custom_optimizers=None,
         custom_objects=None,
-        compression=Compression.none,
+        compression=None,
         **kwargs,
     ):
         """Loads a saved Keras model whose optimizer averages gradients over all ranks.
@@ -50,8 +50,9 @@ def for_package(keras: ModuleType):
                 Defaults to none.
             custom_objects: Other custom objects, as for Keras' ``load_model``. Defaults to
                 none.
-            compression: Compression for a plain optimizer wrapped here. Defaults to
-                ``Compression.none``.
+            compression: The optimizer's compression, as Horovod's ``load_model`` sets it
+                (``Compression.fp16``, ...). Defaults to the one the file saved (a
+                DistributedOptimizer's), else ``Compression.none``.
             **kwargs: Passed on to Keras' ``load_model`` (e.g. ``compile``, ``safe_mode``).
 
         Returns:
@@ -60,6 +61,12 @@ def for_package(keras: ModuleType):
         Example:
             >>> model = syncdp.keras.load_model("model.keras")
         """
+        if compression is not None and not is_compressor(compression):
+            raise ValueError(
+                "compression must be a compressor: syncdp.Compression.none, "
+                "syncdp.Compression.fp16, or an object with compress() and decompress(); got "
+                f"{compression!r}."
+            )
         objects = dict(custom_objects or {})
         for cls in custom_optimizers or ():
             objects[cls.__name__] = cls
@@ -68,8 +75,11 @@ def for_package(keras: ModuleType):
         if optimizer is not None and tf.saved_model.contains_saved_model(os.fspath(filepath)):
             _restore_optimizer(model, os.fspath(filepath))
         if optimizer is not None and not _optimizer.is_distributed(optimizer):
-            model.optimizer = distributed(optimizer, compression=compression)
+            model.optimizer = distributed(optimizer, compression=compression or Compression.none)
             model.train_function = None  # the next fit() traces a step with the new optimizer
+        elif optimizer is not None and compression is not None:
+            model.optimizer.compression = compression
+            model.train_function = None
         _optimizer.turn_off_jit(model)
         return model
 

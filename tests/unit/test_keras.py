@@ -231,6 +231,23 @@ def test_load_model_wraps_a_plain_optimizer(tmp_path):
     loaded.fit(x, y, verbose=0)
 
 
+def test_load_model_sets_the_compression_it_is_given_as_horovods_does(tmp_path):
+    x, y = _xy()
+    model = _model()
+    model.compile(
+        optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=False
+    )
+    model.fit(x, y, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = hvd.load_model(path, compression=hvd.Compression.fp16)
+    assert loaded.optimizer.compression is hvd.Compression.fp16
+    loaded.fit(x, y, verbose=0)
+    assert hvd.load_model(path).optimizer.compression is hvd.Compression.none  # as saved
+    with pytest.raises(ValueError, match="compression must be a compressor"):
+        hvd.load_model(path, compression="fp16")
+
+
 def test_callbacks_turn_jit_off_with_a_warning():
     x, y = _xy()
     model = _model()
