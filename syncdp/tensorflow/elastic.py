@@ -101,6 +101,12 @@ class TensorFlowKerasState(_VariablesState):
     """
 
     def __init__(self, model, optimizer=None, backend=None, **kwargs):
+        if not getattr(model, "built", True):
+            # Its optimizer would be built for no variables, and fit() would fail naming it.
+            raise ValueError(
+                "the model must be built before its state is made: give it an Input layer, "
+                "or call model.build(input_shape) or model(batch) first."
+            )
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         super().__init__(**kwargs)

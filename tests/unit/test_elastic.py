@@ -661,3 +661,21 @@ def test_a_spare_that_exits_as_elastic_mode_ends_the_job_is_not_said_to_leave_tr
         "spare [3] (pid 13 on h) exited with code 1 while waiting; elastic mode could not go on"
         in (out.getvalue())
     )
+
+
+@pytest.mark.parametrize("package", ["keras", "tf_keras"])
+def test_the_state_of_a_model_not_yet_built_is_refused_by_name(package):
+    # Its optimizer would be built for no variables, and fit() would later fail naming the
+    # optimizer ("Unknown variable"), not the model.
+    import importlib
+
+    from syncdp.tensorflow.elastic import TensorFlowKerasState
+
+    keras = importlib.import_module(package)
+    model = keras.Sequential([keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(ValueError, match="must be built"):
+        TensorFlowKerasState(model, epoch=0)
+    model.build((None, 3))
+    state = TensorFlowKerasState(model, epoch=0)
+    assert len(state.model.variables) == 2
