@@ -80,7 +80,33 @@ def _shapes(logged: dict) -> str:
 
 
 def _get_lr(optimizer) -> float:
-    return float(tf.convert_to_tensor(optimizer.learning_rate).numpy())
+    if tf.executing_eagerly():
+        return float(tf.convert_to_tensor(optimizer.learning_rate).numpy())
+    # Keras 2's fit() in a TF1 graph: the rate is a variable read through Keras' session.
+    return float(tf.compat.v1.keras.backend.get_value(optimizer.learning_rate))
+
+
+def _scale(buffers: list, factor: float) -> None:
+    """Multiplies each variable of ``buffers`` by ``factor`` now (in a TF1 graph too, where an
+    ``assign`` would only build an op that nothing runs)."""
+    if tf.executing_eagerly():
+        for buffer in buffers:
+            buffer.assign(buffer * factor)
+        return
+    backend = tf.compat.v1.keras.backend
+    values = backend.batch_get_value(buffers)
+    backend.batch_set_value([(b, v * factor) for b, v in zip(buffers, values, strict=True)])
+
+
+def _steps_per_epoch(params: dict | None) -> int | None:
+    """Batches per epoch as fit() tells its callbacks: ``steps``, else (Keras 2 with arrays
+    in a TF1 graph) ``samples // batch_size``, as Horovod's callbacks count them."""
+    params = params or {}
+    if params.get("steps"):
+        return int(params["steps"])
+    if params.get("samples") and params.get("batch_size"):
+        return int(params["samples"]) // int(params["batch_size"]) or None
+    return None
 
 
 def _momentum_buffers(optimizer) -> list:
@@ -325,7 +351,7 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
 
         def on_train_begin(self, logs=None):
             if not self.staircase and not self.steps_per_epoch:
-                steps = self.params.get("steps") if self.params else None
+                steps = _steps_per_epoch(self.params)
                 if not steps:
                     raise ValueError(
                         f"{type(self).__name__} needs the number of batches per epoch, and fit() "
@@ -354,8 +380,7 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
             old_lr = _get_lr(optimizer)
             optimizer.learning_rate = new_lr
             if self.momentum_correction and old_lr > 0 and new_lr != old_lr:
-                for buffer in _momentum_buffers(optimizer):
-                    buffer.assign(buffer * (new_lr / old_lr))
+                _scale(_momentum_buffers(optimizer), new_lr / old_lr)
 
         def on_epoch_end(self, epoch, logs=None):
             if logs is not None:

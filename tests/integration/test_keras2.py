@@ -94,6 +94,54 @@ def test_keras2_in_a_tf1_graph_broadcasts_and_averages(np, tmp_path):
         numpy.testing.assert_allclose(f["b"], b, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_keras2_in_a_tf1_graph_warms_up_the_rate_with_momentum_correction(np, tmp_path):
+    # Horovod's older Keras examples: LearningRateWarmupCallback in a TF1 graph, with no
+    # steps_per_epoch (fit() knows only samples and batch_size there). The rate was read with
+    # .numpy() (an AttributeError), and the momentum buffers' correction built ops nothing ran.
+    job = (
+        GRAPH_MODE_JOB.replace(
+            "keras.optimizers.legacy.SGD(0.1)", "keras.optimizers.legacy.SGD(0.01, momentum=0.9)"
+        )
+        .replace("epochs=1,", "epochs=2,")
+        .replace(
+            "callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)]",
+            "callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), "
+            "hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.1 * n, warmup_epochs=2)]",
+        )
+    )
+    result = check(
+        launch(
+            np,
+            "python",
+            python_script(tmp_path, job),
+            env={"TF_USE_LEGACY_KERAS": "1"},
+            timeout=180,
+        )
+    )
+    found = [json.loads(m) for m in re.findall(r"RESULT (\{.*\})", result.stdout)]
+    assert sorted(f["rank"] for f in found) == list(range(np)), result.stdout[-3000:]
+    # One process on the whole batches, at Horovod's warmup rates, the velocity rescaled by
+    # new_lr / old_lr before each step (Keras 2's SGD: v = 0.9 v - lr g; w += v).
+    rng = numpy.random.default_rng(0)
+    x = rng.normal(size=(18, 3)).astype("float32")
+    y = rng.normal(size=(18, 1)).astype("float32")
+    w, b = numpy.ones((3, 1)), numpy.zeros(1)
+    vw, vb, old = numpy.zeros((3, 1)), numpy.zeros(1), 0.01
+    for epoch in range(2):
+        for batch, s in enumerate(range(0, 18, 6)):
+            t = epoch + (batch + 1) / 3
+            lr = 0.1 * np / np * (t * (np - 1) / 2 + 1)
+            vw, vb = vw * lr / old, vb * lr / old
+            error = x[s : s + 6] @ w + b - y[s : s + 6]
+            vw = 0.9 * vw - lr * 2 * x[s : s + 6].T @ error / 6
+            vb = 0.9 * vb - lr * 2 * error.mean(0)
+            w, b, old = w + vw, b + vb, lr
+    for f in found:
+        numpy.testing.assert_allclose(f["w"], w.ravel(), rtol=0, atol=1e-5)
+        numpy.testing.assert_allclose(f["b"], b, rtol=0, atol=1e-5)
+
+
 def test_keras2_in_a_tf1_graph_names_a_current_optimizer_it_cannot_train_with(tmp_path):
     # Keras 2 trains in a TF1 graph only with its legacy optimizers; a current one is refused
     # with the fix, not an AttributeError from deep inside Keras.
