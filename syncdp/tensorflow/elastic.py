@@ -112,6 +112,18 @@ class TensorFlowKerasState(_VariablesState):
         super().__init__(**kwargs)
         self._saved_values = [v.numpy() for v in self._variables()]
 
+    def save(self) -> None:
+        """Keeps the current values (``commit()`` calls it on every rank). Partway through a
+        ``backward_passes_per_step`` window, every rank first takes the ranks' mean of the
+        gradients accumulated so far (a collective then): a reset restores the commit and gives
+        every rank rank 0's, which then carries every rank's passes, not rank 0's alone."""
+        optimizer = self.optimizer
+        while optimizer is not None and not hasattr(optimizer, "share_pending_gradients"):
+            optimizer = getattr(optimizer, "inner_optimizer", None)  # a LossScaleOptimizer's
+        if optimizer is not None and tf.executing_eagerly():
+            optimizer.share_pending_gradients()
+        super().save()
+
     def _variables(self) -> list:
         variables = list(self.model.variables)
         opt = self.optimizer

@@ -26,3 +26,39 @@ def test_run_fn_syncs_the_state_from_rank_0_and_runs_without_a_reset():
     train = hvd.elastic.run_fn(train, lambda: resets.append(hvd.rank()))
     assert train(state, extra=hvd.rank()) == (0, [0], hvd.rank())
     assert resets == []  # no membership change: nothing to reset
+
+
+def test_a_commit_partway_through_a_window_keeps_every_ranks_gradients_through_a_reset():
+    # backward_passes_per_step=2, committed after the first pass: a reset restores the commit
+    # and gives every rank rank 0's state. The window's first pass must still count every
+    # rank's gradient (before, every rank resumed with rank 0's alone).
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    r, n = hvd.rank(), hvd.size()
+    model = keras.Sequential(
+        [keras.Input((2,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")]
+    )
+    opt = hvd.DistributedOptimizer(
+        keras.optimizers.SGD(1.0), backward_passes_per_step=2, average_aggregated_gradients=True
+    )
+
+    def gradient(rank, p):
+        return np.array([[rank + 1.0 + 3 * p], [10.0 * (p + 1) * (rank + 1)]], np.float32)
+
+    def one_pass(p):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model.trainable_variables[0] * gradient(r, p))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    state = hvd.elastic.TensorFlowKerasState(model, opt, batch=0)
+    one_pass(0)
+    state.batch = 1
+    state.commit()
+    state.restore()  # what elastic.run does after a reset
+    state.sync()
+    one_pass(1)
+    expected = -np.mean([gradient(q, p) for q in range(n) for p in range(2)], axis=0)
+    np.testing.assert_allclose(model.trainable_variables[0].numpy(), expected, rtol=1e-6)
