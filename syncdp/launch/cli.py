@@ -439,8 +439,10 @@ def parse_args(
         listed = _hosts.listed(args.hosts, args.hostfile, slots_per_host=args.slots_per_host)
     except _hosts.HostError as e:
         parser.error(str(e))
-    if args.slots_per_host is not None and listed:
-        # mpirun counts one slot for a host without a count: give each its slots on -H.
+    if listed and (args.slots_per_host is not None or args.hostfile):
+        # Every host with the slots counted here, on mpirun's --host: mpirun counts one slot
+        # for a -H host without a count, but every core for a hostfile line without slots=
+        # (ranks piled onto the first host), and max_slots= as slots.
         args.hosts, args.hostfile = _hosts.format_hosts(listed), None
     slots = sum(h.slots for h in listed) if listed else None
     if args.num_proc is None:
@@ -463,6 +465,12 @@ def parse_args(
         parser.error(f"--ssh-port must be a TCP port (1-65535); got {args.ssh_port}")
     if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
         parser.error(f"--ssh-identity-file {args.ssh_identity_file!r} does not exist")
+    if args.ssh_identity_file and any(c.isspace() for c in args.ssh_identity_file):
+        # Open MPI splits its ssh arguments (plm_ssh_args) at spaces, quotes or not.
+        parser.error(
+            f"--ssh-identity-file {args.ssh_identity_file!r} holds a space, which Open MPI "
+            "cannot pass to ssh; link the key from a path without one"
+        )
     resolved = _check_settings(args, environ, spelled, prog)
     for var in settings.HOROVOD_VARS_WITHOUT_EFFECT:
         if var in environ:

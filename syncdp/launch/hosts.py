@@ -301,23 +301,36 @@ def host_problems(hosts: Sequence[Host], shell: list[str], timeout: float = 30.0
     problems: dict[str, str] = {}
     remote = [h.name for h in hosts if not is_local(h.name)]
 
+    good: set[str] = set()  # a host is good only when its check said so
+
     def check(host: str) -> None:
         output, why = _probe(shell, host, timeout)
+        lines = (output or "").splitlines()
         if output is None:
             problems[host] = why
-        elif output.splitlines()[-1] != mine:
-            theirs = output.splitlines()[-1]
+        elif not lines:
             problems[host] = (
-                f"runs Python/syncdp {theirs} at {sys.executable}, but the launcher runs {mine}; "
-                "install the same versions on every host"
+                f"the check at {sys.executable} printed nothing (it prints the Python and "
+                "syncdp versions): the remote shell ran something else"
             )
+        elif lines[-1] != mine:
+            problems[host] = (
+                f"runs Python/syncdp {lines[-1]} at {sys.executable}, but the launcher runs "
+                f"{mine}; install the same versions on every host"
+            )
+        else:
+            good.add(host)
 
     threads = [threading.Thread(target=check, args=(h,), daemon=True) for h in remote]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout + 5)
-    return {h: problems[h] for h in remote if h in problems}
+    return {
+        h: problems.get(h, f"the check did not end within {timeout + 5:g} s")
+        for h in remote
+        if h not in good
+    }
 
 
 def _ip_addresses() -> list[tuple[str, str]]:

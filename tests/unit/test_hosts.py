@@ -156,12 +156,15 @@ def test_check_names_each_bad_host_and_why(tmp_path):
         '  old) echo "3.8.1 0.0.1" ;;\n'
         "  slow) sleep 30 ;;\n"
         '  gone) echo "ssh: Could not resolve hostname gone" >&2; exit 255 ;;\n'
+        "  quiet) exit 0 ;;\n"
         "esac",
     )
-    listed = [Host(n, 1) for n in ("good", "old", "slow", "gone", "localhost")]
+    listed = [Host(n, 1) for n in ("good", "old", "slow", "gone", "quiet", "localhost")]
     problems = hosts.check_hosts(listed, shell, timeout=2)
-    assert len(problems) == 3
-    old, slow, gone = problems
+    assert len(problems) == 4
+    old, slow, gone, quiet = problems
+    # A shell that exits 0 printing nothing ran no check: the host was let through.
+    assert quiet.startswith("host quiet: the check at ") and "printed nothing" in quiet
     assert old.startswith("host old: runs Python/syncdp 3.8.1 0.0.1")
     assert slow == "host slow: did not answer over the remote shell within 2 s"
     assert gone.startswith("host gone: the check command failed there (exit 255)")

@@ -61,6 +61,15 @@ def test_bad_command_lines_exit_with_usage(argv, words, capsys):
     assert "syncdp-run" in err and words in err, err
 
 
+def test_an_ssh_key_whose_path_holds_a_space_is_refused(tmp_path, capsys):
+    # Open MPI splits plm_ssh_args at spaces: ssh would have taken "key'" for the host.
+    key = tmp_path / "my key"
+    key.write_text("")
+    with pytest.raises(SystemExit):
+        run.parse_args(["-np", "2", "-H", "a,b", "-i", str(key), "python"], environ={})
+    assert "holds a space, which Open MPI cannot pass to ssh" in capsys.readouterr().err
+
+
 # Nonsense for each kind of setting, as (flag, text) and as (variable, text).
 SECONDS = "a finite number of seconds, at least 0"
 BAD_FLAGS = [
@@ -296,12 +305,15 @@ def test_an_enclosing_jobs_channel_is_never_passed_on():
     assert not set(outer) & set(env)
 
 
-def test_hostfile_is_passed_to_mpirun(tmp_path):
+def test_a_hostfiles_hosts_reach_mpirun_with_the_slots_counted_here(tmp_path):
+    # mpirun gives a hostfile line without slots= every core of the host (both ranks went to
+    # hostA), and max_slots= as slots; syncdp counts one, as the README says.
     hosts = tmp_path / "hosts"
-    hosts.write_text("localhost slots=2\n")
-    c = run.parse_args(["-np", "2", "--hostfile", str(hosts), "python"])
+    hosts.write_text("# cluster\nhostA\nhostB max_slots=4\nhostC slots=2\n")
+    c = run.parse_args(["--hostfile", str(hosts), "python"], environ={})
     cmd = run.build_command(c, run.build_env(c, environ={}))
-    assert cmd[cmd.index("--hostfile") + 1] == str(hosts)
+    assert c.num_proc == 4 and "--hostfile" not in cmd
+    assert cmd[cmd.index("--host") + 1] == "hostA:1,hostB:1,hostC:2"
 
 
 def test_a_one_host_job_leaves_out_ucx_windows_whatever_the_host_has(monkeypatch):
