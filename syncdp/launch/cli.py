@@ -461,6 +461,15 @@ def parse_args(
             f"-np {args.num_proc} needs {args.num_proc} slots, and the hosts listed have "
             f"{slots} ({_hosts.format_hosts(listed)}); add slots (HOST:N) or use a smaller -np"
         )
+    allocated = _slurm_tasks(environ) if slots is None else None
+    if allocated is not None and args.num_proc > allocated:
+        # mpirun takes the hosts from the allocation, and would put the extra ranks on its
+        # nodes beyond their tasks (syncdp-run lets ranks outnumber cores on this host only).
+        parser.error(
+            f"-np {args.num_proc} needs {args.num_proc} slots, and the Slurm allocation's nodes "
+            f"have {allocated} tasks (SLURM_TASKS_PER_NODE="
+            f"{environ['SLURM_TASKS_PER_NODE']}); ask Slurm for more tasks or use a smaller -np"
+        )
     if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
         parser.error(f"--ssh-port must be a TCP port (1-65535); got {args.ssh_port}")
     if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
@@ -522,6 +531,16 @@ def parse_args(
         spares=args.spares,
         slots_per_host=args.slots_per_host,
     )
+
+
+def _slurm_tasks(environ: Mapping[str, str]) -> int | None:
+    """The tasks of the Slurm allocation of two or more nodes this runs in; None elsewhere (on
+    one node, as on any one host, ranks may outnumber its tasks)."""
+    nodes = environ.get("SLURM_JOB_NUM_NODES", "")
+    if not nodes.isdigit() or int(nodes) < 2:
+        return None
+    tasks = _hosts.parse_tasks_per_node(environ.get("SLURM_TASKS_PER_NODE", ""))
+    return sum(tasks) if tasks else None
 
 
 def _origin(name: str, args: argparse.Namespace) -> str:

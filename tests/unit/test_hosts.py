@@ -105,6 +105,23 @@ def test_an_elastic_job_in_a_slurm_allocation_takes_its_nodes_as_hosts(monkeypat
     assert given.hosts == "n1:2,n2:2" and given.num_proc == 4  # -np: the hosts' slots
 
 
+def test_more_ranks_than_a_slurm_allocation_of_several_nodes_has_tasks_are_refused(
+    monkeypatch, tmp_path, capsys
+):
+    # mpirun reads the nodes from the allocation; with syncdp's --oversubscribe the extra
+    # ranks went onto its nodes beyond their tasks, without a word.
+    _allocation(monkeypatch, tmp_path, "3", "2(x2),1", "n1\nn2\nn3")
+    assert run.parse_args(["-np", "5", "python", "x.py"]).num_proc == 5
+    for argv in (["-np", "16"], ["-np", "16", "--min-np", "2"]):
+        with pytest.raises(SystemExit):
+            run.parse_args([*argv, "python", "x.py"])
+        err = capsys.readouterr().err
+        assert "-np 16 needs 16 slots, and the Slurm allocation's nodes have 5 tasks" in err
+    # One node is one host: ranks may outnumber its tasks, as on any host given no hosts.
+    _allocation(monkeypatch, tmp_path, "1", "1", "n1")
+    assert run.parse_args(["-np", "2", "python", "x.py"]).num_proc == 2
+
+
 def test_an_allocation_slurm_cannot_list_leaves_the_hosts_unset(monkeypatch, tmp_path):
     # scontrol fails, lists another number of nodes, or the allocation is one node: the job
     # runs on the allocation as mpirun reads it, and a lost node ends it, named.
