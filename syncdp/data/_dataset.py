@@ -92,7 +92,7 @@ def _plan(
     return by_file, None
 
 
-def _check_args(batch_size, shuffle_buffer, shard_by, compression_type) -> None:
+def _check_args(batch_size, shuffle_buffer, shard_by, compression_type, seed) -> None:
     if (
         isinstance(batch_size, bool)
         or not isinstance(batch_size, (int, np.integer))
@@ -113,6 +113,12 @@ def _check_args(batch_size, shuffle_buffer, shard_by, compression_type) -> None:
         raise ValueError(
             f"tfrecord_dataset: compression_type must be None, 'GZIP' or 'ZLIB'; "
             f"got {compression_type!r}."
+        )
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        # The same on every rank (it decides which rank reads which file): no random default.
+        raise ValueError(
+            f"tfrecord_dataset needs a seed that is an integer >= 0, the same on every rank; "
+            f"got {seed!r}."
         )
 
 
@@ -224,7 +230,7 @@ def tfrecord_dataset(
         >>> ds = syncdp.data.tfrecord_dataset("data/*.tfrecord", parse, 32, shuffle_buffer=1000)
         >>> model.fit(ds, epochs=3)  # every rank runs ds.cardinality() steps per epoch
     """
-    _check_args(batch_size, shuffle_buffer, shard_by, compression_type)
+    _check_args(batch_size, shuffle_buffer, shard_by, compression_type, seed)
     batch_size = int(batch_size)
     size, rank = runtime.size(), runtime.rank()
     paths = _resolve_files(files, "tfrecord_dataset")

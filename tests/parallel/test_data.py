@@ -214,6 +214,16 @@ def test_elastic_dataset_uses_each_record_once_from_the_committed_batch(hvd, dat
         assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
 
 
+@pytest.mark.parametrize("seed", [None, -1, 1.5, "7"])
+def test_a_seed_that_is_not_an_integer_is_named(hvd, data, seed):
+    # It decides which rank reads which file, so it has no random default; None failed deep
+    # in NumPy with a TypeError.
+    from syncdp.data import tfrecord_dataset
+
+    with pytest.raises(ValueError, match="needs a seed that is an integer >= 0"):
+        tfrecord_dataset(data["abc"], parse_id, 4, shuffle_buffer=8, seed=seed)
+
+
 def test_elastic_dataset_bad_input(hvd, data):
     from syncdp.data import elastic_tfrecord_dataset
 
