@@ -17,6 +17,7 @@ import ipaddress
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -213,11 +214,15 @@ def remote_shell(
     """The command that runs a command on a host: ``[*shell, HOST, COMMAND]``.
 
     The agent Open MPI will use (``--mca plm_rsh_agent X`` or ``--prtemca plm_ssh_agent X``
-    in ``mpi_args``, else ``PRTE_MCA_plm_ssh_agent``), otherwise ssh with the port and
+    in ``mpi_args``, else ``PRTE_MCA_plm_ssh_agent``); inside a Slurm allocation, where Open
+    MPI starts its daemons through Slurm and nodes often refuse ssh, ``srun`` (a step on that
+    node alone, sharing the allocation's resources: ``--overlap``), unless ssh is asked for
+    (a port, an identity file, Open MPI told to use it); otherwise ssh with the port and
     identity file, in batch mode (no password prompt can hang the check).
     """
     environ = os.environ if environ is None else environ
     agent = None
+    launcher = environ.get("PRTE_MCA_plm") or environ.get("OMPI_MCA_plm")
     args = list(mpi_args)
     for i, arg in enumerate(args[:-2]):
         if arg in ("--mca", "--prtemca", "-mca") and args[i + 1] in (
@@ -225,9 +230,17 @@ def remote_shell(
             "plm_ssh_agent",
         ):
             agent = args[i + 2]
+        if arg in ("--mca", "--prtemca", "-mca") and args[i + 1] == "plm":
+            launcher = args[i + 2]
     agent = agent or environ.get("PRTE_MCA_plm_ssh_agent")
     if agent:
         return shlex.split(agent)
+    ssh_asked = ssh_port or identity_file or launcher in ("rsh", "ssh")
+    if environ.get("SLURM_JOB_ID") and not ssh_asked:
+        srun = shutil.which("srun", path=environ.get("PATH"))
+        if srun:  # [*shell, HOST, COMMAND]: the host is $0, the command $1
+            step = f"exec {shlex.quote(srun)} --overlap -N1 -n1 -Q -w " + '"$0" sh -c "$1"'
+            return ["sh", "-c", step]
     cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(connect_timeout)}"]
     if ssh_port:
         cmd += ["-p", str(ssh_port)]

@@ -247,7 +247,9 @@ def test_an_elastic_job_in_an_allocation_restarts_without_a_node_it_loses(slurm,
     d, env, hosts = slurm
     program = tmp_path / "elastic.py"
     program.write_text(hostloss.JOB)
-    mpi_args = f"--mca plm_rsh_agent {hosts.agent} --mca mpi_yield_when_idle 1"
+    # No remote-shell agent (nor ssh, which the nodes do not run): Open MPI starts its
+    # daemons through srun, and so does the launcher its host checks and its cleanup.
+    mpi_args = "--mca mpi_yield_when_idle 1"
     script = tmp_path / "job.sh"
     script.write_text(
         "#!/bin/sh\n"

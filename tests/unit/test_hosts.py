@@ -1,6 +1,7 @@
 """Host lists, hostfiles and the pre-start host check, without starting a job."""
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -152,6 +153,32 @@ def test_remote_shell_is_the_agent_from_mpi_args_else_ssh(tmp_path):
     shell = hosts.remote_shell([], {}, ssh_port=2222, identity_file="/k")
     assert shell[0] == "ssh" and "BatchMode=yes" in shell
     assert shell[-4:] == ["-p", "2222", "-i", "/k"]
+
+
+def test_inside_a_slurm_allocation_the_remote_shell_is_srun(tmp_path):
+    # Open MPI starts its daemons there through Slurm, and nodes often refuse ssh: the host
+    # checks and the cleanup of an elastic job went through ssh and failed (exit 255).
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/sh\necho "srun $*"\nshift 6\nexec "$@"\n')
+    srun.chmod(0o755)
+    slurm = {"SLURM_JOB_ID": "42", "PATH": f"{tmp_path}:/usr/bin:/bin"}
+    shell = hosts.remote_shell([], slurm)
+    ran = subprocess.run(
+        [*shell, "node7", "echo 'the command' $((1 + 1))"], capture_output=True, text=True
+    )
+    assert ran.stdout.splitlines() == [
+        "srun --overlap -N1 -n1 -Q -w node7 sh -c echo 'the command' $((1 + 1))",
+        "the command 2",
+    ]
+    # ssh where it is asked for, or outside an allocation; the user's agent always.
+    for asked in (
+        hosts.remote_shell([], slurm, ssh_port=2222),
+        hosts.remote_shell(["--prtemca", "plm", "ssh"], slurm),
+        hosts.remote_shell([], {**slurm, "PRTE_MCA_plm": "rsh"}),
+        hosts.remote_shell([], {"PATH": slurm["PATH"]}),
+    ):
+        assert asked[0] == "ssh", asked
+    assert hosts.remote_shell(["--mca", "plm_rsh_agent", "/x/a.sh"], slurm) == ["/x/a.sh"]
 
 
 def _shell(tmp_path, body: str) -> list[str]:
