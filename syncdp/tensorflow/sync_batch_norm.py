@@ -41,9 +41,14 @@ def for_package(keras: ModuleType) -> type:
         The layer class, registered with that Keras as ``syncdp>SyncBatchNormalization``.
     """
     base = keras.layers.BatchNormalization
-    # Keras 2's layer takes fused= (and picks the fused kernel by default, which computes its
-    # moments where they cannot be reduced); Keras 3's has no such argument.
-    takes_fused = "fused" in inspect.signature(base.__init__).parameters
+    # Keras 2's layer takes fused= (and picks the fused kernel by default for 4-D inputs,
+    # which computes its moments where they cannot be reduced); Keras 3's has no such argument.
+    # tf-keras declares it on BatchNormalizationBase, below the class's **kwargs.
+    takes_fused = any(
+        "fused" in inspect.signature(cls.__init__).parameters
+        for cls in base.__mro__
+        if "__init__" in vars(cls)
+    )
 
     @keras.saving.register_keras_serializable(package="syncdp")
     class SyncBatchNormalization(base):
@@ -69,6 +74,14 @@ def for_package(keras: ModuleType) -> type:
             if takes_fused:
                 kwargs["fused"] = False
             super().__init__(**kwargs)
+
+        def build(self, input_shape):
+            super().build(input_shape)
+            if getattr(self, "fused", False):  # its moments would be this rank's alone
+                raise ValueError(
+                    f"{type(self).__name__}: this Keras chose its fused kernel, whose batch "
+                    "statistics cannot be reduced across the ranks."
+                )
 
         # Keras 2 computes this rank's batch moments in _calculate_mean_and_var (its own
         # synchronized layer's hook), Keras 3 in _moments (a name Keras 2 also has, with other
@@ -106,11 +119,12 @@ def _global_moments(inputs, mean, variance):
     dtype = mean.dtype
     mean64, var64 = tf.cast(mean, tf.float64), tf.cast(variance, tf.float64)
     count = tf.cast(tf.size(inputs), tf.float64) / tf.cast(tf.size(mean), tf.float64)
+    # An empty batch (a rank's share of an uneven split) has NaN moments: it adds nothing.
     local = tf.concat(
         [
             tf.reshape(count, [1]),
-            tf.reshape(count * mean64, [-1]),
-            tf.reshape(count * (var64 + tf.square(mean64)), [-1]),
+            tf.reshape(tf.math.multiply_no_nan(mean64, count), [-1]),
+            tf.reshape(tf.math.multiply_no_nan(var64 + tf.square(mean64), count), [-1]),
         ],
         axis=0,
     )

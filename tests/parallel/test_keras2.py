@@ -508,6 +508,20 @@ def test_sync_batch_normalization_in_a_fit_equals_batch_norm_on_the_whole_batch(
         hvd.SyncBatchNormalization(fused=True)
 
 
+def test_sync_batch_normalization_of_images_reduces_across_the_ranks():
+    # 4-D inputs: tf-keras picks its fused kernel unless told fused=False, which declared on
+    # its base class was never passed; every rank normalized with its own batch's statistics.
+    r, n = hvd.rank(), hvd.size()
+    whole = np.random.default_rng(4).normal(size=(4 * n, 2, 2, 3)).astype(np.float32) * 3 + 1
+    synced = hvd.SyncBatchNormalization(momentum=0.0)
+    reference = keras.layers.BatchNormalization(momentum=0.0)
+    expected = reference(whole, training=True).numpy()[4 * r : 4 * r + 4]
+    out = synced(whole[4 * r : 4 * r + 4], training=True).numpy()
+    assert not synced.fused
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(synced.moving_mean.numpy(), whole.mean((0, 1, 2)), rtol=1e-5)
+
+
 def test_masked_sync_batch_normalization_equals_batch_norm_on_the_whole_masked_batch():
     # Keras 2 weighs rows by the mask's values (tf.nn.weighted_moments): a fractional mask too.
     r, n = hvd.rank(), hvd.size()

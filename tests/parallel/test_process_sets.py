@@ -130,6 +130,22 @@ def test_sync_batch_norm_equals_one_process_on_the_whole_batch(hvd, unequal):
         hvd.SyncBatchNormalization(fused=True)
 
 
+def test_sync_batch_norm_of_images_with_a_rank_whose_batch_is_empty(hvd):
+    # The last rank's share of an uneven split is empty: its moments are NaN (0/0) and must
+    # add nothing (they made every rank's statistics NaN).
+    r, n = hvd.rank(), hvd.size()
+    sizes = [3] * (n - 1) + [0] if n > 1 else [3]
+    whole = np.random.default_rng(8).normal(size=(sum(sizes), 4, 4, 3)).astype(np.float32) * 2
+    start = sum(sizes[:r])
+    reference = keras.layers.BatchNormalization(momentum=0.0)
+    synced = hvd.SyncBatchNormalization(momentum=0.0)
+    expected = reference(whole, training=True).numpy()[start : start + sizes[r]]
+    out = synced(whole[start : start + sizes[r]], training=True).numpy()
+    assert out.shape == expected.shape
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(synced.moving_mean.numpy(), whole.mean((0, 1, 2)), rtol=1e-5)
+
+
 def test_masked_sync_batch_norm_equals_one_process_on_the_whole_masked_batch(hvd):
     """A mask (Embedding(mask_zero=True) passes one on) leaves rows out of the statistics: the
     global batch's masked mean and variance, and the gradients of the whole batch's loss."""
