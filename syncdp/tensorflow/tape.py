@@ -24,6 +24,7 @@ trace shows the buckets' collectives against the backward pass.
 from __future__ import annotations
 
 import time
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -80,7 +81,9 @@ class _StepCount:
         return np.int64(self.value)
 
 
-_counters: dict[int, _StepCount] = {}
+# One step count per communicator (the job's, each process set's): a set registered later
+# under a removed set's id, or after shutdown() and init(), counts from 0 on its every rank.
+_counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _zero_counters() -> None:
@@ -92,9 +95,13 @@ def _zero_counters() -> None:
 runtime.on_reset(_zero_counters)
 
 
-def _step_counter(process_set=None) -> _StepCount:
-    key = 0 if process_set is None else process_set.process_set_id
-    return _counters.setdefault(key, _StepCount())
+def _step_counter(comm=None) -> _StepCount:
+    """The step count of the gradients reduced over ``comm`` (the job's by default)."""
+    comm = runtime.communicator() if comm is None else comm
+    counter = _counters.get(comm)
+    if counter is None:
+        counter = _counters[comm] = _StepCount()
+    return counter
 
 
 def _dense_count(grads) -> int:
@@ -245,9 +252,9 @@ def reduce_gradients(
     several = comm.size > 1 or runtime.get_config().elastic
     if several and not graph.in_v1_graph() and op is not collectives.Adasum:
         if step is None and not tf.executing_eagerly() and _dense_count(grads):
-            step_tensor = _step_counter(process_set).advance  # counted by the first bucket
+            step_tensor = _step_counter(comm).advance  # counted by the first bucket
         elif step is None:
-            step_tensor = tf.reshape(_step_counter(process_set).assign_add(1), [])
+            step_tensor = tf.reshape(_step_counter(comm).assign_add(1), [])
         else:
             step_tensor = tf.reshape(tf.cast(tf.convert_to_tensor(step), tf.int64), [])
     grads = _mark_computed(grads, variables)

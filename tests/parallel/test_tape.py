@@ -178,3 +178,32 @@ def test_the_distributed_tape_is_a_gradient_tape_that_records_on_the_wrapped_one
         tape.watch(x)
         z = tf.reduce_sum(x) * (r + 1.0)
     np.testing.assert_allclose(tape.gradient(z, x).numpy(), [(n + 1) / 2] * 2)
+
+
+def test_a_set_that_reuses_a_removed_sets_id_counts_its_tape_steps_from_zero(hvd):
+    # Set C reduces two steps on its ranks, is removed, and D gets C's id: the tape's step
+    # check counted D's first step on from C's on C's ranks alone (a false StepMismatchError).
+    r, n = hvd.rank(), hvd.size()
+    if n < 3:
+        pytest.skip("needs three ranks: two sets that share one")
+    w = tf.Variable([1.0])
+
+    def tape_step(ps):
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(w) * (r + 1.0)
+        return hvd.DistributedGradientTape(t, process_set=ps).gradient(loss, [w])[0]
+
+    first, second = [0, 1], [1, 2]
+    c = hvd.add_process_set(first)
+    if c.included():
+        for _ in range(2):
+            assert float(tape_step(c)[0]) == pytest.approx(np.mean([q + 1.0 for q in first]))
+    c_id = c.process_set_id
+    assert hvd.remove_process_set(c)
+    d = hvd.add_process_set(second)
+    try:
+        assert d.process_set_id == c_id
+        if d.included():
+            assert float(tape_step(d)[0]) == pytest.approx(np.mean([q + 1.0 for q in second]))
+    finally:
+        assert hvd.remove_process_set(d)
