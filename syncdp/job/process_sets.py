@@ -297,6 +297,7 @@ def _register(ps: ProcessSet, world, sets: dict[int, ProcessSet]) -> ProcessSet:
         else None
     )
     sets[ps.process_set_id] = ps
+    _renewed(ps.process_set_id)
     return ps
 
 
@@ -319,9 +320,25 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         found._comm.close()
         found._comm = None
     _forget(found.process_set_id)
+    _renewed(found.process_set_id)
     found.process_set_id = None
     process_set.process_set_id = None
     return True
+
+
+_renewed_callbacks: list = []
+
+
+def on_renewed(callback) -> None:
+    """Calls ``callback(process_set_id)`` on this rank whenever an id stops naming its set or
+    starts naming a set (``remove_process_set``, a registration: ``add_process_set``,
+    ``init()``, an elastic reset), on every rank of the job at the same point."""
+    _renewed_callbacks.append(callback)
+
+
+def _renewed(process_set_id: int) -> None:
+    for callback in _renewed_callbacks:
+        callback(process_set_id)
 
 
 def _forget(process_set_id: int) -> None:

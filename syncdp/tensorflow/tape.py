@@ -24,12 +24,11 @@ trace shows the buckets' collectives against the backward pass.
 from __future__ import annotations
 
 import time
-import weakref
 
 import numpy as np
 import tensorflow as tf
 
-from syncdp.job import runtime
+from syncdp.job import process_sets, runtime
 from syncdp.tensorflow import collectives, graph, verify
 from syncdp.tensorflow.compression import Compression
 from syncdp.transport import communicator
@@ -81,9 +80,10 @@ class _StepCount:
         return np.int64(self.value)
 
 
-# One step count per communicator (the job's, each process set's): a set registered later
-# under a removed set's id, or after shutdown() and init(), counts from 0 on its every rank.
-_counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# One step count per process set id (0: the job's), the same object for the process's whole
+# life, so a step traced before an elastic reset counts on the counter the reset zeroes. An id
+# that names another set (a removed set's id given to a new one) counts from 0 again.
+_counters: dict[int, _StepCount] = {}
 
 
 def _zero_counters() -> None:
@@ -92,16 +92,18 @@ def _zero_counters() -> None:
         counter.assign(0)
 
 
+def _zero_counter(process_set_id: int) -> None:
+    if process_set_id in _counters:
+        _counters[process_set_id].assign(0)
+
+
 runtime.on_reset(_zero_counters)
+process_sets.on_renewed(_zero_counter)
 
 
-def _step_counter(comm=None) -> _StepCount:
-    """The step count of the gradients reduced over ``comm`` (the job's by default)."""
-    comm = runtime.communicator() if comm is None else comm
-    counter = _counters.get(comm)
-    if counter is None:
-        counter = _counters[comm] = _StepCount()
-    return counter
+def _step_counter(process_set=None) -> _StepCount:
+    key = 0 if process_set is None else process_set.process_set_id
+    return _counters.setdefault(key, _StepCount())
 
 
 def _dense_count(grads) -> int:
@@ -252,9 +254,9 @@ def reduce_gradients(
     several = comm.size > 1 or runtime.get_config().elastic
     if several and not graph.in_v1_graph() and op is not collectives.Adasum:
         if step is None and not tf.executing_eagerly() and _dense_count(grads):
-            step_tensor = _step_counter(comm).advance  # counted by the first bucket
+            step_tensor = _step_counter(process_set).advance  # counted by the first bucket
         elif step is None:
-            step_tensor = tf.reshape(_step_counter(comm).assign_add(1), [])
+            step_tensor = tf.reshape(_step_counter(process_set).assign_add(1), [])
         else:
             step_tensor = tf.reshape(tf.cast(tf.convert_to_tensor(step), tf.int64), [])
     grads = _mark_computed(grads, variables)
