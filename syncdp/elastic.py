@@ -123,8 +123,10 @@ class State:
 
     def commit(self) -> None:
         """Saves the state in memory (every rank keeps its own copy), then checks for new
-        hosts. A synchronization point when a discovery script or spares are set: every rank
-        must then commit at the same points of training.
+        hosts. A synchronization point when a discovery script or spares are set, or (a Keras
+        state) partway through a ``backward_passes_per_step`` window, when the ranks first
+        average the gradients accumulated so far: every rank must commit at the same points
+        of training, and a commit inside a window costs one allreduce of the gradients.
 
         In an elastic job on several hosts under ``syncdp-run`` the lowest local rank of each
         host also writes the copy to that host's local disk, so that a restart after a lost

@@ -848,8 +848,9 @@ def _bound_finalize(seconds: float) -> None:
 def shutdown() -> None:
     """Releases syncdp's communicators, watchdog and timeline; ``init()`` may be called again.
 
-    Called at exit automatically. Not a collective, except with a timeline on: then rank 0
-    gathers every rank's events here, so every rank must call it. MPI itself stays up (MPI
+    Called at exit automatically. Not a collective, except with the job's timeline on
+    (``--timeline-filename``, ``SYNCDP_TIMELINE``): then rank 0 gathers every rank's events
+    here, so every rank must call it. MPI itself stays up (MPI
     cannot be started twice in one process); mpi4py finalizes it at exit.
     """
     comm = _state.comm

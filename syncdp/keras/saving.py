@@ -78,7 +78,9 @@ def for_package(keras: ModuleType):
             model.optimizer = distributed(optimizer, compression=compression or Compression.none)
             model.train_function = None  # the next fit() traces a step with the new optimizer
         elif optimizer is not None and compression is not None:
-            model.optimizer.compression = compression
+            while not isinstance(optimizer, _optimizer.Distributed):  # a LossScaleOptimizer's
+                optimizer = optimizer.inner_optimizer
+            optimizer.compression = compression
             model.train_function = None
         _optimizer.turn_off_jit(model)
         return model

@@ -252,7 +252,8 @@ class ReportServer:
 
     def _reply(self, conn: socket.socket, taken: dict | None) -> None:
         """Answers ``no``, ``ok``, or ``ok DATA`` to a request ``answers`` knows."""
-        answer = self._answers.get(taken.get("kind")) if taken is not None else None
+        kind = taken.get("kind") if taken is not None else None
+        answer = self._answers.get(kind) if isinstance(kind, str) else None
         try:
             if answer is None:
                 conn.send(report.ACK if taken is not None else report.NACK)

@@ -172,8 +172,15 @@ def apply(argv: list[str], environ: dict[str, str]) -> list[str]:
 def launcher_env(env: Mapping[str, str]) -> str:
     """The launcher's answer to a spawned supervisor's :data:`REQUEST`: the variables of
     the ranks' environment ``env`` that it exports to the first ranks (:func:`exported`), as
-    JSON."""
-    return json.dumps({n: v for n, v in env.items() if exported(n)}, sort_keys=True)
+    JSON; not those a spawned process carries already (the job's settings and identity,
+    :func:`carried_names`), so the job's secret never travels this way."""
+    carried = set(env.get(CARRIED_VAR, "").split(",")) | {CARRIED_VAR}
+    wider = {
+        n: v
+        for n, v in env.items()
+        if exported(n) and n not in carried and not _spawns_carry(n) and not n.endswith("_SECRET")
+    }
+    return json.dumps(wider, sort_keys=True)
 
 
 def widen(environ: dict[str, str], launchers: Mapping[str, str]) -> list[str]:

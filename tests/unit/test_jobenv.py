@@ -106,10 +106,15 @@ def test_a_spawned_process_gets_the_launchers_environment_under_the_jobs_values(
     answer = json.loads(jobenv.launcher_env(env))
     assert answer["DATA_DIR"] == "/data" and answer["HF_TOKEN"] == "hf_xyz"
     assert not {"HOME", "SLURM_PROCID"} & set(answer)
+    # Nothing it carries already: the job's secret never travels this way.
+    assert not {n for n in answer if n.startswith("SYNCDP_") or n.endswith("_SECRET")}
+    assert _JOB.secret not in jobenv.launcher_env(env) and "PATH" not in answer
     # The spawned supervisor's environment: the host's, then the carried values (--job-env).
     carried = json.loads(jobenv.spawn_parts({**env, "OMPI_COMM_WORLD_RANK": "1"})[0][1])
     spawned = {"PATH": "/host/bin", "HOME": "/home/u", "DATA_DIR": "/host/data", **carried}
     spawned["SYNCDP_MIN_NP"] = "2"  # the spawning rank's value, newer than the launcher's
+    # An answer from a launcher that sent more: the carried values still win.
+    answer.update({"SYNCDP_MIN_NP": "1", "PATH": "/launcher/bin"})
     answer["SYNCDP_REPLACEMENT"] = "9"  # per process: never taken from another
     set_names = jobenv.widen(spawned, answer)
     assert spawned["DATA_DIR"] == "/data" and spawned["HF_TOKEN"] == "hf_xyz"  # -x's values

@@ -244,6 +244,19 @@ def test_load_model_sets_the_compression_it_is_given_as_horovods_does(tmp_path):
     assert loaded.optimizer.compression is hvd.Compression.fp16
     loaded.fit(x, y, verbose=0)
     assert hvd.load_model(path).optimizer.compression is hvd.Compression.none  # as saved
+    # Under mixed precision the DistributedOptimizer sits inside a LossScaleOptimizer.
+    scaled = _model()
+    scaled.compile(
+        optimizer=keras.optimizers.LossScaleOptimizer(
+            hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+        ),
+        loss="mse",
+        jit_compile=False,
+    )
+    scaled.fit(x, y, verbose=0)
+    scaled.save(tmp_path / "scaled.keras")
+    loaded = hvd.load_model(str(tmp_path / "scaled.keras"), compression=hvd.Compression.fp16)
+    assert loaded.optimizer.inner_optimizer.compression is hvd.Compression.fp16
     with pytest.raises(ValueError, match="compression must be a compressor"):
         hvd.load_model(path, compression="fp16")
 

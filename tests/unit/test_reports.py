@@ -506,6 +506,9 @@ def test_a_request_is_answered_with_its_data_only_to_the_job(listen, monkeypatch
         for name, value in job.env().items():
             monkeypatch.setenv(name, value)
         assert report.ask("job_env", 3) == data
+        # A signed report whose kind is not a string is no request: the server goes on.
+        assert _send(server.address, report.encode(report.make(["job_env"], 3), job)) == b"ok\n"
+        assert report.ask("job_env", 3) == data
         assert report.send("exception", 1, "RuntimeError: x")  # a report is answered "ok"
         assert report.ask("unknown_request", 3) is None  # "ok" without data
         for name, value in report.Job.new().env().items():  # someone else's job
