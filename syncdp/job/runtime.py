@@ -387,7 +387,7 @@ def _sync_clock(world: Communicator, timeline: Timeline | None) -> None:
     if timeline is None:  # stopped with stop_timeline(): the others' clocks still need rank 0's
         return
     if timeline.started:
-        timeline.rank = world.rank
+        timeline.set_rank(world.rank)
     else:
         timeline.start(world.rank, reading)
 

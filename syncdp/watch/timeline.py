@@ -26,6 +26,7 @@ slow collective.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -58,6 +59,7 @@ class Timeline:
         self._origin = time.perf_counter()
         self.started = False
         self._stream: _TraceFile | None = None
+        self._recorded = 0  # collectives recorded: each event's seq
 
     def start(self, rank: int, reading: float = 0.0) -> None:
         """Sets this rank's number and starts its clock at ``reading`` seconds (``init()``
@@ -67,9 +69,18 @@ class Timeline:
         Raises:
             OSError: Rank 0 cannot write the file (the message names it).
         """
-        self.rank = rank
         self._origin = time.perf_counter() - reading
         self.started = True
+        self.set_rank(rank)
+
+    def set_rank(self, rank: int) -> None:
+        """This rank's number from now on (elastic mode renumbers); a rank that becomes rank
+        0 starts writing the file.
+
+        Raises:
+            OSError: Rank 0 cannot write the file (the message names it).
+        """
+        self.rank = rank
         if rank == 0 and self._stream is None:
             self._stream = _TraceFile(self.path)
 
@@ -121,9 +132,10 @@ class Timeline:
                 "tid": self.COLLECTIVES,
                 "ts": (start - self._origin) * 1e6,
                 "dur": (end - start) * 1e6,
-                "args": {"seq": len(self.events), "bytes": nbytes, "dtype": dtype, **info},
+                "args": {"seq": self._recorded, "bytes": nbytes, "dtype": dtype, **info},
             }
         )
+        self._recorded += 1
 
     def _add(self, event: dict) -> None:
         if self.every_rank:  # kept for the gather at the end
@@ -233,6 +245,11 @@ class _TraceFile:
                     file=sys.stderr,
                     flush=True,
                 )
+                with contextlib.suppress(OSError):  # the events so far, whole, if it can
+                    self._file.seek(self._end)
+                    self._file.truncate()
+                    self._file.write(self._END)
+                    self._file.flush()
                 self._close()
                 return
             self._end += len(text)

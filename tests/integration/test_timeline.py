@@ -188,6 +188,8 @@ def test_start_and_stop_timeline_on_rank_0_alone(tmp_path, np_):
     )
     expected = {0: ["ar1.bucket0", "ar2.bucket0", "ar3.bucket0"]} if np_ > 1 else {}
     assert _collectives(trace) == expected  # one rank reduces nothing: no collective happens
+    seqs = [e["args"]["seq"] for e in json.loads(trace.read_text())["traceEvents"] if "dur" in e]
+    assert seqs == list(range(len(expected.get(0, []))))  # numbered in order
 
 
 def test_a_timeline_rank_0_cannot_write_ends_the_job_at_init_naming_it(tmp_path):
