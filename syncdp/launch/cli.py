@@ -142,6 +142,7 @@ class LaunchConfig:
     notes: tuple[str, ...] = ()
     spares: int = 0
     slots_per_host: int | None = None
+    slurm_nodes: bool = False
 
     @property
     def multihost(self) -> bool:
@@ -500,11 +501,13 @@ def parse_args(
         parser.error(f"{least} ({resolved['min_np']}) must not exceed -np ({args.num_proc})")
     if resolved.get("max_np") and resolved["max_np"] < args.num_proc:
         parser.error(f"{most} ({resolved['max_np']}) must be at least -np ({args.num_proc})")
+    slurm_nodes = False  # the hosts are the Slurm allocation's nodes, by Slurm's names
     if not listed and _is_elastic(resolved):
         # An elastic job restarts without a host it loses only on hosts it knows: in a Slurm
         # allocation of several nodes, its nodes and their tasks, as mpirun would read them.
         listed = _hosts.slurm_allocation(environ)
         if listed:
+            slurm_nodes = True
             args.hosts = _hosts.format_hosts(listed)
             notes.append(
                 f"elastic: the hosts are the Slurm allocation's nodes ({args.hosts}), so the "
@@ -530,6 +533,7 @@ def parse_args(
         notes=tuple(notes + horovodrun_flags.notes(args, spelled)),
         spares=args.spares,
         slots_per_host=args.slots_per_host,
+        slurm_nodes=slurm_nodes,
     )
 
 

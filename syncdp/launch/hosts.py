@@ -210,15 +210,17 @@ def remote_shell(
     ssh_port: int | None = None,
     identity_file: str | None = None,
     connect_timeout: float = 10.0,
+    slurm_nodes: bool = False,
 ) -> list[str]:
     """The command that runs a command on a host: ``[*shell, HOST, COMMAND]``.
 
     The agent Open MPI will use (``--mca plm_rsh_agent X`` or ``--prtemca plm_ssh_agent X``
-    in ``mpi_args``, else ``PRTE_MCA_plm_ssh_agent``); inside a Slurm allocation, where Open
-    MPI starts its daemons through Slurm and nodes often refuse ssh, ``srun`` (a step on that
-    node alone, sharing the allocation's resources: ``--overlap``), unless ssh is asked for
-    (a port, an identity file, Open MPI told to use it); otherwise ssh with the port and
-    identity file, in batch mode (no password prompt can hang the check).
+    in ``mpi_args``, else ``PRTE_MCA_plm_ssh_agent``); for ``slurm_nodes`` (the hosts are the
+    Slurm allocation's nodes, by Slurm's names), where Open MPI starts its daemons through
+    Slurm and nodes often refuse ssh, ``srun`` (a step on that node alone, sharing the
+    allocation's resources: ``--overlap``), unless ssh is asked for (a port, an identity file,
+    Open MPI told to use it); otherwise ssh with the port and identity file, in batch mode (no
+    password prompt can hang the check).
     """
     environ = os.environ if environ is None else environ
     agent = None
@@ -236,7 +238,7 @@ def remote_shell(
     if agent:
         return shlex.split(agent)
     ssh_asked = ssh_port or identity_file or launcher in ("rsh", "ssh")
-    if environ.get("SLURM_JOB_ID") and not ssh_asked:
+    if slurm_nodes and environ.get("SLURM_JOB_ID") and not ssh_asked:
         srun = shutil.which("srun", path=environ.get("PATH"))
         if srun:  # [*shell, HOST, COMMAND]: the host is $0, the command $1
             step = f"exec {shlex.quote(srun)} --overlap -N1 -n1 -Q -w " + '"$0" sh -c "$1"'

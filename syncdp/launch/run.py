@@ -306,10 +306,9 @@ def _stopped(e: supervision.Stopped, when: str) -> int:
 
 def _check_hosts(config: LaunchConfig) -> str | None:
     """Why the job cannot start on its hosts (named), or None when every host is ready."""
-    shell = _hosts.remote_shell(
-        config.mpi_args, ssh_port=config.ssh_port, identity_file=config.ssh_identity_file
+    problems = _hosts.check_hosts(
+        _listed_hosts(config), _shell(config), timeout=_HOST_CHECK_SECONDS
     )
-    problems = _hosts.check_hosts(_listed_hosts(config), shell, timeout=_HOST_CHECK_SECONDS)
     if not problems:
         return None
     return "cannot start the job:\n  " + "\n  ".join(problems)
@@ -323,12 +322,7 @@ def _sweeper(config: LaunchConfig, job: report.Job) -> cleanup.Sweeper:
     """What kills the job's leftovers on hosts whose ranks never reported
     (:mod:`syncdp.launch.cleanup`), through the remote shell that started Open MPI's daemons
     there."""
-    shell = _hosts.remote_shell(
-        config.mpi_args,
-        ssh_port=config.ssh_port,
-        identity_file=config.ssh_identity_file,
-        connect_timeout=cleanup.SWEEP_SECONDS / 2,
-    )
+    shell = _shell(config, connect_timeout=cleanup.SWEEP_SECONDS / 2)
     return cleanup.Sweeper(job.id, shell, _listed_hosts(config))
 
 
@@ -509,6 +503,7 @@ def _shell(config: LaunchConfig, **options) -> list[str]:
         config.mpi_args,
         ssh_port=config.ssh_port,
         identity_file=config.ssh_identity_file,
+        slurm_nodes=config.slurm_nodes,
         **options,
     )
 

@@ -98,12 +98,14 @@ def test_an_elastic_job_in_a_slurm_allocation_takes_its_nodes_as_hosts(monkeypat
     c = run.parse_args(["--min-np", "2", "python", "x.py"])
     # The hosts a restart can leave one out of, with the slots mpirun reads from Slurm.
     assert c.hosts == "n1:2,n2:2,n3:1" and c.num_proc == 5
+    assert c.slurm_nodes  # by Slurm's names: srun reaches them
     assert any("Slurm allocation's nodes (n1:2,n2:2,n3:1)" in note for note in c.notes)
     assert restart.Restarts.possible(c)
     # Not elastic: mpirun reads the allocation itself; -H given: it is the user's.
     assert run.parse_args(["python", "x.py"]).hosts is None
     given = run.parse_args(["--min-np", "2", "-H", "n1:2,n2:2", "python"])
     assert given.hosts == "n1:2,n2:2" and given.num_proc == 4  # -np: the hosts' slots
+    assert not given.slurm_nodes
 
 
 def test_more_ranks_than_a_slurm_allocation_of_several_nodes_has_tasks_are_refused(
@@ -162,7 +164,7 @@ def test_inside_a_slurm_allocation_the_remote_shell_is_srun(tmp_path):
     srun.write_text('#!/bin/sh\necho "srun $*"\nshift 6\nexec "$@"\n')
     srun.chmod(0o755)
     slurm = {"SLURM_JOB_ID": "42", "PATH": f"{tmp_path}:/usr/bin:/bin"}
-    shell = hosts.remote_shell([], slurm)
+    shell = hosts.remote_shell([], slurm, slurm_nodes=True)
     ran = subprocess.run(
         [*shell, "node7", "echo 'the command' $((1 + 1))"], capture_output=True, text=True
     )
@@ -171,14 +173,19 @@ def test_inside_a_slurm_allocation_the_remote_shell_is_srun(tmp_path):
         "the command 2",
     ]
     # ssh where it is asked for, or outside an allocation; the user's agent always.
+    # ssh where it is asked for, outside an allocation, or for hosts the user named (by
+    # address, say: srun knows only Slurm's node names); the user's agent always.
     for asked in (
-        hosts.remote_shell([], slurm, ssh_port=2222),
-        hosts.remote_shell(["--prtemca", "plm", "ssh"], slurm),
-        hosts.remote_shell([], {**slurm, "PRTE_MCA_plm": "rsh"}),
-        hosts.remote_shell([], {"PATH": slurm["PATH"]}),
+        hosts.remote_shell([], slurm, ssh_port=2222, slurm_nodes=True),
+        hosts.remote_shell(["--prtemca", "plm", "ssh"], slurm, slurm_nodes=True),
+        hosts.remote_shell([], {**slurm, "PRTE_MCA_plm": "rsh"}, slurm_nodes=True),
+        hosts.remote_shell([], {"PATH": slurm["PATH"]}, slurm_nodes=True),
+        hosts.remote_shell([], slurm),
     ):
         assert asked[0] == "ssh", asked
-    assert hosts.remote_shell(["--mca", "plm_rsh_agent", "/x/a.sh"], slurm) == ["/x/a.sh"]
+    assert hosts.remote_shell(["--mca", "plm_rsh_agent", "/x/a.sh"], slurm, slurm_nodes=True) == [
+        "/x/a.sh"
+    ]
 
 
 def _shell(tmp_path, body: str) -> list[str]:
