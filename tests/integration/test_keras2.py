@@ -65,33 +65,48 @@ print("RESULT " + json.dumps({"rank": r, "w": w.ravel().tolist(), "b": b.tolist(
 """
 
 
-@pytest.mark.parametrize("np", [1, 2, 3])
-def test_keras2_in_a_tf1_graph_broadcasts_and_averages(np, tmp_path):
-    # Horovod's old keras_mnist.py: disable_eager_execution(), then fit. Keras 2 trains
-    # through the optimizer's get_updates/get_gradients there, and the broadcast must run in
-    # Keras' session: before, every rank trained alone from its own weights and exited 0.
+def _run_graph_job(np, tmp_path, job: str) -> list[dict]:
+    """Runs ``job`` (a GRAPH_MODE_JOB) under Keras 2 at ``np`` ranks; every rank's RESULT."""
     result = check(
         launch(
             np,
             "python",
-            python_script(tmp_path, GRAPH_MODE_JOB),
+            python_script(tmp_path, job),
             env={"TF_USE_LEGACY_KERAS": "1"},
             timeout=180,
         )
     )
     found = [json.loads(m) for m in re.findall(r"RESULT (\{.*\})", result.stdout)]
     assert sorted(f["rank"] for f in found) == list(range(np)), result.stdout[-3000:]
-    # One process on the whole batches: mean squared error, rank 0's initial weights.
+    return found
+
+
+def _whole_batches():
+    """GRAPH_MODE_JOB's data, whole: 3 global batches of 6 rows, and rank 0's initial weights."""
     rng = numpy.random.default_rng(0)
     x = rng.normal(size=(18, 3)).astype("float32")
     y = rng.normal(size=(18, 1)).astype("float32")
-    w, b = numpy.ones((3, 1)), numpy.zeros(1)
-    for s in range(0, 18, 6):
-        error = x[s : s + 6] @ w + b - y[s : s + 6]
-        w, b = w - 0.1 * 2 * x[s : s + 6].T @ error / 6, b - 0.1 * 2 * error.mean(0)
+    return x, y, numpy.ones((3, 1)), numpy.zeros(1)
+
+
+def _assert_weights(found: list[dict], w, b) -> None:
     for f in found:
         numpy.testing.assert_allclose(f["w"], w.ravel(), rtol=0, atol=1e-5)
         numpy.testing.assert_allclose(f["b"], b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_keras2_in_a_tf1_graph_broadcasts_and_averages(np, tmp_path):
+    # Horovod's old keras_mnist.py: disable_eager_execution(), then fit. Keras 2 trains
+    # through the optimizer's get_updates/get_gradients there, and the broadcast must run in
+    # Keras' session: before, every rank trained alone from its own weights and exited 0.
+    found = _run_graph_job(np, tmp_path, GRAPH_MODE_JOB)
+    # One process on the whole batches: mean squared error, rank 0's initial weights.
+    x, y, w, b = _whole_batches()
+    for s in range(0, 18, 6):
+        error = x[s : s + 6] @ w + b - y[s : s + 6]
+        w, b = w - 0.1 * 2 * x[s : s + 6].T @ error / 6, b - 0.1 * 2 * error.mean(0)
+    _assert_weights(found, w, b)
 
 
 @pytest.mark.parametrize("np", [1, 2, 3])
@@ -110,36 +125,22 @@ def test_keras2_in_a_tf1_graph_warms_up_the_rate_with_momentum_correction(np, tm
             "hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.1 * n, warmup_epochs=2)]",
         )
     )
-    result = check(
-        launch(
-            np,
-            "python",
-            python_script(tmp_path, job),
-            env={"TF_USE_LEGACY_KERAS": "1"},
-            timeout=180,
-        )
-    )
-    found = [json.loads(m) for m in re.findall(r"RESULT (\{.*\})", result.stdout)]
-    assert sorted(f["rank"] for f in found) == list(range(np)), result.stdout[-3000:]
-    # One process on the whole batches, at Horovod's warmup rates, the velocity rescaled by
-    # new_lr / old_lr before each step (Keras 2's SGD: v = 0.9 v - lr g; w += v).
-    rng = numpy.random.default_rng(0)
-    x = rng.normal(size=(18, 3)).astype("float32")
-    y = rng.normal(size=(18, 1)).astype("float32")
-    w, b = numpy.ones((3, 1)), numpy.zeros(1)
+    found = _run_graph_job(np, tmp_path, job)
+    # One process on the whole batches, at Horovod's warmup rates (initial_lr / size *
+    # (t (size - 1) / warmup_epochs + 1), t = epoch + (batch + 1) / steps), the velocity
+    # rescaled by new_lr / old_lr before each step (Keras 2's SGD: v = 0.9 v - lr g; w += v).
+    x, y, w, b = _whole_batches()
     vw, vb, old = numpy.zeros((3, 1)), numpy.zeros(1), 0.01
     for epoch in range(2):
         for batch, s in enumerate(range(0, 18, 6)):
             t = epoch + (batch + 1) / 3
-            lr = 0.1 * np / np * (t * (np - 1) / 2 + 1)
+            lr = 0.1 * (t * (np - 1) / 2 + 1)
             vw, vb = vw * lr / old, vb * lr / old
             error = x[s : s + 6] @ w + b - y[s : s + 6]
             vw = 0.9 * vw - lr * 2 * x[s : s + 6].T @ error / 6
             vb = 0.9 * vb - lr * 2 * error.mean(0)
             w, b, old = w + vw, b + vb, lr
-    for f in found:
-        numpy.testing.assert_allclose(f["w"], w.ravel(), rtol=0, atol=1e-5)
-        numpy.testing.assert_allclose(f["b"], b, rtol=0, atol=1e-5)
+    _assert_weights(found, w, b)
 
 
 def test_keras2_in_a_tf1_graph_names_a_current_optimizer_it_cannot_train_with(tmp_path):
