@@ -49,8 +49,6 @@ class Timeline:
             (``start_timeline``). Defaults to True.
     """
 
-    COLLECTIVES, GRADIENTS = _COLLECTIVES, _GRADIENTS
-
     def __init__(self, path: str, *, every_rank: bool = True):
         self.path = path
         self.every_rank = every_rank
@@ -107,7 +105,7 @@ class Timeline:
                 "ph": "i",
                 "s": "t",
                 "pid": self.rank,
-                "tid": self.GRADIENTS,
+                "tid": _GRADIENTS,
                 "ts": (when - self._origin) * 1e6,
             }
         )
@@ -129,7 +127,7 @@ class Timeline:
                 "cat": "collective",
                 "ph": "X",
                 "pid": self.rank,
-                "tid": self.COLLECTIVES,
+                "tid": _COLLECTIVES,
                 "ts": (start - self._origin) * 1e6,
                 "dur": (end - start) * 1e6,
                 "args": {"seq": self._recorded, "bytes": nbytes, "dtype": dtype, **info},
