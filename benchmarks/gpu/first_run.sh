@@ -21,6 +21,10 @@ run() {
     -e 'absl::' -e 'WARNING: All log' | tee -a "$L"
   log "exit ${PIPESTATUS[0]}"
 }
+# The project is used from the working tree there (PYTHONPATH), not installed: the Horovod import
+# names come with an install (a .pth file), so this adds the same line (test_parity.py needs it).
+python -c "import horovod" 2>/dev/null || echo "import syncdp.horovod_names as _h; _h.install()" \
+  > "$(python -c 'import site; print(site.getsitepackages()[0])')/syncdp-horovod.pth"
 log "cores $(nproc); $(nvidia-smi -L 2>/dev/null | head -1 || true); load $(cut -d' ' -f1-3 /proc/loadavg)"
 run 90 syncdp-run -np 2 python benchmarks/gpu/check.py --expect "$EXPECT"
 run 45 syncdp-run -np 1 python benchmarks/gpu/check.py --expect "$EXPECT" --repeats 10
