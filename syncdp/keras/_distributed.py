@@ -204,6 +204,9 @@ class Distributed:
         # The gradients _compute_gradients or aggregate_gradients reduced, until applied.
         self._reduced: list | None = None
         self._accumulators = []
+        # Positions (in build()'s order) whose accumulator ever received a gradient; see
+        # _accumulate.
+        self._summed = self._no_dependency(set())
         self._passes = None
         self._built_for = self._no_dependency([])  # the variables build() was given
         _display.quiet_other_ranks(self._keras)
@@ -547,16 +550,23 @@ class Distributed:
     def _accumulate(self, grads, variables):
         k = self.backward_passes_per_step
         position = {id(v): i for i, v in enumerate(self._built_for)}
-        accumulators = [self._accumulators[position[id(v)]] for v in variables]
-        for acc, grad in zip(accumulators, grads, strict=True):
+        positions = [position[id(v)] for v in variables]
+        accumulators = [self._accumulators[p] for p in positions]
+        for p, acc, grad in zip(positions, accumulators, grads, strict=True):
             if grad is not None:
                 acc.assign_add(tf.cast(tf.convert_to_tensor(grad), acc.dtype))
+                self._summed.add(p)
         self._passes.assign_add(1)
 
         def reduce_and_apply():
+            # A variable without a gradient on the pass that ends the window still has what
+            # the window's earlier passes gave it: its sum is reduced and applied, not dropped.
+            # Which sums are reduced is fixed when the step is traced, so "earlier" means any
+            # pass seen before (a variable none of them reached stays None, as in Keras); a
+            # sum reduced in a window that gave it nothing is zero.
             summed = [
-                None if g is None else tf.convert_to_tensor(acc)
-                for acc, g in zip(accumulators, grads, strict=True)
+                tf.convert_to_tensor(acc) if g is not None or p in self._summed else None
+                for p, acc, g in zip(positions, accumulators, grads, strict=True)
             ]
             if self.average_aggregated_gradients:
                 summed = [None if s is None else s / tf.cast(k, s.dtype) for s in summed]

@@ -652,7 +652,8 @@ class LocalGradientAggregationHelper:
         sums = []
         for i, g in enumerate(grads):
             if g is None:
-                sums.append(None)
+                # An earlier pass's gradients are not dropped because this pass gave none.
+                sums.append(tf.convert_to_tensor(self._sums[i]) if i in self._sums else None)
                 continue
             if isinstance(g, tf.IndexedSlices):
                 if not self.sparse_as_dense:

@@ -351,6 +351,31 @@ def test_by_default_k_passes_apply_the_sum_of_their_averaged_gradients(traced):
     _assert_identical_across_ranks([w.numpy() for w in model.weights])
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_a_gradient_from_early_in_the_window_counts_when_the_last_pass_gives_none(traced):
+    # Rank r's loss is x * w1 * w2 on the first pass and x * w1 on the second (x = r + 1), at
+    # w1 = w2 = 1: w1 gets x on each pass, w2 gets x on the first and None on the second. One
+    # update with the sum over the passes of the ranks' average: w1 by mean(2x) = n + 1, w2 by
+    # mean(x) = (n + 1) / 2.
+    n = hvd.size()
+    w1, w2 = tf.Variable([1.0]), tf.Variable([1.0])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2)
+    opt.build([w1, w2])
+    x = float(hvd.rank() + 1)
+
+    def step(use_w2):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(x * w1 * (w2 if use_w2 else 1.0))
+        opt.apply(tape.gradient(loss, [w1, w2]), [w1, w2])
+
+    step = tf.function(step) if traced else step
+    step(True)
+    step(False)
+    np.testing.assert_allclose(w1.numpy(), [1.0 - (n + 1)], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(w2.numpy(), [1.0 - (n + 1) / 2], rtol=0, atol=1e-6)
+    _assert_identical_across_ranks([w1.numpy(), w2.numpy()])
+
+
 @pytest.mark.parametrize("loss_scale", [False, True], ids=["plain", "LossScaleOptimizer"])
 def test_a_checkpoint_saved_partway_through_accumulation_resumes_the_window(
     hvd, tmp_path, loss_scale

@@ -232,6 +232,29 @@ def test_aggregation_helper_first_used_after_a_step_without_syncdp(traced):
     assert int(helper.counter) == 0
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_aggregation_helper_keeps_a_sum_the_last_pass_gave_nothing_to(traced):
+    # Rank r (x = r + 1): w1 gets x on both passes, w2 gets x on the first and None on the
+    # second. The window's reduction: w1 mean(2x) = n + 1, w2 mean(x) = (n + 1) / 2.
+    n = hvd.size()
+    w1, w2 = tf.Variable([1.0]), tf.Variable([1.0])
+    helper = hvd.LocalGradientAggregationHelper(2)
+    x = float(hvd.rank() + 1)
+
+    def step(use_w2):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(x * w1 * (w2 if use_w2 else 1.0))
+        return helper.compute_gradients(tape.gradient(loss, [w1, w2]), [w1, w2])
+
+    step = tf.function(step) if traced else step
+    step(True)
+    reduced = step(False)
+    np.testing.assert_allclose(reduced[0].numpy(), [n + 1.0], rtol=0, atol=1e-6)
+    assert reduced[1] is not None, "the first pass's gradient of w2 was dropped"
+    np.testing.assert_allclose(reduced[1].numpy(), [(n + 1) / 2], rtol=0, atol=1e-6)
+    assert int(helper.counter) == 0
+
+
 @pytest.mark.parametrize(
     ("passes", "elastic"),
     [(1, False), (4, True)],
