@@ -108,7 +108,7 @@ def _variables_of(name: str, obj) -> list:
     if _is_variable(obj):
         return [obj]
     if _is_optimizer(obj):
-        return keras2_names.optimizer_variables(obj)
+        return keras2_names.optimizer_state(obj)
     variables = getattr(obj, "variables", None)
     if variables is None:
         raise CheckpointError(

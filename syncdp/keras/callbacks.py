@@ -44,7 +44,7 @@ from syncdp.tensorflow import collectives as ops
 from syncdp.tensorflow import graph
 from syncdp.tensorflow.keras2_names import (
     create_optimizer_variables,
-    optimizer_variables,
+    optimizer_state,
     package_of,
 )
 
@@ -197,7 +197,7 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
             variables = list(model.weights)
             if optimizer is not None:
                 create_optimizer_variables(optimizer, model.trainable_variables)
-                variables += optimizer_variables(optimizer)
+                variables += optimizer_state(optimizer)
             local = {id(v) for v in self.local_variables}
             variables = [v for v in variables if id(v) not in local]
             if graph.in_v1_graph():

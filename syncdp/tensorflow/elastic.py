@@ -18,7 +18,7 @@ import tensorflow as tf
 from syncdp.base.errors import HorovodInternalError, HostsUpdatedInterrupt, RankFailureError
 from syncdp.elastic import ObjectState, State, run, run_fn
 from syncdp.tensorflow.collectives import broadcast_object, broadcast_object_fn, broadcast_variables
-from syncdp.tensorflow.keras2_names import create_optimizer_variables, optimizer_variables
+from syncdp.tensorflow.keras2_names import create_optimizer_variables, optimizer_state
 
 __all__ = [
     "run",
@@ -129,5 +129,5 @@ class TensorFlowKerasState(_VariablesState):
         opt = self.optimizer
         if opt is not None:
             create_optimizer_variables(opt, self.model.trainable_variables)
-            variables += optimizer_variables(opt)
+            variables += optimizer_state(opt)
         return variables

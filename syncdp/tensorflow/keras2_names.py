@@ -8,9 +8,9 @@ tf_keras is never imported here: an object's package is loaded already, and ``tf
 tf_keras only where TensorFlow itself imported it.
 
 Where the two Kerases name the same thing differently and the TensorFlow layer needs it (the
-elastic state), one function hides the difference: :func:`create_optimizer_variables` and
-:func:`optimizer_variables` work on Keras 3's optimizers, tf-keras's, and tf-keras's legacy
-``OptimizerV2`` (``tf.keras.optimizers.legacy``).
+elastic state), one function hides the difference: :func:`create_optimizer_variables`,
+:func:`optimizer_variables` and :func:`optimizer_state` work on Keras 3's optimizers,
+tf-keras's, and tf-keras's legacy ``OptimizerV2`` (``tf.keras.optimizers.legacy``).
 
 And Horovod's Keras 2 spellings, which Horovod programs use everywhere:
 
@@ -55,6 +55,7 @@ __all__ = [
     "package_behind_tf_keras",
     "create_optimizer_variables",
     "optimizer_variables",
+    "optimizer_state",
 ]
 
 _IGNORED_COMPILE_ARGUMENT = "experimental_run_tf_function"
@@ -113,6 +114,43 @@ def optimizer_variables(optimizer) -> list:
     current optimizers, a method in its legacy ones)."""
     variables = optimizer.variables
     return list(variables if isinstance(variables, list) else variables())
+
+
+def optimizer_state(optimizer) -> list:
+    """Every variable a rank needs to step as rank 0 does: :func:`optimizer_variables` and the
+    hyperparameters tf-keras keeps in variables outside them (its current optimizers' learning
+    rate, its legacy ones' ``_hyper``), also of the optimizers a wrapper holds. Keras 3 lists its
+    learning rate among its variables already. What the ranks broadcast and a checkpoint
+    restores: without them a rank that restored a lowered learning rate would step at another
+    rate than the rest.
+
+    Args:
+        optimizer: A Keras 3 or tf-keras optimizer, current or legacy, or a wrapper of one.
+    """
+    variables = optimizer_variables(optimizer)
+    seen = {id(v) for v in variables}
+    for hyper in _hyperparameters(optimizer):
+        if id(hyper) not in seen:
+            seen.add(id(hyper))
+            variables.append(hyper)
+    return variables
+
+
+def _hyperparameters(optimizer):
+    """tf-keras's hyperparameter variables of ``optimizer`` and those it wraps, in a fixed order."""
+    import tensorflow as tf
+
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None and inner is not optimizer:
+        yield from _hyperparameters(inner)
+    hyper = getattr(optimizer, "_hyper", None)  # legacy OptimizerV2
+    if isinstance(hyper, dict):
+        for key in sorted(hyper):
+            if isinstance(hyper[key], tf.Variable):
+                yield hyper[key]
+    rate = getattr(optimizer, "_learning_rate", None)  # current optimizers
+    if isinstance(rate, tf.Variable):
+        yield rate
 
 
 def install(keras: ModuleType | None = None) -> None:

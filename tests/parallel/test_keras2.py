@@ -30,6 +30,7 @@ if not tf.keras.__name__.startswith("tf_keras"):
 
 import keras as keras3  # noqa: E402 - Keras 3, in the same process
 
+import syncdp.checkpoint  # noqa: E402
 import syncdp.keras  # noqa: E402
 import syncdp.tensorflow  # noqa: E402
 import syncdp.tensorflow.keras as hvd  # noqa: E402
@@ -589,6 +590,43 @@ def test_elastic_state_syncs_commits_and_restores_the_optimizer_slots(legacy):
     _assert_close(model.get_weights() + model.optimizer.get_weights(), committed, atol=0)
     state.on_reset()
     assert resets == [hvd.size()]
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["sgd", "legacy-sgd"])
+def test_rank_0s_learning_rate_reaches_every_rank(legacy, shared_dir):
+    # tf-keras keeps the learning rate outside optimizer.variables: a checkpoint's lowered rate
+    # (as ReduceLROnPlateau leaves it), restored by rank 0, and rank 0's rate at an elastic sync
+    # or the broadcast callback must reach every rank, or the ranks step at different rates.
+    sgd = keras.optimizers.legacy.SGD if legacy else keras.optimizers.SGD
+    directory = os.path.join(shared_dir, "lr")
+
+    def new():
+        model = _model(seed=80)
+        model.compile(optimizer=hvd.DistributedOptimizer(sgd(0.1, momentum=0.9)), loss=_loss())
+        return model, syncdp.checkpoint.CheckpointManager(
+            directory, model=model, optimizer=model.optimizer
+        )
+
+    def rates(model):
+        return hvd.allgather_object(float(keras.backend.get_value(model.optimizer.learning_rate)))
+
+    model, manager = new()
+    keras.backend.set_value(model.optimizer.learning_rate, 0.001)
+    manager.save(1)
+    model, manager = new()  # a restarted job
+    assert manager.restore() == 1
+    assert rates(model) == pytest.approx([0.001] * hvd.size())
+
+    keras.backend.set_value(model.optimizer.learning_rate, 0.01 * (hvd.rank() + 1))
+    hvd.elastic.KerasState(model).sync()
+    assert rates(model) == pytest.approx([0.01] * hvd.size())
+
+    keras.backend.set_value(model.optimizer.learning_rate, 0.02 * (hvd.rank() + 1))
+    x, y = _data(steps=1, seed=14)
+    xs, ys = _mine(x, y)
+    _fit(model, xs, ys, _local(), callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert rates(model) == pytest.approx([0.02] * hvd.size())
+    _assert_identical_across_ranks(model.get_weights() + model.optimizer.get_weights())
 
 
 def test_elastic_callbacks_count_batches_and_epochs_and_commit():
