@@ -196,19 +196,7 @@ def _gather_counts(
     """
     comm = runtime.communicator()
     name = f"{caller}.count_records"
-    comm.enter(name, **(agree or {}))
-    sizes = [_file_size(p) for p in paths]
-    views = comm.allgather_object((paths, sizes), name=f"{caller}.files")
-    for rank, (rank_paths, _) in enumerate(views):
-        if rank_paths != paths:
-            raise DataError(
-                f"{caller}: ranks were given different files: rank {comm.rank} has "
-                f"{len(paths)} starting {paths[:2]}, rank {rank} has {len(rank_paths)} "
-                f"starting {rank_paths[:2]}. Pass the same list (or glob) on every rank."
-            )
-    differing = _differing_files(paths, [rank_sizes for _, rank_sizes in views])
-    if differing:
-        raise _listed(f"{caller}: {len(differing)} file(s) differ between ranks", differing)
+    sizes = _agree_on_files(paths, caller, name, agree)
     # Every rank sees the same sizes now, so every rank makes the same split of the counting.
     mine = _assign([max(b, 0) for b in sizes], comm.size)[comm.rank]
     results: dict[int, tuple] = {}
@@ -235,6 +223,32 @@ def _gather_counts(
     return counts, damaged
 
 
+def _agree_on_files(paths: list[str], caller: str, name: str, agree: dict | None) -> list[int]:
+    """Checks, on every rank together, that the ranks passed the same ``agree`` values, were
+    given the same files in the same order and see the same sizes; returns the sizes.
+
+    Raises:
+        MismatchError: On every rank, when ranks passed different ``agree`` values.
+        DataError: On every rank, when ranks were given different file lists or see a file
+            with different sizes (or one rank does not see it).
+    """
+    comm = runtime.communicator()
+    comm.enter(name, **(agree or {}))
+    sizes = [_file_size(p) for p in paths]
+    views = comm.allgather_object((paths, sizes), name=f"{caller}.files")
+    for rank, (rank_paths, _) in enumerate(views):
+        if rank_paths != paths:
+            raise DataError(
+                f"{caller}: ranks were given different files: rank {comm.rank} has "
+                f"{len(paths)} starting {paths[:2]}, rank {rank} has {len(rank_paths)} "
+                f"starting {rank_paths[:2]}. Pass the same list (or glob) on every rank."
+            )
+    differing = _differing_files(paths, [rank_sizes for _, rank_sizes in views])
+    if differing:
+        raise _listed(f"{caller}: {len(differing)} file(s) differ between ranks", differing)
+    return sizes
+
+
 def shard_files(
     files,
     *,
@@ -245,9 +259,9 @@ def shard_files(
 ) -> list[str]:
     """This rank's share of ``files``: disjoint between ranks, together covering every file.
 
-    A synchronization point when ``balance`` is True (ranks count the records together): all
-    ranks must call it, in the same order, with the same files. Every rank gets the same
-    assignment without further communication.
+    A synchronization point: all ranks must call it, in the same order, with the same files
+    and arguments, which they check together (and, when ``balance`` is True, count the records
+    together); every rank then makes the same assignment.
 
     Args:
         files: A list of TFRecord paths, or a glob pattern (matches are sorted).
@@ -266,7 +280,10 @@ def shard_files(
 
     Raises:
         DataError: A file is missing or corrupt, a pattern matches nothing, a file is listed
-            twice, or there are fewer files than ranks. Raised on every rank.
+            twice, there are fewer files than ranks, or ranks were given different files (or
+            see them differently). Raised on every rank.
+        MismatchError: Ranks passed different ``seed``, ``epoch`` or ``balance``, on every
+            rank.
 
     Example:
         >>> my_files = syncdp.data.shard_files("data/*.tfrecord", seed=1, epoch=epoch)
@@ -289,7 +306,11 @@ def shard_files(
             agree={"seed": seed, "epoch": epoch, "compression_type": compression_type or None},
         )
         return [paths[i] for i in _assign(weights, size, seed=seed, epoch=epoch)[rank]]
-    missing = [p for p in paths if not os.path.isfile(p)]
+    # Unchecked, ranks that differ in seed, epoch or file order would read files twice or never.
+    sizes = _agree_on_files(
+        paths, "shard_files", "shard_files", {"seed": seed, "epoch": epoch, "balance": False}
+    )
+    missing = [p for p, b in zip(paths, sizes, strict=True) if b < 0]  # the same on every rank
     if missing:
         raise DataError(
             f"shard_files: {len(missing)} file(s) do not exist: {missing[:5]}. "

@@ -128,6 +128,23 @@ def test_per_epoch_file_reshuffle_agrees_across_ranks(hvd, data):
     assert shard_files(data["six"], balance=False) == data["six"][hvd.rank() :: size]
 
 
+def test_unbalanced_shard_files_checks_the_ranks_agree(hvd, data):
+    # balance=False reads nothing, but ranks with another seed or epoch, or the files in
+    # another order, would read some files twice and others never: refused on every rank.
+    files = list(data["six"])
+    mine = shard_files(files, balance=False, seed=3, epoch=1)
+    everyone = hvd.allgather_object(mine)
+    assert sorted(p for share in everyone for p in share) == sorted(files)
+    if hvd.size() == 1:
+        return
+    with pytest.raises(hvd.MismatchError, match="seed"):
+        shard_files(files, balance=False, seed=hvd.rank())
+    with pytest.raises(hvd.MismatchError, match="epoch"):
+        shard_files(files, balance=False, seed=3, epoch=hvd.rank())
+    with pytest.raises(DataError, match="ranks were given different files"):
+        shard_files(files[::-1] if hvd.rank() == 1 else files, balance=False)
+
+
 def test_fewer_files_than_ranks_split_by_record(hvd, data):
     size = hvd.size()
     share = len(range(hvd.rank(), 50, size))
