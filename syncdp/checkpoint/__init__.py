@@ -55,6 +55,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import NamedTuple
@@ -314,7 +315,9 @@ class CheckpointManager:
         """Loads the (verified) checkpoint at ``path`` into the trackables; returns an error."""
         try:
             status = self._checkpoint.read(os.path.join(path, _files.PREFIX))
-            status.assert_existing_objects_matched()
+            # Consumed, not only matched: a checkpoint holding more (a bigger model's layers,
+            # another optimizer's slots) is not this state either.
+            status.assert_consumed()
             del status
         except (AssertionError, ValueError, tf.errors.InvalidArgumentError) as e:
             return (
@@ -382,7 +385,8 @@ class CheckpointManager:
             The checkpoint's path on rank 0, None on the other ranks.
 
         Raises:
-            CheckpointError: Rank 0 could not write the checkpoint (raised on every rank).
+            CheckpointError: Rank 0 could not write the checkpoint, or its ``metadata`` is not
+                a JSON-serializable dict (raised on every rank).
 
         Example:
             >>> manager.save(100, metadata={"epoch": 4})
@@ -404,7 +408,10 @@ class CheckpointManager:
             # needs to resume the window.
             optimizer.share_pending_gradients()
         outcome = (None, None, ())
-        if comm.rank == 0:
+        problem = _metadata_problem(metadata) if comm.rank == 0 else None
+        if problem:  # refused before anything is written or pruned
+            outcome = (None, f"save(step={step}) refused its metadata: {problem}", ())
+        elif comm.rank == 0:
             try:
                 path = self._write(step, metadata or {})
                 outcome = (path, None, self._prune(path))
@@ -461,6 +468,20 @@ class CheckpointManager:
             return ""
         self._intact[path] = signature
         return None
+
+
+def _metadata_problem(metadata) -> str | None:
+    """Why ``metadata`` cannot be stored with a checkpoint (a restore would call the checkpoint
+    damaged), or None."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        return f"it must be a dict (or None), not {type(metadata).__name__}"
+    try:
+        json.dumps(metadata)
+    except (TypeError, ValueError) as e:
+        return f"it must be JSON-serializable: {e}"
+    return None
 
 
 def _warn(warnings) -> None:

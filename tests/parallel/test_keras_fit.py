@@ -426,6 +426,36 @@ def test_a_checkpoint_saved_partway_through_accumulation_resumes_the_window(
     _assert_identical_across_ranks(resumed)
 
 
+def test_a_checkpoint_manager_refuses_what_a_restore_would_not_take(tmp_path):
+    # Metadata that is not a JSON dict is refused before anything is written or pruned (a
+    # restore would call its checkpoint damaged, after pruning deleted the good one), and a
+    # checkpoint of a bigger model does not restore into a smaller one.
+    from syncdp.base.errors import CheckpointError
+    from syncdp.checkpoint import CheckpointManager, list_checkpoints
+
+    directory = hvd.broadcast_object(str(tmp_path), root_rank=0)  # rank 0 writes and reads
+
+    def new(layers):
+        model = keras.Sequential([keras.Input((4,))])
+        for _ in range(layers):
+            model.add(keras.layers.Dense(3))
+        opt = hvd.DistributedOptimizer(keras.optimizers.Adam())
+        return CheckpointManager(directory, model=model, optimizer=opt, max_to_keep=1)
+
+    manager = new(layers=2)
+    manager.save(1, metadata={"epoch": 1})
+    for bad in ([("epoch", 2)], {"epoch": object()}):
+        with pytest.raises(CheckpointError, match="refused its metadata"):
+            manager.save(2, metadata=bad)
+    if hvd.rank() == 0:
+        assert [step for step, _ in list_checkpoints(directory)] == [1]
+    resumed = new(layers=2)
+    assert resumed.restore() == 1
+    assert resumed.metadata == {"epoch": 1}
+    with pytest.raises(CheckpointError, match="does not match the objects"):
+        new(layers=1).restore()
+
+
 def test_fp16_compression_keeps_replicas_identical():
     local = _local_batch()
     x, y = _data(steps=2, seed=5)
