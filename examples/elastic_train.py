@@ -120,6 +120,7 @@ def main(argv=None) -> int:
                 start_batch=state.batch,
                 shuffle_files=True,
                 seed=1,
+                sample_weights=True,  # shares of a batch differ by one: fit weighs them equal
             )
             model.fit(
                 data,

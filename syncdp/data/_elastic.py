@@ -35,6 +35,16 @@ def elastic_steps(total_records: int, global_batch_size: int) -> int:
     return total_records // global_batch_size
 
 
+def _weighted(element: tuple, weight: tf.Tensor) -> tuple:
+    """``(features, label)`` with its sample weight."""
+    if len(element) != 2:
+        raise ValueError(
+            "elastic_tfrecord_dataset(sample_weights=True) needs parse_fn to return "
+            f"(features, label); it returned {len(element)} value(s)."
+        )
+    return (*element, weight)
+
+
 def elastic_tfrecord_dataset(
     files,
     parse_fn: Callable | None,
@@ -46,6 +56,7 @@ def elastic_tfrecord_dataset(
     shuffle_files: bool = False,
     compression_type: str | None = None,
     verify: bool = True,
+    sample_weights: bool = False,
     prefetch: int = tf.data.AUTOTUNE,
 ) -> tf.data.Dataset:
     """This rank's share of the rest of one epoch, from global batch ``start_batch`` on.
@@ -67,6 +78,13 @@ def elastic_tfrecord_dataset(
             False.
         compression_type: ``None``, ``"GZIP"`` or ``"ZLIB"``. Defaults to None.
         verify: Check every record's checksum before training. Defaults to True.
+        sample_weights: Yield ``(features, label, weight)`` instead of what ``parse_fn``
+            returns (which must then be ``(features, label)``), for Keras ``fit``. The shares
+            of a global batch differ by one record when the ranks do not divide it, and a
+            loss averaged over each rank's share, then over the ranks, would weigh a record of
+            a smaller share more. Each record's weight, ``ranks * share / global batch``,
+            makes it the global batch's mean again, whatever the number of ranks. A custom
+            loop can instead sum its loss and divide by the global batch. Defaults to False.
         prefetch: Batches to prefetch. Defaults to ``tf.data.AUTOTUNE``.
 
     Returns:
@@ -101,6 +119,7 @@ def elastic_tfrecord_dataset(
             "epoch": epoch,
             "start_batch": start_batch,
             "file_order_seed": seed if shuffle_files else None,
+            "sample_weights": bool(sample_weights),
         },
     )
     total = sum(counts)
@@ -137,6 +156,9 @@ def elastic_tfrecord_dataset(
         mine = tf.data.Dataset.from_tensor_slices(batch[lo:hi])
         if parse_fn is not None:
             mine = mine.map(parse_fn)
+        if sample_weights:
+            weight = tf.cast(size * (hi - lo), tf.float32) / tf.cast(n, tf.float32)
+            mine = mine.map(lambda *element: _weighted(element, weight))
         return mine.batch(global_batch_size + total)  # one batch: all of the share
 
     dataset = batches.flat_map(share)

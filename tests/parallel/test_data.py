@@ -231,6 +231,46 @@ def test_elastic_dataset_uses_each_record_once_from_the_committed_batch(hvd, dat
         assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
 
 
+def test_elastic_dataset_weights_make_keras_fit_one_process_whatever_the_shares(hvd, data):
+    # 201 records (ids 0..200) in global batches of 10, the last of 11: at 2 ranks the last
+    # batch's shares are 6 and 5, at 3 ranks every batch's are 4, 3 and 3 (or 4). With the
+    # sample weights, fit's loss (the mean over a rank's share, then the ranks' average) is
+    # the global batch's mean: one process's steps (without them, 1e-3 apart).
+    import keras
+
+    from syncdp.data import elastic_tfrecord_dataset
+    from syncdp.keras import DistributedOptimizer
+
+    spec = {"id": tf.io.FixedLenFeature([], tf.int64), "x": tf.io.FixedLenFeature([4], tf.float32)}
+
+    def parse(record):
+        parsed = tf.io.parse_single_example(record, spec)
+        return parsed["x"] / 100.0, tf.cast(parsed["id"] % 5, tf.float32)[None]
+
+    def model():
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="ones")])
+        return m
+
+    mine = model()
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.05))
+    mine.compile(optimizer=opt, loss="mse")
+    dataset = elastic_tfrecord_dataset(data["abc"], parse, 10, sample_weights=True)
+    mine.fit(dataset, epochs=1, verbose=0, shuffle=False)
+
+    ids = np.arange(201)
+    x = np.repeat(ids[:, None] / 100.0, 4, axis=1).astype(np.float32)
+    y = (ids % 5).astype(np.float32)[:, None]
+    bounds = [*range(0, 200, 10), 201]
+    reference = model()
+    reference.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        reference.train_on_batch(x[lo:hi], y[lo:hi])
+    for got, want in zip(mine.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"needs parse_fn to return \(features, label\)"):
+        elastic_tfrecord_dataset(data["abc"], parse_id, 40, sample_weights=True)
+
+
 @pytest.mark.parametrize("seed", [None, -1, 1.5, "7"])
 def test_a_seed_that_is_not_an_integer_is_named(hvd, data, seed):
     # It decides which rank reads which file, so it has no random default; None failed deep
