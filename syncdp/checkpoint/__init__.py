@@ -315,9 +315,10 @@ class CheckpointManager:
         """Loads the (verified) checkpoint at ``path`` into the trackables; returns an error."""
         try:
             status = self._checkpoint.read(os.path.join(path, _files.PREFIX))
-            # Consumed, not only matched: a checkpoint holding more (a bigger model's layers,
-            # another optimizer's slots) is not this state either.
-            status.assert_consumed()
+            # Matched, not consumed: a checkpoint may hold more than the objects given (a
+            # training checkpoint read for evaluation, accumulators of another
+            # backward_passes_per_step, an optimizer tracked by the model).
+            status.assert_existing_objects_matched()
             del status
         except (AssertionError, ValueError, tf.errors.InvalidArgumentError) as e:
             return (

@@ -39,8 +39,8 @@ def _weighted(element: tuple, weight: tf.Tensor) -> tuple:
     """``(features, label)`` with its sample weight."""
     if len(element) != 2:
         raise ValueError(
-            "elastic_tfrecord_dataset(sample_weights=True) needs parse_fn to return "
-            f"(features, label); it returned {len(element)} value(s)."
+            "elastic_tfrecord_dataset(sample_weights=True) needs a parse_fn that returns "
+            f"(features, label); each element has {len(element)} value(s)."
         )
     return (*element, weight)
 
@@ -83,8 +83,10 @@ def elastic_tfrecord_dataset(
             of a global batch differ by one record when the ranks do not divide it, and a
             loss averaged over each rank's share, then over the ranks, would weigh a record of
             a smaller share more. Each record's weight, ``ranks * share / global batch``,
-            makes it the global batch's mean again, whatever the number of ranks. A custom
-            loop can instead sum its loss and divide by the global batch. Defaults to False.
+            makes it the global batch's mean again, whatever the number of ranks, for a loss
+            reduced as Keras' default ``"sum_over_batch_size"`` (the weighted sum over the
+            share's size). A custom loop can instead sum its loss and divide by the global
+            batch. Defaults to False.
         prefetch: Batches to prefetch. Defaults to ``tf.data.AUTOTUNE``.
 
     Returns:

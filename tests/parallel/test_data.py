@@ -267,7 +267,7 @@ def test_elastic_dataset_weights_make_keras_fit_one_process_whatever_the_shares(
         reference.train_on_batch(x[lo:hi], y[lo:hi])
     for got, want in zip(mine.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match=r"needs parse_fn to return \(features, label\)"):
+    with pytest.raises(ValueError, match=r"needs a parse_fn that returns \(features, label\)"):
         elastic_tfrecord_dataset(data["abc"], parse_id, 40, sample_weights=True)
 
 

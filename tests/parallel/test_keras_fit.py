@@ -426,10 +426,9 @@ def test_a_checkpoint_saved_partway_through_accumulation_resumes_the_window(
     _assert_identical_across_ranks(resumed)
 
 
-def test_a_checkpoint_manager_refuses_what_a_restore_would_not_take(tmp_path):
+def test_checkpoint_metadata_a_restore_would_not_take_is_refused_before_writing(tmp_path):
     # Metadata that is not a JSON dict is refused before anything is written or pruned (a
-    # restore would call its checkpoint damaged, after pruning deleted the good one), and a
-    # checkpoint of a bigger model does not restore into a smaller one.
+    # restore would call its checkpoint damaged, after pruning deleted the good one).
     from syncdp.base.errors import CheckpointError
     from syncdp.checkpoint import CheckpointManager, list_checkpoints
 
@@ -452,8 +451,6 @@ def test_a_checkpoint_manager_refuses_what_a_restore_would_not_take(tmp_path):
     resumed = new(layers=2)
     assert resumed.restore() == 1
     assert resumed.metadata == {"epoch": 1}
-    with pytest.raises(CheckpointError, match="does not match the objects"):
-        new(layers=1).restore()
 
 
 def test_fp16_compression_keeps_replicas_identical():
