@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The first run of syncdp ranks on a GPU, most important first, each under its own timeout; for
 # the lent GPU machine (../shared/gpu/README.md). Run from the project root after its setup.sh;
-# logs to $OUT/gpu.log as it goes. About 7 minutes at most (the bounds below), because sending
+# logs to $OUT/gpu.log as it goes. About 8 minutes at most (the bounds below), because sending
 # the 36 parts takes 5 of the lease's 15 minutes:
 #   1. benchmarks/gpu/check.py at np=2 (two ranks share the one GPU) and np=1, --expect gpu:
 #      placement, the average against every rank's own gradients, identical replicas, Keras fit,
 #      and the traced step's time with syncdp over without;
-#   2. tests/parallel at np=2 with the GPU visible (the image has pytest);
-#   3. the synthetic ResNet-50 with and without allreduce at np=2, one GPU shared;
-#   4. the same host's 16 cores, GPU hidden: the tiny model's fixed cost at np=16 and 4.
+#   2. benchmarks/gpu/host_trip.py at np=2: what the copies to the host and back, the host call
+#      and MPI each cost of the reduction's time on the GPU;
+#   3. tests/parallel at np=2 with the GPU visible (the image has pytest);
+#   4. the synthetic ResNet-50 with and without allreduce at np=2, one GPU shared;
+#   5. the same host's 16 cores, GPU hidden: the tiny model's fixed cost at np=16 and 4.
 # A dry run on a machine without a GPU (CHECK_EXPECT=any; about 4 minutes on the 2-core VM):
 #   CHECK_EXPECT=any NP_CPU="2" bash benchmarks/gpu/first_run.sh
 set -u
@@ -28,6 +30,7 @@ python -c "import horovod" 2>/dev/null || echo "import syncdp.horovod_names as _
 log "cores $(nproc); $(nvidia-smi -L 2>/dev/null | head -1 || true); load $(cut -d' ' -f1-3 /proc/loadavg)"
 run 90 syncdp-run -np 2 python benchmarks/gpu/check.py --expect "$EXPECT"
 run 45 syncdp-run -np 1 python benchmarks/gpu/check.py --expect "$EXPECT" --repeats 10
+run 60 syncdp-run -np 2 python benchmarks/gpu/host_trip.py
 if python -c "import pytest" 2>/dev/null; then
   run 120 syncdp-run -np 2 python -m pytest -q -p no:cacheprovider -rf tests/parallel
 else
