@@ -55,8 +55,10 @@ def main(argv=None) -> None:
     each = int(args.megabytes * 1e6 / 4 / args.tensors)
     with tf.device(device):
         tensors = [tf.random.normal([each], seed=i) for i in range(args.tensors)]
-    host = [np.random.default_rng(i).standard_normal(each).astype(np.float32) for i in range(3)]
-    host = host[: args.tensors] + [host[0].copy() for _ in range(args.tensors - len(host))]
+    host = [
+        np.random.default_rng(i).standard_normal(each).astype(np.float32)
+        for i in range(args.tensors)
+    ]
     sums = [np.empty_like(a) for a in host]
 
     def traced(body):
