@@ -293,7 +293,7 @@ class CheckpointManager:
             except CheckpointError as e:
                 damaged.append((path, str(e)))
                 continue
-            error = self._read(path)
+            error = self._models_differ(path, manifest) or self._read(path)
             if error:
                 return _Outcome(0, {}, error)
             self._intact[path] = _files.signature(path)
@@ -310,6 +310,43 @@ class CheckpointManager:
             )
             return _Outcome(0, {}, None, (*self._move_aside(damaged), fresh))
         return _Outcome(0, {})
+
+    def _models(self) -> dict:
+        """The shape and dtype of every variable of each Keras model among the trackables."""
+        return {
+            name: [[list(v.shape), str(v.dtype)] for v in _variables_of(name, obj)]
+            for name, obj in self.trackables.items()
+            if _is_model(obj)
+        }
+
+    def _models_differ(self, path: str, manifest: dict) -> str | None:
+        """How the models saved in the checkpoint at ``path`` differ from the trackables'.
+
+        TensorFlow restores the layers a checkpoint shares with the model and drops the others
+        without a word, so a bigger model's checkpoint would fill a smaller model: the model's
+        own variables are compared first (a checkpoint may still hold more objects than given,
+        as ``_read`` allows). Checkpoints written before the manifest held them are not.
+        """
+        saved = manifest.get("models", {})
+        for name, here in self._models().items():
+            if name not in saved or saved[name] == here:
+                continue
+            there = saved[name]
+            if len(there) != len(here):
+                what = f"{name} has {len(here)} variables here, {len(there)} in the checkpoint"
+            else:
+                i = next(i for i, (a, b) in enumerate(zip(here, there)) if a != b)
+                what = (
+                    f"{name}'s variable {i} has shape {tuple(here[i][0])} and dtype "
+                    f"{here[i][1]} here, shape {tuple(there[i][0])} and dtype {there[i][1]} in "
+                    "the checkpoint"
+                )
+            return (
+                f"The checkpoint {path} does not match the objects given to "
+                f"CheckpointManager ({', '.join(self.trackables)}): {what}. Restore with the "
+                "same model it was saved from, or use another directory."
+            )
+        return None
 
     def _read(self, path: str) -> str | None:
         """Loads the (verified) checkpoint at ``path`` into the trackables; returns an error."""
@@ -435,7 +472,7 @@ class CheckpointManager:
 
     def _write(self, step: int, metadata: dict) -> str:
         """On rank 0: writes the checkpoint of ``step`` (:func:`_files.write`), known intact."""
-        path = _files.write(self.directory, step, metadata, self._checkpoint)
+        path = _files.write(self.directory, step, metadata, self._checkpoint, self._models())
         self._intact[path] = _files.signature(path)
         return path
 

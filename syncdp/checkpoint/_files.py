@@ -187,7 +187,9 @@ def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def write(directory: str, step: int, metadata: dict, checkpoint) -> str:
+def write(
+    directory: str, step: int, metadata: dict, checkpoint, models: dict | None = None
+) -> str:
     """Writes the checkpoint of ``step`` atomically; returns its path.
 
     The files go to a temporary directory, are flushed to disk with a manifest, and the
@@ -201,6 +203,8 @@ def write(directory: str, step: int, metadata: dict, checkpoint) -> str:
         metadata: JSON-serializable, stored in the manifest.
         checkpoint: What writes the TensorFlow files: ``checkpoint.write(prefix)`` (a
             ``tf.train.Checkpoint``).
+        models: JSON-serializable, stored in the manifest: the shapes and dtypes of each
+            model's variables, by name, which a restore compares before reading.
 
     Raises:
         OSError, TypeError, ValueError: The write failed; nothing of it is left.
@@ -223,6 +227,7 @@ def write(directory: str, step: int, metadata: dict, checkpoint) -> str:
             "format": _FORMAT,
             "step": step,
             "metadata": metadata,
+            "models": models or {},
             "files": files,
             "time": time.time(),
         }

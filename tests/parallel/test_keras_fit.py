@@ -448,6 +448,42 @@ def test_checkpoint_metadata_a_restore_would_not_take_is_refused_before_writing(
     assert v.numpy().tolist() == [1.0, 2.0]
 
 
+def _dense_model(widths):
+    model = keras.Sequential([keras.Input((FEATURES,))] + [keras.layers.Dense(w) for w in widths])
+    return model
+
+
+def test_a_checkpoint_restores_only_into_the_model_it_was_saved_from(tmp_path):
+    # A checkpoint of a bigger (or smaller) model is refused on every rank, where TensorFlow's
+    # own matching would restore the layers both share and drop the rest without a word; a
+    # training checkpoint still restores into the model alone (no optimizer), for evaluation.
+    from syncdp.base.errors import CheckpointError
+    from syncdp.checkpoint import CheckpointManager
+
+    directory = hvd.broadcast_object(str(tmp_path), root_rank=0)  # rank 0 writes and reads
+    saved = _dense_model([4, 3])
+    optimizer = keras.optimizers.Adam()
+    CheckpointManager(directory, model=saved, optimizer=optimizer).save(7)
+    refusals = {
+        (4,): "model has 2 variables here, 4 in the checkpoint",
+        (4, 3, 2): "model has 6 variables here, 4 in the checkpoint",
+        (4, 2): r"model's variable 2 has shape \(4, 2\) .* here, shape \(4, 3\)",
+    }
+    for widths, words in refusals.items():
+        other = _dense_model(widths)
+        before = [w.numpy() for w in other.weights]
+        with pytest.raises(CheckpointError, match=words):
+            CheckpointManager(directory, model=other).restore()
+        if hvd.rank() == 0:  # refused before anything was read
+            for b, w in zip(before, other.weights, strict=True):
+                np.testing.assert_array_equal(b, w.numpy())
+    same = _dense_model([4, 3])
+    assert CheckpointManager(directory, model=same).restore() == 7
+    rank_0s = hvd.broadcast_object([w.numpy() for w in saved.weights], root_rank=0)
+    for a, b in zip(rank_0s, same.weights, strict=True):
+        np.testing.assert_array_equal(a, b.numpy())
+
+
 def test_fp16_compression_keeps_replicas_identical():
     local = _local_batch()
     x, y = _data(steps=2, seed=5)
