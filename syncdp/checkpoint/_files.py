@@ -187,9 +187,7 @@ def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def write(
-    directory: str, step: int, metadata: dict, checkpoint, models: dict | None = None
-) -> str:
+def write(directory: str, step: int, metadata: dict, checkpoint, models: dict | None = None) -> str:
     """Writes the checkpoint of ``step`` atomically; returns its path.
 
     The files go to a temporary directory, are flushed to disk with a manifest, and the
