@@ -630,7 +630,10 @@ class LocalGradientAggregationHelper:
         self.scale_local_gradients = scale_local_gradients
         self._allreduce = allreduce_func or self._reduce
         self._local_vars: list = []
+        # One sum per variable, all made at the first call, so every trace's clear covers
+        # every sum (one made in a later trace would miss the clears an earlier trace runs).
         self._sums: dict[int, tf.Variable] = {}
+        self._reached: set[int] = set()  # sums that some pass has added to (when traced)
         with graph.creating_variables():
             self.counter = tf.Variable(0, dtype=tf.int32, trainable=False, name="aggregation")
 
@@ -649,11 +652,17 @@ class LocalGradientAggregationHelper:
 
     def compute_gradients(self, grads, variables):
         """Adds ``grads`` to the sums; returns the reduced sums on every k-th call."""
+        for i, v in enumerate(variables):
+            if i not in self._sums:  # made once, even if the first pass is traced
+                with graph.creating_variables():
+                    self._sums[i] = tf.Variable(
+                        tf.zeros(v.shape, tf.as_dtype(v.dtype)), trainable=False
+                    )
         sums = []
         for i, g in enumerate(grads):
             if g is None:
                 # An earlier pass's gradients are not dropped because this pass gave none.
-                sums.append(tf.convert_to_tensor(self._sums[i]) if i in self._sums else None)
+                sums.append(tf.convert_to_tensor(self._sums[i]) if i in self._reached else None)
                 continue
             if isinstance(g, tf.IndexedSlices):
                 if not self.sparse_as_dense:
@@ -662,11 +671,10 @@ class LocalGradientAggregationHelper:
                         "and `sparse_as_dense` is False."
                     )
                 g = tf.convert_to_tensor(g)
-            if i not in self._sums:  # made once, even if the first pass is traced
-                with graph.creating_variables():
-                    self._sums[i] = tf.Variable(tf.zeros(g.shape, g.dtype), trainable=False)
+            self._reached.add(i)
             # A value, not assign_add's lazy read, which would see the clear below.
-            sums.append(tf.convert_to_tensor(self._sums[i].assign_add(g)))
+            added = self._sums[i].assign_add(tf.cast(g, self._sums[i].dtype))
+            sums.append(tf.convert_to_tensor(added))
         count = self.counter.assign_add(1)
         k = self.backward_passes_per_step
 

@@ -255,6 +255,30 @@ def test_aggregation_helper_keeps_a_sum_the_last_pass_gave_nothing_to(traced):
     assert int(helper.counter) == 0
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_aggregation_helper_clears_a_sum_a_later_trace_made(traced):
+    # Rank r (x = r + 1): the step without w2 is traced first, so w2's sum is made in a later
+    # trace; a window the first trace closes must still clear it. The last window (two passes
+    # with w2) reduces w2 to mean(2x) = n + 1, not more.
+    n = hvd.size()
+    w1, w2 = tf.Variable([1.0]), tf.Variable([1.0])
+    helper = hvd.LocalGradientAggregationHelper(2)
+    x = float(hvd.rank() + 1)
+
+    def step(use_w2):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(x * w1 * (w2 if use_w2 else 1.0))
+        return helper.compute_gradients(tape.gradient(loss, [w1, w2]), [w1, w2])
+
+    step = tf.function(step) if traced else step
+    for use_w2 in (False, True, True, False, True):
+        step(use_w2)
+    reduced = step(True)
+    np.testing.assert_allclose(reduced[0].numpy(), [n + 1.0], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(reduced[1].numpy(), [n + 1.0], rtol=0, atol=1e-6)
+    assert int(helper.counter) == 0
+
+
 @pytest.mark.parametrize(
     ("passes", "elastic"),
     [(1, False), (4, True)],
