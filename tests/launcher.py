@@ -38,6 +38,7 @@ def start(
     cwd: str | os.PathLike | None = None,
     launcher: str = "syncdp-run",
     stderr=subprocess.PIPE,
+    stdin=None,
 ) -> subprocess.Popen:
     """Starts ``syncdp-run -np NP [launcher_args] COMMAND`` in its own session, text pipes
     (``stderr=subprocess.STDOUT``: both streams on one, as ``2>&1``).
@@ -56,6 +57,7 @@ def start(
     cmd = [*head, "-np", str(np), *launcher_args, *command]
     return subprocess.Popen(
         cmd,
+        stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,
@@ -73,8 +75,11 @@ def launch(
     launcher_args: tuple[str, ...] = (),
     cwd: str | os.PathLike | None = None,
     launcher: str = "syncdp-run",
+    input: str | None = None,
 ) -> subprocess.CompletedProcess:
     """Runs ``syncdp-run -np NP [launcher_args] COMMAND`` and returns the finished process.
+
+    ``input``, when given, is written to the launcher's standard input (a pipe), then closed.
 
     Its ``stdout``/``stderr`` are text, ``elapsed`` holds the wall time in seconds, and
     ``started_at``/``ended_at`` the ``time.time()`` of the launch and of the launcher's exit (to
@@ -83,10 +88,18 @@ def launch(
     """
     started_at = time.time()
     began = time.monotonic()
-    proc = start(np, *command, env=env, launcher_args=launcher_args, cwd=cwd, launcher=launcher)
+    proc = start(
+        np,
+        *command,
+        env=env,
+        launcher_args=launcher_args,
+        cwd=cwd,
+        launcher=launcher,
+        stdin=None if input is None else subprocess.PIPE,
+    )
     cmd = proc.args
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(input=input, timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()

@@ -238,19 +238,32 @@ def _find_mpirun() -> str:
     return found
 
 
-def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpirun") -> list[str]:
+def build_command(
+    config: LaunchConfig,
+    env: dict[str, str],
+    mpirun: str = "mpirun",
+    *,
+    stdin_is_terminal: bool = False,
+) -> list[str]:
     """The mpirun command line that starts every rank under :mod:`syncdp.launch.worker`.
 
     Args:
         config: The parsed command line.
         env: The ranks' environment (:func:`build_env`); its variables are exported by name.
         mpirun: The mpirun executable. Defaults to ``"mpirun"``.
+        stdin_is_terminal: The launcher's standard input is a terminal, which mpirun forwards
+            to rank 0; any other input (a pipe, a file, /dev/null) is not forwarded: every
+            rank's is empty. Defaults to False.
 
     Returns:
         The command, a list of arguments.
     """
     cmd = [mpirun, "-np", str(config.num_proc + config.spares), "--oversubscribe"]
     cmd += list(config.binding_args) or ["--bind-to", "none"]
+    if not stdin_is_terminal and not any(a.startswith("--stdin") for a in config.mpi_args):
+        # Open MPI 5.0.11 forwards a pipe or file to rank 0 without its end (and /dev/null's
+        # end too): a rank that reads its input to the end would wait forever.
+        cmd += ["--stdin", "none"]
     if config.tcp:
         cmd += TCP_ONLY
     if config.elastic:
@@ -295,6 +308,13 @@ def build_command(config: LaunchConfig, env: dict[str, str], mpirun: str = "mpir
     # module of the user's project could be imported in place of one the supervisor uses.
     cmd += [sys.executable, "-P", "-m", "syncdp.launch.worker", *config.command]
     return cmd
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return os.isatty(sys.stdin.fileno())
+    except (AttributeError, OSError, ValueError):  # closed, or replaced by an object
+        return False
 
 
 def _stopped(e: supervision.Stopped, when: str) -> int:
@@ -595,7 +615,7 @@ def _run_once(
         lifeline.start(lost_after=restart.HOST_LOST_SECONDS, on_lost=loss.on_lost)
     else:
         lifeline.start(lost_after=lost_after(ranks_config.stall_timeout), on_lost=on_lost)
-    cmd = build_command(config, env, mpirun)
+    cmd = build_command(config, env, mpirun, stdin_is_terminal=_stdin_is_terminal())
     if config.spares and not quiet:
         first, last = config.num_proc, config.num_proc + config.spares - 1
         labels = f"[{first}]" if first == last else f"[{first}] to [{last}]"

@@ -450,3 +450,11 @@ def test_a_rank_that_exits_cleanly_before_init_ends_the_job_at_once(tmp_path, np
     assert "rank 1 (pid" in result.stderr and "exited with code 0 before it reached" in (
         result.stderr
     ), result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3])
+def test_a_rank_that_reads_its_input_to_the_end_is_not_left_waiting(np_):
+    # Open MPI forwards a pipe to rank 0 without its end: every rank's input is empty instead.
+    read = "import sys; print('read', repr(sys.stdin.read()), flush=True)"
+    result = check(launch(np_, "python", "-c", read, timeout=60, input="hello\n"))
+    assert result.stdout.count("read ''") == np_, result.stdout
