@@ -385,7 +385,7 @@ def test_tcp_keeps_mpi_off_rdma_and_binding_args_replace_bind_to_none():
     ]
     joined = " ".join(cmd)
     assert "--mca pml ob1 --mca btl self,sm,tcp --mca osc ^ucx" in joined
-    assert "none" not in cmd
+    assert "--bind-to none" not in joined
     plain = run.build_command(parse(), env_of(parse()))
     assert "pml" not in plain and plain[4:6] == ["--bind-to", "none"]
 
@@ -652,3 +652,14 @@ def test_horovods_stall_check_disable_turns_off_the_warning_and_the_shutdown():
     # 0 leaves the check on, with Horovod's times.
     config = settings.from_env({**off, "HOROVOD_STALL_CHECK_DISABLE": "0"})
     assert config.stall_timeout == 30 and config.stall_warning == settings.Config().stall_warning
+
+
+def test_standard_input_reaches_rank_0_only_from_a_terminal_or_when_asked():
+    def stdin_args(*flags, terminal):
+        c = parse(*flags)
+        cmd = run.build_command(c, env_of(c), stdin_is_terminal=terminal)
+        return [cmd[i + 1] for i, a in enumerate(cmd) if a == "--stdin"]
+
+    assert stdin_args(terminal=False) == ["none"]
+    assert stdin_args(terminal=True) == []
+    assert stdin_args("--mpi-args=--stdin 0", terminal=False) == ["0"]
