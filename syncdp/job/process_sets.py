@@ -123,13 +123,8 @@ class ProcessSet:
             f"mpi_comm={self.mpi_comm})"
         )
 
-    def __eq__(self, other) -> bool:
-        if not isinstance(other, ProcessSet):
-            return NotImplemented
-        return self.ranks == other.ranks and self.process_set_id == other.process_set_id
-
-    def __hash__(self) -> int:
-        return hash((None if self.ranks is None else tuple(self.ranks), self.process_set_id))
+    # Compared and hashed as objects, as Horovod's are: a set's ranks and id change when it is
+    # registered or removed, and a dict keyed by sets must still find them.
 
 
 class _GlobalProcessSet(ProcessSet):
@@ -252,6 +247,11 @@ def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
         raise ValueError(f"add_process_set: ranks passed different sets: {everyone}.{split}")
     if ps.process_set_id is not None or any(s.ranks == ps.ranks for s in sets.values()):
         raise ValueError(f"Attempted to add a duplicate process set: {ps.ranks}.")
+    if asked == list(range(world.size)):
+        raise ValueError(
+            f"Attempted to add a duplicate process set: {asked} is every rank, the global "
+            "process set (id 0); use syncdp.global_process_set."
+        )
     return _register(ps, world, sets)
 
 
@@ -308,11 +308,18 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         True if the set was registered and is now removed; False otherwise (also for the
         global set, which cannot be removed).
     """
-    if isinstance(process_set, _GlobalProcessSet) or process_set.process_set_id is None:
-        return False
     world = runtime.communicator()
     sets = _sets()
-    world.enter("remove_process_set")
+    # Every rank removes the same set (or none): a rank that removed another one would number
+    # the sets added later differently from the others.
+    is_global = isinstance(process_set, _GlobalProcessSet)
+    world.enter(
+        "remove_process_set",
+        ranks="the whole job" if is_global else list(process_set.ranks or ()),
+        process_set_id=0 if is_global else process_set.process_set_id,
+    )
+    if is_global or process_set.process_set_id is None:
+        return False
     found = sets.pop(process_set.process_set_id, None)
     if found is None:
         return False

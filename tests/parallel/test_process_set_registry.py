@@ -1,0 +1,48 @@
+"""Registering and removing process sets: every rank alike, sets compared as objects.
+
+Apart from test_process_sets.py, whose sets stay registered for its whole module.
+"""
+
+import pytest
+
+
+def test_ranks_that_remove_different_sets_are_refused_on_every_rank(hvd):
+    # Rank 0 removing one set while the others remove another would leave the ranks with
+    # different sets, and number the next set added differently: refused everywhere, nothing
+    # removed.
+    from syncdp.base.errors import MismatchError
+
+    n = hvd.size()
+    if n == 1:
+        pytest.skip("one rank has no set but the global one")
+    first, last = hvd.add_process_set([0]), hvd.add_process_set([n - 1])
+    before = hvd.get_process_set_ids_and_ranks()
+    with pytest.raises(MismatchError, match="remove_process_set"):
+        hvd.remove_process_set(first if hvd.rank() == 0 else last)
+    assert hvd.get_process_set_ids_and_ranks() == before
+    with pytest.raises(MismatchError, match="remove_process_set"):
+        hvd.remove_process_set(first if hvd.rank() == 0 else hvd.global_process_set)
+    assert hvd.remove_process_set(last) and hvd.remove_process_set(first)
+    assert not hvd.remove_process_set(first)  # already removed, on every rank alike
+    assert hvd.get_process_set_ids_and_ranks() == {0: list(range(n))}
+
+
+def test_every_rank_as_a_new_set_is_the_global_set_already(hvd):
+    n = hvd.size()
+    with pytest.raises(ValueError, match="duplicate process set.*global process set"):
+        hvd.add_process_set(list(range(n)))
+    assert hvd.get_process_set_ids_and_ranks() == {0: list(range(n))}
+
+
+def test_a_set_is_a_dict_key_before_and_after_it_is_registered(hvd):
+    # As in Horovod, sets compare as objects: registering one (its id and ranks change) keeps
+    # it where a dict put it.
+    if hvd.size() == 1:
+        pytest.skip("one rank has no set but the global one")
+    first = hvd.ProcessSet([0])
+    rates = {first: 0.1}
+    hvd.add_process_set(first)
+    assert rates[first] == 0.1
+    assert hvd.ProcessSet([0]) not in rates
+    assert hvd.remove_process_set(first)
+    assert rates[first] == 0.1
