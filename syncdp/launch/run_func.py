@@ -140,8 +140,15 @@ class _Exchange:
                 # (a class it cannot import) is that rank's error, not a lost answer.
                 value = pickle.loads(body[-1])
             except Exception as e:  # noqa: BLE001 - anything unpickling raises, named
-                kind, body = _ERROR, [type(e).__name__, f"its value could not be read here: {e}"]
                 value = None
+                if kind == _ERROR:  # the rank's own type and message still stand
+                    body = [
+                        body[0],
+                        f"{body[1]} (the exception itself could not be read here: {e})",
+                    ]
+                else:
+                    kind = _ERROR
+                    body = [type(e).__name__, f"its value could not be read here: {e}"]
             with self._lock:
                 if kind == _RESULT:
                     self.results[rank] = value
@@ -299,7 +306,11 @@ def run(
         hosts_module.listed(config.hosts, config.hostfile) or [],
         network_interfaces=config.network_interfaces,
     )
-    task = _pickler().dumps((func, tuple(args), dict(kwargs or {}), _caller_paths()))
+    # The caller's folders travel outside the function's pickle: a rank adds them to its path
+    # before loading the function, which may live in a module of those folders.
+    task = pickle.dumps(
+        (_caller_paths(), _pickler().dumps((func, tuple(args), dict(kwargs or {}))))
+    )
     secret = secrets.token_bytes(32)
     exchange = _Exchange(task, listen, secret)
     try:
@@ -360,10 +371,16 @@ def _main() -> int:
     if ADDRESS_VAR not in os.environ or SECRET_VAR not in os.environ:
         print("syncdp.launch.run_func runs on the ranks that horovod.run starts.", file=sys.stderr)
         return 2
-    func, args, kwargs, paths = _talk((_FETCH, None))
+    paths, task = _talk((_FETCH, None))
     for path in paths:
         if path not in sys.path:
             sys.path.append(path)
+    try:
+        func, args, kwargs = pickle.loads(task)
+    except Exception as e:
+        what = f"the function or its arguments could not be loaded on the rank: {e}"
+        _talk((_ERROR, _rank(), type(e).__name__, what, _dumps(None)))
+        raise
     try:
         value = func(*args, **kwargs)
     except BaseException as e:

@@ -150,3 +150,68 @@ def test_a_callers_own_launch_module_and_helpers_are_its_own(tmp_path, n):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert _line(done, "RESULT ") == [3 * r * r for r in range(n)]
+
+
+def _run_caller(project, cwd) -> subprocess.CompletedProcess:
+    env = rank_env({"TF_CPP_MIN_LOG_LEVEL": "3"})
+    env.pop("PYTHONPATH", None)  # the installed syncdp; the caller's folder only as its script's
+    return subprocess.run(
+        [sys.executable, str(project / "caller.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=cwd,
+    )
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_function_from_a_module_beside_the_script_run_from_elsewhere(tmp_path, n):
+    # `python project/caller.py` from another folder: the ranks import the function's module
+    # from the script's folder, which is not their working directory.
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "helpers.py").write_text(
+        "import os\n\n\ndef scaled_rank(k):\n"
+        "    return k * int(os.environ['OMPI_COMM_WORLD_RANK']) ** 2\n"
+    )
+    (project / "caller.py").write_text(
+        "import json, horovod\nfrom helpers import scaled_rank\n"
+        f"print('RESULT ' + json.dumps(horovod.run(scaled_rank, args=(3,), num_proc={n})))\n"
+    )
+    done = _run_caller(project, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _line(done, "RESULT ") == [3 * r * r for r in range(n)]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_an_exception_that_cannot_be_rebuilt_keeps_its_type_and_message(tmp_path, n):
+    # An exception whose __init__ takes two arguments does not unpickle from its args: the
+    # caller still gets the rank's type and message.
+    (tmp_path / "caller.py").write_text(
+        textwrap.dedent(
+            f"""
+            import json, os, horovod
+
+            class ConfigProblem(Exception):
+                def __init__(self, key, detail):
+                    super().__init__(f"bad key {{key}}: {{detail}}")
+
+            def train():
+                if int(os.environ["OMPI_COMM_WORLD_RANK"]) == {n - 1}:
+                    raise ConfigProblem("lr", "must be positive")
+
+            try:
+                horovod.run(train, num_proc={n})
+            except Exception as e:
+                print("ERROR " + json.dumps([type(e).__name__, str(e), e.rank]), flush=True)
+            """
+        )
+    )
+    done = _run_caller(tmp_path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kind, message, rank = _line(done, "ERROR ")
+    assert (kind, rank) == ("RunError", n - 1)
+    assert message.startswith(
+        f"horovod.run: rank {n - 1} failed: ConfigProblem: bad key lr: must be positive"
+    ), message
