@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context as _tf_context
 
 from syncdp.base import errors
 
@@ -57,6 +58,9 @@ class InvalidArgument(ValueError, tf.errors.InvalidArgumentError):
 
 # graph -> the last collective op created in it; the next one depends on it.
 _last_collective: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# graph -> the names of the function graphs built in it that hold collectives, whose calling
+# ops (If, While, a function call) the next collective built in it must wait for.
+_pending_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _standalone = threading.local()
 
 
@@ -108,14 +112,18 @@ def ordered_call(fn, inputs: Sequence[tf.Tensor], out_dtypes, out_shapes, name: 
         return outs
     graph = tf.compat.v1.get_default_graph()
     own_chain = getattr(_standalone, "chain", None)
-    previous = _last_collective.get(graph) if own_chain is None else own_chain[0]
+    if own_chain is None:
+        previous = _chain_end(graph)
+    else:
+        previous = [] if own_chain[0] is None else [own_chain[0]]
     v1_graph = in_v1_graph()
     run = _with_status(fn, out_dtypes) if v1_graph else fn
     dtypes = list(out_dtypes) + ([tf.int32] if v1_graph else [])
-    with tf.control_dependencies([_after(previous, graph)] if previous is not None else []):
+    with tf.control_dependencies([_after(p, graph) for p in previous]):
         outs = host_call(run, inputs, dtypes, name=name.replace(".", "_"))
     if own_chain is None:
         _last_collective[graph] = outs[0].op
+        _announce(graph, outs[0].op)
     else:
         own_chain[0] = outs[0].op
     if v1_graph:
@@ -123,6 +131,83 @@ def ordered_call(fn, inputs: Sequence[tf.Tensor], out_dtypes, out_shapes, name: 
     for out, shape in zip(outs, out_shapes):
         out.set_shape(shape)
     return outs
+
+
+def _nested_in_v1_graph(graph) -> bool:
+    """Whether ``graph`` is a function graph (a control flow v2 branch or loop body, a
+    ``tf.function``) built inside a TF1 graph that a Session runs."""
+    if not getattr(graph, "building_function", False):
+        return False
+    # executing_eagerly_outside_functions() alone says True in a program that touched the eager
+    # context (tf.config.threading...) before disable_eager_execution(): TensorFlow's default
+    # execution mode (private: no public view of it) settles that case.
+    return (
+        not tf.compat.v1.executing_eagerly_outside_functions()
+        or _tf_context.default_execution_mode != _tf_context.EAGER_MODE
+    )
+
+
+def _chain_end(graph) -> list:
+    """What the next collective built in ``graph`` waits for: its last collective and the ops
+    built since that call function graphs holding collectives.
+
+    A Session runs a TF1 graph's ops in no order but their edges, and TensorFlow adds no edges
+    between stateful ops there (``tf.function`` does, inside itself). Control flow v2
+    (``tf.compat.v1.cond`` and ``while_loop`` in TF2, and ``tf.function`` called in a TF1
+    graph) builds each branch or body as a function graph of its own, called by one op of the
+    graph around it: the first collective in a function graph waits for the chain of the graph
+    around it (an edge from outside becomes an edge into the calling op), and the calling op
+    joins that graph's chain, so collectives run in the order they were built on every rank.
+    """
+    found = [_last_collective[graph]] if graph in _last_collective else []
+    names = _pending_calls.get(graph)
+    if names:
+        for op in graph.get_operations():
+            called = _called(op, names)
+            if called:
+                found.append(op)
+                _must_run(graph, op)
+                names -= called  # a graph still being built (its caller to come) stays
+    if not found and _nested_in_v1_graph(graph):
+        return _chain_end(graph.outer_graph)
+    return found
+
+
+def _called(op, names) -> set:
+    """The function graphs named in ``names`` that ``op`` calls (cond and while_loop name the
+    function after its graph; a tf.function's call names "__inference_<graph name>_<n>")."""
+    called = set()
+    for value in op.node_def.attr.values():
+        if value.HasField("func"):
+            functions = [value.func.name]
+        else:
+            functions = [f.name for f in value.list.func]
+        for function in functions:
+            called |= {
+                n for n in names if function == n or function.startswith(f"__inference_{n}_")
+            }
+    return called
+
+
+def _must_run(graph, op) -> None:
+    """Makes the call of function graph ``graph`` end only once ``op`` has run: a Session
+    inlines a cond's branches, and the call then ends with the ops its function lists as
+    control outputs (a v1 graph's functions list none), not with every op in it."""
+    # A tf.function's graph (automatic control dependencies: TensorFlow's private flag) lists
+    # its stateful ops itself, and refuses one listed twice.
+    automatic = getattr(graph, "_add_control_dependencies", False)
+    if _nested_in_v1_graph(graph) and not automatic and op not in graph.control_outputs:
+        graph.control_outputs.append(op)
+
+
+def _announce(graph, op) -> None:
+    """After collective ``op`` is built in ``graph``: every graph around it, up to the TF1
+    graph, must wait for the op that calls the function graph it is in."""
+    _must_run(graph, op)
+    while _nested_in_v1_graph(graph):
+        outer = graph.outer_graph
+        _pending_calls.setdefault(outer, set()).add(graph.name)
+        graph = outer
 
 
 def _after(previous, graph):
@@ -168,7 +253,9 @@ def follow_collective(op) -> None:
     hold a chain of their own)."""
     own_chain = getattr(_standalone, "chain", None)
     if own_chain is None:
-        _last_collective[tf.compat.v1.get_default_graph()] = op
+        graph = tf.compat.v1.get_default_graph()
+        _last_collective[graph] = op
+        _announce(graph, op)
     else:
         own_chain[0] = op
 

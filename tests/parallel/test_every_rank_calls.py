@@ -79,7 +79,10 @@ def test_an_operation_only_rank_0_calls_raises_on_every_rank(
 
 def test_removing_a_process_set_on_one_rank_only_raises_on_every_rank(hvd, others_allreduce):
     ps = hvd.add_process_set([0])
-    with pytest.raises(hvd.MismatchError, match="rank 0 in remove_process_set;"):
+    with pytest.raises(
+        hvd.MismatchError,
+        match=r"rank 0 in remove_process_set \(ranks=\[0\], process_set_id=\d+\);",
+    ):
         hvd.remove_process_set(ps) if hvd.rank() == 0 else others_allreduce()
     assert hvd.remove_process_set(ps)
 

@@ -1,4 +1,5 @@
-"""Collectives inside TF1 control flow (``tf.compat.v1.disable_v2_behavior()`` programs).
+"""Collectives inside TF1 control flow (``tf.compat.v1.disable_v2_behavior()`` programs), and
+inside control flow v2 and ``tf.function`` in a TF1 graph.
 
 With control flow v1, ``tf.cond`` and ``tf.while_loop`` are Switch/Merge/Enter/Exit nodes in the
 one graph a Session runs, and syncdp's chain of collectives (each waits for the one built before
@@ -9,6 +10,7 @@ are full-batch gradient descent computed in NumPy.
 """
 
 import contextlib
+import time
 
 import numpy as np
 import pytest
@@ -19,10 +21,14 @@ D, B, LR = 4, 2, 0.1
 
 
 @contextlib.contextmanager
-def tf1_control_flow():
-    """A graph built with control flow v1, as under ``disable_v2_behavior()``."""
+def tf1_control_flow(version=1):
+    """A TF1 graph built with control flow v1, as under ``disable_v2_behavior()``, or v2 (as
+    after ``disable_eager_execution()`` alone)."""
     saved = control_flow_util.ENABLE_CONTROL_FLOW_V2
-    tf.compat.v1.disable_control_flow_v2()
+    if version == 1:
+        tf.compat.v1.disable_control_flow_v2()
+    else:
+        tf.compat.v1.enable_control_flow_v2()
     try:
         with tf.Graph().as_default():
             yield
@@ -96,3 +102,45 @@ def test_a_collective_after_a_while_loop_of_training_steps(hvd):
     np.testing.assert_allclose(got_w, expected_w, rtol=1e-5, atol=1e-6)
     # The mean of the ranks' losses is the loss over the whole batch.
     assert got == pytest.approx(float(np.mean((x @ expected_w - y) ** 2)), rel=1e-5)
+
+
+@pytest.mark.parametrize("construct", ["cond", "while_loop", "tf.function"])
+def test_a_collective_in_control_flow_v2_keeps_its_place_in_a_tf1_graph(hvd, construct):
+    # Control flow v2 in a TF1 graph (TF2's default after disable_eager_execution() alone)
+    # builds each branch, loop body or tf.function as a function graph called by one op.
+    # Rank 0's input to the first collective comes late and so does the last rank's to the
+    # second: without an order between them, the ranks would pair the two crosswise.
+    r, n = hvd.rank(), hvd.size()
+
+    def late_on(rank):
+        def pass_through(v):
+            if r == rank:
+                time.sleep(0.3)
+            return v
+
+        return pass_through
+
+    def allreduce(v):
+        return hvd.allreduce(v)
+
+    with tf1_control_flow(version=2):
+        first_in = tf.numpy_function(late_on(0), [tf.constant([1.0 + r])], tf.float32)
+        second_in = tf.numpy_function(late_on(n - 1), [tf.constant([100.0 + r])], tf.float32)
+        first_in.set_shape([1])
+        second_in.set_shape([1])
+        take = tf.compat.v1.placeholder(tf.bool, [])
+        if construct == "cond":
+            first = tf.compat.v1.cond(take, lambda: allreduce(first_in), lambda: first_in)
+        elif construct == "while_loop":
+            body = lambda i, v: (i + 1, allreduce(v))  # noqa: E731
+            _, first = tf.compat.v1.while_loop(lambda i, v: i < 1, body, [0, first_in])
+        else:
+            first = tf.function(allreduce, autograph=False)(first_in)
+        second = hvd.allreduce(second_in)
+        config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=2)
+        with tf.compat.v1.Session(config=config) as sess:
+            for _ in range(2):
+                got_first, got_second = sess.run([first, second], feed_dict={take: True})
+                # the means over the ranks of 1 + r and of 100 + r
+                np.testing.assert_allclose(got_first, [1 + (n - 1) / 2], rtol=1e-6)
+                np.testing.assert_allclose(got_second, [100 + (n - 1) / 2], rtol=1e-6)
