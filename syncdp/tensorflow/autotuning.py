@@ -88,6 +88,25 @@ def tuner() -> autotune.Tuner | None:
     return _TUNER
 
 
+_UNTUNED_SAID: set[str] = set()
+
+
+def say_untuned(where: str) -> None:
+    """With ``--autotune`` on, rank 0 says once that gradient reductions ``where`` (a TF1
+    graph, a process set) keep the configured buckets: no search runs there, and no log."""
+    config = runtime.get_config()
+    if not config.autotune or config.elastic or where in _UNTUNED_SAID:
+        return
+    _UNTUNED_SAID.add(where)
+    if runtime.rank() == 0:
+        print(
+            f"syncdp: --autotune does not tune gradient reductions {where}; they keep the "
+            "configured fusion threshold and buckets.",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _say_if_unfinished() -> None:
     """At exit, rank 0 says when the job ended before the search did (it ran as searched)."""
     t = _TUNER

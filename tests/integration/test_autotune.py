@@ -195,3 +195,41 @@ def test_a_job_shorter_than_the_search_says_so(tmp_path):
         "(plus 3 warmup)" in result.stderr
     ), result.stderr[-2000:]
     assert "autotune chose" not in result.stderr
+
+
+TF1_GRAPH = """
+import numpy as np
+import tensorflow as tf
+import syncdp.tensorflow as hvd
+
+tf.compat.v1.disable_eager_execution()
+hvd.init()
+w = tf.compat.v1.get_variable("w", initializer=np.ones((4, 1), np.float32))
+loss = tf.reduce_sum(tf.matmul(tf.ones((2, 4)), w))
+opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+train = opt.minimize(loss)
+with tf.compat.v1.Session() as sess:
+    sess.run(tf.compat.v1.global_variables_initializer())
+    for _ in range(3):
+        sess.run(train)
+    print("w", [round(float(v), 5) for v in sess.run(w).ravel()], flush=True)
+"""
+
+
+@pytest.mark.parametrize("np_", [2, 3])  # one rank reduces nothing
+def test_a_tf1_graph_with_autotune_on_is_told_it_is_not_tuned(tmp_path, np_):
+    log = tmp_path / "tune.csv"
+    result = check(
+        launch(
+            np_,
+            "python",
+            python_script(tmp_path, TF1_GRAPH),
+            launcher_args=("--autotune", "--autotune-log-file", str(log)),
+            timeout=120,
+        )
+    )
+    note = "syncdp: --autotune does not tune gradient reductions in a TF1 graph"
+    assert result.stderr.count(note) == 1, result.stderr[-2000:]
+    # Every rank's gradient is the same (2 per weight): 3 steps of 0.1 * 2 from 1.
+    assert result.stdout.count("w [0.4, 0.4, 0.4, 0.4]") == np_, result.stdout
+    assert not log.exists()

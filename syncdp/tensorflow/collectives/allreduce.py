@@ -33,7 +33,7 @@ from syncdp.tensorflow.collectives._common import (
 )
 from syncdp.tensorflow.collectives.gather import allgather, average_gradients_with
 from syncdp.tensorflow.compression import Compression, for_transport
-from syncdp.tensorflow.graph import ordered_call
+from syncdp.tensorflow.graph import in_v1_graph, ordered_call
 from syncdp.transport.communicator import signature_digest
 
 __all__ = ["allreduce", "grouped_allreduce", "fused_allreduce", "adasum_tree"]
@@ -219,7 +219,13 @@ def fused_allreduce(
                 results[i] = piece
         return results, agreed
 
-    tuning = _autotuning.tuner() if reverse and _tunable(process_set) else None
+    tuning = None
+    if reverse and _tunable(process_set):
+        tuning = _autotuning.tuner()
+    elif reverse:
+        _autotuning.say_untuned(
+            "in a TF1 graph" if in_v1_graph() else "on a process set other than the job"
+        )
     if op is Adasum:  # per tensor (its dot products are the tensor's own), never bucketed
         results = [_adasum(w, name, process_set, prescale, postscale) for w in wire]
         agreed = None
