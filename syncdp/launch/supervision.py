@@ -164,9 +164,13 @@ def _supervise(process, verdict, links, leftovers: ShmLeftovers, flow) -> bool:
             # began, so there is nothing to let the ranks finish: a short grace.
             stop(process, grace=START_STOP_GRACE_SECONDS)
         elif verdict.failed.wait(timeout=0.5):
-            # mpirun normally ends the job at once; make sure nothing is left waiting.
+            # mpirun normally ends the job at once; make sure nothing is left waiting. While
+            # output still moves (a slow reader holds mpirun up), it is not stuck: stopping it
+            # would lose what it still holds, the failing rank's last words among it.
             deadline = time.monotonic() + FAILURE_GRACE_SECONDS
             while process.poll() is None and time.monotonic() < deadline:
+                if flow is not None and flow.active(within=1.0):
+                    deadline = max(deadline, time.monotonic() + 1.0)
                 time.sleep(0.2)
             stop(process, grace=FAILURE_GRACE_SECONDS)
     return False

@@ -458,3 +458,30 @@ def test_a_rank_that_reads_its_input_to_the_end_is_not_left_waiting(np_):
     read = "import sys; print('read', repr(sys.stdin.read()), flush=True)"
     result = check(launch(np_, "python", "-c", read, timeout=60, input="hello\n"))
     assert result.stdout.count("read ''") == np_, result.stdout
+
+
+def test_a_failing_ranks_output_reaches_a_slow_reader_whole(tmp_path):
+    # The reader is away longer than the launcher's grace for a failed job; everything the
+    # failing rank wrote, its last line included, still arrives, and its exit status.
+    lines = 40000
+    script = python_script(
+        tmp_path,
+        f"""
+import os, sys, time
+if os.environ["OMPI_COMM_WORLD_RANK"] == "1":
+    for i in range({lines}):
+        sys.stderr.write(f"err line {{i}} " + "y" * 60 + "\\n")
+    sys.stderr.write("LAST LINE\\n")
+    sys.exit(5)
+time.sleep(60)
+""",
+    )
+    proc = start(2, "python", script, stderr=subprocess.STDOUT)
+    try:
+        time.sleep(12)  # the launcher's grace for a failed job is 5 s
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 5, out[-2000:]
+    assert out.count("err line ") == lines and "[1]<stderr>:LAST LINE" in out, out[-2000:]
