@@ -2,8 +2,10 @@
 
 - :func:`start_mpirun` starts mpirun in its own session (a signal meant for the launcher never
   reaches it by accident) with a parent-death signal: if the launcher dies, SIGKILL included,
-  mpirun gets SIGTERM and ends the job. The supervisors' lifelines (:mod:`syncdp.launch.lifeline`)
-  end whatever is left, on every host, within seconds.
+  mpirun is killed, and the supervisors' lifelines (:mod:`syncdp.launch.lifeline`) end every
+  rank and what it started, on every host, within seconds. (SIGTERM would have mpirun end the
+  job itself: it kills each supervisor about 0.25 s later, often before the supervisor has
+  ended what its rank started in a session of its own, which then outlives the job.)
 - :func:`supervise` waits for mpirun, and ends the job when a rank reported a failure or the
   ranks did not all reach ``init()`` within the start timeout; and when every rank has reported
   how it ended, the job is over whatever mpirun does: mpirun gets a short grace to exit, then it
@@ -55,9 +57,10 @@ _LOOK_SECONDS = 2.0
 
 
 def _end_with_launcher() -> None:
-    """In mpirun's process before exec: SIGTERM when the launcher dies, however it dies."""
+    """In mpirun's process before exec: SIGKILL when the launcher dies, however it dies (see
+    the module docstring)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:  # not Linux: the supervisors' lifelines still end the job
         pass
 

@@ -315,12 +315,52 @@ def _end_here(rank: str, child: subprocess.Popen, why: str) -> None:
     chain = _daemon_chain(os.getpid())
     _end_rank(child, _END_GRACE_SECONDS)
     _await_reaped(child, _REAP_SECONDS)
+    # What the rank started outside its process group (not reaped here: the main thread
+    # reaps the rank, and a wait for any child could take its status from it).
+    _end_outside(child, _END_GRACE_SECONDS)
     for pid in chain:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
     os._exit(1)
+
+
+def _end_asked(child: subprocess.Popen) -> None:
+    """Asked to end (the rank has the signal already): the rank's process group gets SIGCONT,
+    then SIGKILL after :data:`_ASKED_GRACE_SECONDS`, and so does what the rank started
+    outside it (SIGTERM first), before Open MPI kills this supervisor
+    (:func:`_end_leftovers`, after the rank has ended, would come too late)."""
+    threading.Thread(target=_end_outside, args=(child, _ASKED_GRACE_SECONDS), daemon=True).start()
+    _end_rank(child, _ASKED_GRACE_SECONDS, None)
+
+
+def _end_outside(child: subprocess.Popen, grace: float) -> None:
+    """SIGTERM and SIGCONT to every process below this supervisor but the rank (a child the
+    rank started in a session of its own), then SIGKILL after ``grace`` seconds. Reaps
+    nothing."""
+    for pid in _outside_rank(child):
+        _kill(pid, signal.SIGTERM)
+        _kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + grace
+    while _outside_rank(child) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for pid in _outside_rank(child):
+        _kill(pid, signal.SIGKILL)
+
+
+def _outside_rank(child: subprocess.Popen) -> list[int]:
+    """The live processes below this supervisor but the rank itself."""
+    me = os.getpid()
+    return [p for p in _descendants(me) if p not in (me, child.pid) and not _zombie(p)]
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True  # gone
 
 
 def _end_rank(child: subprocess.Popen, grace: float, signum: int | None = signal.SIGTERM) -> None:
@@ -491,9 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             child.send_signal(signum)
             if signum in _ENDING_SIGNALS and not ending:
                 ending.append(signum)
-                threading.Thread(
-                    target=_end_rank, args=(child, _ASKED_GRACE_SECONDS, None), daemon=True
-                ).start()
+                threading.Thread(target=_end_asked, args=(child,), daemon=True).start()
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(signum, forward)
@@ -526,8 +564,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         message = f"rank {rank} {where} {describe_exit(returncode)}."
-    # The report first: when the job is ending, mpirun may kill this supervisor at any moment,
-    # and its output pipes may already be gone.
+    # When the job is ending, mpirun may kill this supervisor at any moment (at once, when
+    # the launcher was killed), and its output pipes may already be gone: what the rank left
+    # outside its process group is asked to end first (only this supervisor can reach it),
+    # then the launcher is told, then the leftovers are killed.
+    for pid in _outside_rank(child):
+        _kill(pid, signal.SIGTERM)
+        _kill(pid, signal.SIGCONT)
     _send_exit_report(rank, child.pid, returncode, bool(forwarded), message)
     _end_leftovers(child)
     # The rest of the rank's output, however long mpirun takes to take it. The quiet limit

@@ -1,5 +1,6 @@
 """The launcher end to end: ranks start, output is prefixed, and every failure ends the job."""
 
+import contextlib
 import os
 import re
 import shutil
@@ -485,3 +486,44 @@ time.sleep(60)
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 5, out[-2000:]
     assert out.count("err line ") == lines and "[1]<stderr>:LAST LINE" in out, out[-2000:]
+
+
+LEAVES_A_STUBBORN_CHILD = """
+import subprocess, sys, time
+marker = sys.argv[1]
+ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN); " if sys.argv[2] == "ignore" else ""
+code = f"import signal, time; {ignore}print('child up', flush=True); time.sleep(600)"
+subprocess.Popen([sys.executable, "-c", code, marker + "-child"], start_new_session=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(
+    ("np_", "signum", "child"),
+    [(1, signal.SIGKILL, "plain"), (2, signal.SIGTERM, "ignore"), (3, signal.SIGKILL, "ignore")],
+)
+def test_what_a_rank_started_outside_its_group_ends_when_the_launcher_is_stopped(
+    tmp_path, np_, signum, child
+):
+    # A rank's child in a session of its own (one that ignores SIGTERM too) is gone within
+    # seconds of the launcher being stopped, however it was stopped.
+    marker = f"syncdp-test-{os.getpid()}-{np_}"
+    script = python_script(tmp_path, LEAVES_A_STUBBORN_CHILD)
+    proc = start(np_, "python", script, marker, child, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_running_with(f"{marker}-child")) < np_ and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(_running_with(f"{marker}-child")) == np_
+        time.sleep(0.5)  # the children have set their signal handling
+        os.kill(proc.pid, signum)  # the launcher alone, not its process group
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while _running_with(f"{marker}-child") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _running_with(f"{marker}-child") == [] and _running_with(marker) == []
+    finally:
+        for pid in _running_with(marker) + _running_with(f"{marker}-child"):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
