@@ -72,9 +72,10 @@ start-up: once the first rank has reached ``syncdp.init()``, every rank must fol
 start timeout (plus 1 s), or the launcher ends the job and names the ranks that never arrived.
 A program that never calls ``syncdp.init()`` is never stopped for this.
 
-Nothing of a job outlives the launcher, however it ends (SIGKILL included): mpirun gets SIGTERM
-when the launcher dies, and every supervisor, on every host, ends its rank and Open MPI's
-daemon when its lifeline to the launcher closes (:mod:`syncdp.launch.lifeline`).
+Nothing of a job outlives the launcher, however it ends (SIGKILL included): mpirun is killed
+when the launcher dies, and every supervisor, on every host, ends its rank, what the rank
+started and Open MPI's daemon when its lifeline to the launcher closes
+(:mod:`syncdp.launch.lifeline`).
 """
 
 from __future__ import annotations
