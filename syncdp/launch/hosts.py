@@ -145,6 +145,11 @@ def parse_hostfile(path: str, *, default_slots: int = 1) -> list[Host]:
                 )
             if key == "slots":
                 slots = _slots(value, where)
+        name, colon, count = words[0].rpartition(":")
+        if colon and ":" not in name and count.isdigit():  # -H's spelling, not an IPv6 address
+            raise HostError(
+                f"{where}: a hostfile line reads 'HOST slots=N': '{name} slots={count}'."
+            )
         hosts.append(Host(words[0], slots))
     if not hosts:
         raise HostError(f"hostfile {path!r} lists no host.")

@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import shlex
 import shutil
@@ -433,11 +434,36 @@ def run(config: LaunchConfig) -> int:
         was stopped by SIGINT, SIGTERM or SIGHUP, 2 when the settings are not allowed.
     """
     streams = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _Console(sys.stdout), _Console(sys.stderr)
+    out, err = (_open_or_devnull(s, fd) for s, fd in zip(streams, (1, 2), strict=True))
+    sys.stdout, sys.stderr = _Console(out), _Console(err)
     try:
         return _run(config)
     finally:
         sys.stdout, sys.stderr = streams
+
+
+def _open_or_devnull(stream, fd: int):
+    """``stream``, or /dev/null in its place when the launcher was started with it closed
+    (``>&-``: Python's stream is None, or, started through a shell script such as pyenv's
+    shim, a stream on the script the shell opened there for reading)."""
+    try:
+        mine = stream is None or stream.fileno() == fd
+    except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor
+        mine = False
+    if not mine:
+        return stream
+    try:
+        writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+    except OSError:
+        writable = False
+    if writable and stream is not None:
+        return stream
+    if not writable:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        if devnull != fd:
+            os.dup2(devnull, fd)
+            os.close(devnull)
+    return open(fd, "w", closefd=False)  # noqa: SIM115 - the descriptor stays for the process
 
 
 def _run(config: LaunchConfig) -> int:

@@ -527,3 +527,19 @@ def test_what_a_rank_started_outside_its_group_ends_when_the_launcher_is_stopped
             os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("closed", [1, 2], ids=["stdout", "stderr"])
+def test_a_launcher_started_with_a_closed_stream_gives_the_jobs_exit_status(closed):
+    command = [sys.executable, "-m", "syncdp.launch", "-np", "2"]
+    command += ["python", "-c", "import sys; sys.exit(3)"]
+    done = subprocess.run(
+        command,
+        env=rank_env(),
+        cwd=ROOT,
+        timeout=120,
+        preexec_fn=lambda: os.close(closed),  # as `>&-` or `2>&-` in a shell
+        capture_output=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 3

@@ -30,6 +30,7 @@ def test_hostfile_in_horovods_format(tmp_path):
         ("node1 slots=2\nnode1 slots=2\n", "host 'node1' is listed twice"),
         ("# nothing\n\n", "lists no host"),
         ("node1 slots=2\r\nnode2 slots=2\r\n", "has Windows line endings (CRLF)"),
+        ("node1:4\n", "a hostfile line reads 'HOST slots=N': 'node1 slots=4'"),
     ],
 )
 def test_bad_hostfiles_name_the_line_and_the_fix(tmp_path, text, words):
