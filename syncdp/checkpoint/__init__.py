@@ -314,7 +314,10 @@ class CheckpointManager:
     def _models(self) -> dict:
         """The shape and dtype of every variable of each Keras model among the trackables."""
         return {
-            name: [[list(v.shape), str(v.dtype)] for v in _variables_of(name, obj)]
+            name: [
+                [tf.TensorShape(v.shape).as_list(), tf.as_dtype(v.dtype).name]
+                for v in _variables_of(name, obj)
+            ]
             for name, obj in self.trackables.items()
             if _is_model(obj)
         }
@@ -325,7 +328,9 @@ class CheckpointManager:
         TensorFlow restores the layers a checkpoint shares with the model and drops the others
         without a word, so a bigger model's checkpoint would fill a smaller model: the model's
         own variables are compared first (a checkpoint may still hold more objects than given,
-        as ``_read`` allows). Checkpoints written before the manifest held them are not.
+        as ``_read`` allows). A checkpoint whose manifest does not list the models (written by
+        an older syncdp) is not compared. A model must be whole when restored: one that
+        builds a part later has fewer variables now, and is refused.
         """
         saved = manifest.get("models", {})
         for name, here in self._models().items():
@@ -472,7 +477,7 @@ class CheckpointManager:
 
     def _write(self, step: int, metadata: dict) -> str:
         """On rank 0: writes the checkpoint of ``step`` (:func:`_files.write`), known intact."""
-        path = _files.write(self.directory, step, metadata, self._checkpoint, self._models())
+        path = _files.write(self.directory, step, metadata, self._checkpoint, models=self._models())
         self._intact[path] = _files.signature(path)
         return path
 

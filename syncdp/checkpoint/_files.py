@@ -187,7 +187,9 @@ def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def write(directory: str, step: int, metadata: dict, checkpoint, models: dict | None = None) -> str:
+def write(
+    directory: str, step: int, metadata: dict, checkpoint, *, models: dict | None = None
+) -> str:
     """Writes the checkpoint of ``step`` atomically; returns its path.
 
     The files go to a temporary directory, are flushed to disk with a manifest, and the
@@ -202,7 +204,8 @@ def write(directory: str, step: int, metadata: dict, checkpoint, models: dict | 
         checkpoint: What writes the TensorFlow files: ``checkpoint.write(prefix)`` (a
             ``tf.train.Checkpoint``).
         models: JSON-serializable, stored in the manifest: the shapes and dtypes of each
-            model's variables, by name, which a restore compares before reading.
+            model's variables, by name, which a restore compares before reading. Defaults to
+            None (none listed).
 
     Raises:
         OSError, TypeError, ValueError: The write failed; nothing of it is left.

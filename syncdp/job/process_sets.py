@@ -247,11 +247,6 @@ def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
         raise ValueError(f"add_process_set: ranks passed different sets: {everyone}.{split}")
     if ps.process_set_id is not None or any(s.ranks == ps.ranks for s in sets.values()):
         raise ValueError(f"Attempted to add a duplicate process set: {ps.ranks}.")
-    if asked == list(range(world.size)):
-        raise ValueError(
-            f"Attempted to add a duplicate process set: {asked} is every rank, the global "
-            "process set (id 0); use syncdp.global_process_set."
-        )
     return _register(ps, world, sets)
 
 
@@ -302,17 +297,21 @@ def _register(ps: ProcessSet, world, sets: dict[int, ProcessSet]) -> ProcessSet:
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregisters a set and frees its communicator; a collective of every rank.
+    """Unregisters a set and frees its communicator; a collective of every rank, which must
+    pass the same set.
 
     Returns:
         True if the set was registered and is now removed; False otherwise (also for the
         global set, which cannot be removed).
+
+    Raises:
+        MismatchError: On every rank, when ranks passed different sets (nothing is removed).
     """
     world = runtime.communicator()
     sets = _sets()
     # Every rank removes the same set (or none): a rank that removed another one would number
     # the sets added later differently from the others.
-    is_global = isinstance(process_set, _GlobalProcessSet)
+    is_global = isinstance(process_set, _GlobalProcessSet) or process_set.process_set_id == 0
     world.enter(
         "remove_process_set",
         ranks="the whole job" if is_global else list(process_set.ranks or ()),

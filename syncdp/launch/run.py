@@ -262,7 +262,8 @@ def build_command(
     """
     cmd = [mpirun, "-np", str(config.num_proc + config.spares), "--oversubscribe"]
     cmd += list(config.binding_args) or ["--bind-to", "none"]
-    if not stdin_is_terminal and not any(a.startswith("--stdin") for a in config.mpi_args):
+    asks_stdin = any(a.lstrip("-").startswith("stdin") for a in config.mpi_args)
+    if not stdin_is_terminal and not asks_stdin:
         # Open MPI 5.0.11 forwards a pipe or file to rank 0 without its end (and /dev/null's
         # end too): a rank that reads its input to the end would wait forever.
         cmd += ["--stdin", "none"]
@@ -458,11 +459,12 @@ def _open_or_devnull(stream, fd: int):
         writable = False
     if writable and stream is not None:
         return stream
-    if not writable:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        if devnull != fd:
-            os.dup2(devnull, fd)
-            os.close(devnull)
+    if writable:  # closed at start, taken by a file opened since: not the launcher's to use
+        return open(os.devnull, "w")  # noqa: SIM115 - for the process
+    devnull = os.open(os.devnull, os.O_WRONLY)  # in the descriptor's place, for mpirun too
+    if devnull != fd:
+        os.dup2(devnull, fd)
+        os.close(devnull)
     return open(fd, "w", closefd=False)  # noqa: SIM115 - the descriptor stays for the process
 
 

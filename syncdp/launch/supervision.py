@@ -46,6 +46,10 @@ TERMINATE_GRACE_SECONDS = 10.0
 # long again after SIGTERM. Short: when a host has vanished, mpirun waits for its daemon in
 # vain, and the job must end within the stall timeout plus 15 s.
 FAILURE_GRACE_SECONDS = 5.0
+# After a failure, output still moving through the launcher extends that grace by this much at
+# most (a rank that keeps printing cannot hold the failed job up for longer); writes waiting
+# for the launcher's own reader extend it without a bound.
+FAILURE_OUTPUT_SECONDS = 60.0
 # Between SIGTERM and SIGKILL when a job that never started is stopped.
 START_STOP_GRACE_SECONDS = 2.0
 # Once every rank has reported how it ended, mpirun gets this long to exit, then as long again
@@ -168,11 +172,15 @@ def _supervise(process, verdict, links, leftovers: ShmLeftovers, flow) -> bool:
             stop(process, grace=START_STOP_GRACE_SECONDS)
         elif verdict.failed.wait(timeout=0.5):
             # mpirun normally ends the job at once; make sure nothing is left waiting. While
-            # output still moves (a slow reader holds mpirun up), it is not stuck: stopping it
-            # would lose what it still holds, the failing rank's last words among it.
+            # the launcher waits for its own reader (a slow one holds mpirun up), mpirun is not
+            # stuck: stopping it would lose what it still holds, the failing rank's last words
+            # among it. Output that merely moves (a rank still printing) earns a bounded wait.
             deadline = time.monotonic() + FAILURE_GRACE_SECONDS
+            latest = deadline + FAILURE_OUTPUT_SECONDS
             while process.poll() is None and time.monotonic() < deadline:
-                if flow is not None and flow.active(within=1.0):
+                if flow is not None and (
+                    flow.writing > 0 or (flow.active(within=1.0) and time.monotonic() < latest)
+                ):
                     deadline = max(deadline, time.monotonic() + 1.0)
                 time.sleep(0.2)
             stop(process, grace=FAILURE_GRACE_SECONDS)

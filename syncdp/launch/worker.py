@@ -9,7 +9,8 @@ never outlive this supervisor.
 Asked to end (SIGTERM, SIGINT or SIGHUP: Open MPI ending the job), the supervisor passes the
 signal on with SIGCONT (a rank stopped by SIGSTOP, a stalled rank, would otherwise never act
 on it) and kills the rank's process group if the rank has not ended within
-:data:`_ASKED_GRACE_SECONDS`: Open MPI kills the supervisor about 0.25 s after its SIGTERM, and
+:data:`_ASKED_GRACE_SECONDS`, and what the rank started outside its group with it (SIGTERM
+first): Open MPI kills the supervisor about 0.25 s after its SIGTERM, and
 a rank whose supervisor dies before reaping it waits as a zombie under init, for seconds where
 init reaps slowly. However it ends, the supervisor reaps its rank before it exits.
 
@@ -43,8 +44,9 @@ Before it starts its rank, the supervisor connects to the launcher's lifeline
 starts nothing. The rank runs in its own process group. When the launcher is gone (its
 lifeline closed: it ended, however it was killed; or silent past the stall timeout, at least
 10 s, with its address refusing connections: a cut link), the supervisor ends the rank's process
-group (SIGTERM, then SIGKILL 2 s later), then Open MPI's daemon above it (prterun or prted),
-then itself: nothing of a job outlives its launcher by more than a few seconds, on any host.
+group and what the rank started outside it (SIGTERM, then SIGKILL 2 s later), then Open MPI's
+daemon above it (prterun or prted), then itself: nothing of a job outlives its launcher by
+more than a few seconds, on any host.
 
 What a rank starts dies with it too: once the rank has ended, the supervisor ends its process
 group and every process the rank left behind outside it (a child in a session of its own: the
@@ -339,12 +341,13 @@ def _end_outside(child: subprocess.Popen, grace: float) -> None:
     """SIGTERM and SIGCONT to every process below this supervisor but the rank (a child the
     rank started in a session of its own), then SIGKILL after ``grace`` seconds. Reaps
     nothing."""
-    for pid in _outside_rank(child):
+    outside = _outside_rank(child)
+    if not outside:
+        return
+    for pid in outside:
         _kill(pid, signal.SIGTERM)
         _kill(pid, signal.SIGCONT)
-    deadline = time.monotonic() + grace
-    while _outside_rank(child) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    time.sleep(grace)  # one look at /proc after it: a scan costs about as much as the grace
     for pid in _outside_rank(child):
         _kill(pid, signal.SIGKILL)
 

@@ -34,7 +34,7 @@ from syncdp.engine import autotune
 from syncdp.job import runtime
 from syncdp.tensorflow import graph
 
-__all__ = ["tuner", "reduce_tuned"]
+__all__ = ["tuner", "reduce_tuned", "say_untuned"]
 
 _TUNER: autotune.Tuner | None = None
 _ELASTIC_SAID = False
@@ -91,14 +91,15 @@ def tuner() -> autotune.Tuner | None:
 _UNTUNED_SAID: set[str] = set()
 
 
-def say_untuned(where: str) -> None:
-    """With ``--autotune`` on, rank 0 says once that gradient reductions ``where`` (a TF1
-    graph, a process set) keep the configured buckets: no search runs there, and no log."""
+def say_untuned(where: str, speaker: int) -> None:
+    """With ``--autotune`` on, rank ``speaker`` (the lowest of the reducing ranks) says once
+    that gradient reductions ``where`` (a TF1 graph, a process set) keep the configured
+    buckets: no search runs there, and no log."""
     config = runtime.get_config()
     if not config.autotune or config.elastic or where in _UNTUNED_SAID:
         return
     _UNTUNED_SAID.add(where)
-    if runtime.rank() == 0:
+    if runtime.rank() == speaker:
         print(
             f"syncdp: --autotune does not tune gradient reductions {where}; they keep the "
             "configured fusion threshold and buckets.",

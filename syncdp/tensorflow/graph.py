@@ -12,6 +12,7 @@ computes the next.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import threading
 import weakref
@@ -59,7 +60,8 @@ class InvalidArgument(ValueError, tf.errors.InvalidArgumentError):
 # graph -> the last collective op created in it; the next one depends on it.
 _last_collective: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # graph -> the names of the function graphs built in it that hold collectives, whose calling
-# ops (If, While, a function call) the next collective built in it must wait for.
+# ops (If, While, a function call) the next collective built in it must wait for, each with
+# the number of ops the graph had when it was announced (its calling op comes after those).
 _pending_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _standalone = threading.local()
 
@@ -160,17 +162,22 @@ def _chain_end(graph) -> list:
     joins that graph's chain, so collectives run in the order they were built on every rank.
     """
     found = [_last_collective[graph]] if graph in _last_collective else []
-    names = _pending_calls.get(graph)
-    if names:
-        for op in graph.get_operations():
-            called = _called(op, names)
+    pending = _pending_calls.get(graph)
+    if pending:
+        ops = graph.get_operations()
+        for op in ops[min(pending.values()) :]:  # only ops made since the first was announced
+            called = _called(op, pending)
             if called:
                 found.append(op)
                 _must_run(graph, op)
-                names -= called  # a graph still being built (its caller to come) stays
+                for name in called:  # a graph still being built (its caller to come) stays
+                    del pending[name]
     if not found and _nested_in_v1_graph(graph):
         return _chain_end(graph.outer_graph)
     return found
+
+
+_INFERENCE_NAME = re.compile(r"__inference_(.*)_\d+")
 
 
 def _called(op, names) -> set:
@@ -183,9 +190,8 @@ def _called(op, names) -> set:
         else:
             functions = [f.name for f in value.list.func]
         for function in functions:
-            called |= {
-                n for n in names if function == n or function.startswith(f"__inference_{n}_")
-            }
+            inferred = _INFERENCE_NAME.fullmatch(function)
+            called |= {n for n in names if n in (function, inferred and inferred.group(1))}
     return called
 
 
@@ -206,7 +212,8 @@ def _announce(graph, op) -> None:
     _must_run(graph, op)
     while _nested_in_v1_graph(graph):
         outer = graph.outer_graph
-        _pending_calls.setdefault(outer, set()).add(graph.name)
+        # name -> how many ops the graph around had then: its calling op comes later
+        _pending_calls.setdefault(outer, {}).setdefault(graph.name, len(outer.get_operations()))
         graph = outer
 
 

@@ -655,9 +655,7 @@ class LocalGradientAggregationHelper:
         for i, v in enumerate(variables):
             if i not in self._sums:  # made once, even if the first pass is traced
                 with graph.creating_variables():
-                    self._sums[i] = tf.Variable(
-                        tf.zeros(v.shape, tf.as_dtype(v.dtype)), trainable=False
-                    )
+                    self._sums[i] = tf.Variable(tf.zeros_like(v), trainable=False)
         sums = []
         for i, g in enumerate(grads):
             if g is None:

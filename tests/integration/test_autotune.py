@@ -216,7 +216,7 @@ with tf.compat.v1.Session() as sess:
 """
 
 
-@pytest.mark.parametrize("np_", [2, 3])  # one rank reduces nothing
+@pytest.mark.parametrize("np_", [2, 3])  # one rank runs no reduction, so it has nothing to say
 def test_a_tf1_graph_with_autotune_on_is_told_it_is_not_tuned(tmp_path, np_):
     log = tmp_path / "tune.csv"
     result = check(

@@ -449,8 +449,7 @@ def test_checkpoint_metadata_a_restore_would_not_take_is_refused_before_writing(
 
 
 def _dense_model(widths):
-    model = keras.Sequential([keras.Input((FEATURES,))] + [keras.layers.Dense(w) for w in widths])
-    return model
+    return keras.Sequential([keras.Input((FEATURES,))] + [keras.layers.Dense(w) for w in widths])
 
 
 def test_a_checkpoint_restores_only_into_the_model_it_was_saved_from(tmp_path):

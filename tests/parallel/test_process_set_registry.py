@@ -27,13 +27,6 @@ def test_ranks_that_remove_different_sets_are_refused_on_every_rank(hvd):
     assert hvd.get_process_set_ids_and_ranks() == {0: list(range(n))}
 
 
-def test_every_rank_as_a_new_set_is_the_global_set_already(hvd):
-    n = hvd.size()
-    with pytest.raises(ValueError, match="duplicate process set.*global process set"):
-        hvd.add_process_set(list(range(n)))
-    assert hvd.get_process_set_ids_and_ranks() == {0: list(range(n))}
-
-
 def test_a_set_is_a_dict_key_before_and_after_it_is_registered(hvd):
     # As in Horovod, sets compare as objects: registering one (its id and ranks change) keeps
     # it where a dict put it.
@@ -46,3 +39,13 @@ def test_a_set_is_a_dict_key_before_and_after_it_is_registered(hvd):
     assert hvd.ProcessSet([0]) not in rates
     assert hvd.remove_process_set(first)
     assert rates[first] == 0.1
+
+
+def test_the_global_set_under_another_object_is_removed_like_it(hvd):
+    # init(process_sets=[every rank]) gives that object id 0: the global set, which no rank
+    # removes, whichever object it passes.
+    whole = hvd.ProcessSet(list(range(hvd.size())))
+    hvd.init(process_sets=[whole])
+    assert whole.process_set_id == 0
+    assert not hvd.remove_process_set(whole if hvd.rank() == 0 else hvd.global_process_set)
+    assert hvd.get_process_set_ids_and_ranks() == {0: list(range(hvd.size()))}

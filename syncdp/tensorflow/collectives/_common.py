@@ -141,7 +141,7 @@ def _spec(tensor) -> engine.TensorSpec:
 def _tunable(process_set) -> bool:
     """Whether autotuning may change how this set's gradients are bucketed: the whole job's,
     in eager code or a ``tf.function`` (not a TF1 graph)."""
-    whole = process_set is None or process_set is global_process_set
+    whole = process_set is None or getattr(process_set, "process_set_id", None) == 0
     return whole and not graph.in_v1_graph()
 
 

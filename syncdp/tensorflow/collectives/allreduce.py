@@ -224,7 +224,8 @@ def fused_allreduce(
         tuning = _autotuning.tuner()
     elif reverse:
         _autotuning.say_untuned(
-            "in a TF1 graph" if in_v1_graph() else "on a process set other than the job"
+            "in a TF1 graph" if in_v1_graph() else "on a process set other than the job",
+            speaker=min((process_set or global_process_set).ranks),
         )
     if op is Adasum:  # per tensor (its dot products are the tensor's own), never bucketed
         results = [_adasum(w, name, process_set, prescale, postscale) for w in wire]
