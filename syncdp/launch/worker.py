@@ -223,13 +223,18 @@ def _daemon_chain(supervisor: int) -> list[int]:
     return chain
 
 
-def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (by a signal, or by a tracer)."""
+def _state(pid: int) -> str:
+    """Process ``pid``'s state letter in /proc (R, S, T, t, Z, ...); "" when it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+            return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
+        return ""
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (by a signal, or by a tracer)."""
+    return _state(pid) in ("T", "t")
 
 
 def _kill_when_stopped(child: subprocess.Popen, bound: float, who: str) -> None:
@@ -355,15 +360,7 @@ def _end_outside(child: subprocess.Popen, grace: float) -> None:
 def _outside_rank(child: subprocess.Popen) -> list[int]:
     """The live processes below this supervisor but the rank itself."""
     me = os.getpid()
-    return [p for p in _descendants(me) if p not in (me, child.pid) and not _zombie(p)]
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True  # gone
+    return [p for p in _descendants(me) if p not in (me, child.pid) and _state(p) not in ("", "Z")]
 
 
 def _end_rank(child: subprocess.Popen, grace: float, signum: int | None = signal.SIGTERM) -> None:

@@ -232,11 +232,9 @@ def test_aggregation_helper_first_used_after_a_step_without_syncdp(traced):
     assert int(helper.counter) == 0
 
 
-@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
-def test_aggregation_helper_keeps_a_sum_the_last_pass_gave_nothing_to(traced):
-    # Rank r (x = r + 1): w1 gets x on both passes, w2 gets x on the first and None on the
-    # second. The window's reduction: w1 mean(2x) = n + 1, w2 mean(x) = (n + 1) / 2.
-    n = hvd.size()
+def _two_weight_window(traced):
+    """A helper of two passes per window and its step on rank r (x = r + 1): ``step(True)``
+    gives w1 and w2 the gradient x each, ``step(False)`` gives w1 x and w2 None."""
     w1, w2 = tf.Variable([1.0]), tf.Variable([1.0])
     helper = hvd.LocalGradientAggregationHelper(2)
     x = float(hvd.rank() + 1)
@@ -246,7 +244,15 @@ def test_aggregation_helper_keeps_a_sum_the_last_pass_gave_nothing_to(traced):
             loss = tf.reduce_sum(x * w1 * (w2 if use_w2 else 1.0))
         return helper.compute_gradients(tape.gradient(loss, [w1, w2]), [w1, w2])
 
-    step = tf.function(step) if traced else step
+    return helper, tf.function(step) if traced else step
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_aggregation_helper_keeps_a_sum_the_last_pass_gave_nothing_to(traced):
+    # Rank r (x = r + 1): w1 gets x on both passes, w2 gets x on the first and None on the
+    # second. The window's reduction: w1 mean(2x) = n + 1, w2 mean(x) = (n + 1) / 2.
+    n = hvd.size()
+    helper, step = _two_weight_window(traced)
     step(True)
     reduced = step(False)
     np.testing.assert_allclose(reduced[0].numpy(), [n + 1.0], rtol=0, atol=1e-6)
@@ -261,16 +267,7 @@ def test_aggregation_helper_clears_a_sum_a_later_trace_made(traced):
     # trace; a window the first trace closes must still clear it. The last window (two passes
     # with w2) reduces w2 to mean(2x) = n + 1, not more.
     n = hvd.size()
-    w1, w2 = tf.Variable([1.0]), tf.Variable([1.0])
-    helper = hvd.LocalGradientAggregationHelper(2)
-    x = float(hvd.rank() + 1)
-
-    def step(use_w2):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(x * w1 * (w2 if use_w2 else 1.0))
-        return helper.compute_gradients(tape.gradient(loss, [w1, w2]), [w1, w2])
-
-    step = tf.function(step) if traced else step
+    helper, step = _two_weight_window(traced)
     for use_w2 in (False, True, True, False, True):
         step(use_w2)
     reduced = step(True)
