@@ -57,7 +57,8 @@ class InvalidArgument(ValueError, tf.errors.InvalidArgumentError):
         return self.message
 
 
-# graph -> the last collective op created in it; the next one depends on it.
+# graph -> the name of the last collective op created in it; the next one depends on it. A
+# name, not the op: an op holds its graph, and would keep the weak key alive forever.
 _last_collective: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # graph -> the names of the function graphs built in it that hold collectives, whose calling
 # ops (If, While, a function call) the next collective built in it must wait for, each with
@@ -124,7 +125,7 @@ def ordered_call(fn, inputs: Sequence[tf.Tensor], out_dtypes, out_shapes, name: 
     with tf.control_dependencies([_after(p, graph) for p in previous]):
         outs = host_call(run, inputs, dtypes, name=name.replace(".", "_"))
     if own_chain is None:
-        _last_collective[graph] = outs[0].op
+        _last_collective[graph] = outs[0].op.name
         _announce(graph, outs[0].op)
     else:
         own_chain[0] = outs[0].op
@@ -161,7 +162,8 @@ def _chain_end(graph) -> list:
     around it (an edge from outside becomes an edge into the calling op), and the calling op
     joins that graph's chain, so collectives run in the order they were built on every rank.
     """
-    found = [_last_collective[graph]] if graph in _last_collective else []
+    last = _last_collective.get(graph)
+    found = [] if last is None else [graph.get_operation_by_name(last)]
     pending = _pending_calls.get(graph)
     if pending:
         ops = graph.get_operations()
@@ -261,7 +263,7 @@ def follow_collective(op) -> None:
     own_chain = getattr(_standalone, "chain", None)
     if own_chain is None:
         graph = tf.compat.v1.get_default_graph()
-        _last_collective[graph] = op
+        _last_collective[graph] = op.name
         _announce(graph, op)
     else:
         own_chain[0] = op
