@@ -147,9 +147,9 @@ def parse_hostfile(path: str, *, default_slots: int = 1) -> list[Host]:
                 slots = _slots(value, where)
         name, colon, count = words[0].rpartition(":")
         if colon and ":" not in name and count.isdigit():  # -H's spelling, not an IPv6 address
-            raise HostError(
-                f"{where}: a hostfile line reads 'HOST slots=N': '{name} slots={count}'."
-            )
+            given = any(word.startswith("slots=") for word in words[1:])
+            fields = " ".join(words[1:] if given else [f"slots={count}", *words[1:]])
+            raise HostError(f"{where}: a hostfile line reads 'HOST slots=N': '{name} {fields}'.")
         hosts.append(Host(words[0], slots))
     if not hosts:
         raise HostError(f"hostfile {path!r} lists no host.")

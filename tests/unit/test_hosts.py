@@ -31,6 +31,8 @@ def test_hostfile_in_horovods_format(tmp_path):
         ("# nothing\n\n", "lists no host"),
         ("node1 slots=2\r\nnode2 slots=2\r\n", "has Windows line endings (CRLF)"),
         ("node1:4\n", "a hostfile line reads 'HOST slots=N': 'node1 slots=4'"),
+        ("node1:4 slots=2\n", "a hostfile line reads 'HOST slots=N': 'node1 slots=2'"),
+        ("node1:4 max_slots=8\n", "reads 'HOST slots=N': 'node1 slots=4 max_slots=8'"),
     ],
 )
 def test_bad_hostfiles_name_the_line_and_the_fix(tmp_path, text, words):
