@@ -328,17 +328,7 @@ class BucketReducer:
                 np.copyto(out[at - lo :], buf[at:hi])
 
         def finish(lo, hi):
-            chunk = buf[lo : min(hi, members_end)]
-            if divide is not None:
-                if floating:
-                    np.divide(chunk, divide, out=chunk)
-                else:
-                    _truncating_divide(chunk, divide)
-            if post != 1.0:
-                if floating:
-                    np.multiply(chunk, post, out=chunk)
-                else:
-                    chunk[...] = (chunk * post).astype(dtype)
+            _scale_sum(buf[lo : min(hi, members_end)], divide, post, floating)
 
         mpi_op = _MPI_OP[self.op]
         comm.allreduce_inplace(
@@ -391,14 +381,9 @@ class BucketReducer:
         send = flat * pre if pre != 1.0 else flat
         send = send.astype(self.dtype, copy=False)
         out = comm.reduce_scatter(send, counts, _MPI_OP[self.op], name=self.name, info=self.info)
-        if divide is not None:
-            if self.floating:
-                out = out / divide
-            else:
-                _truncating_divide(out, divide)
-        if post != 1.0:
-            out = out * post
-        return out.astype(self.dtype, copy=False)
+        out = out.astype(self.dtype, copy=False)
+        _scale_sum(out, divide, post, self.floating)
+        return out
 
     def _combine(self, rows: np.ndarray, scaled: int, n: int) -> np.ndarray:
         """Reduces ``rows`` (``[n, shard]``) over axis 0; scales only the first ``scaled``.
@@ -517,16 +502,25 @@ class _GatherPlan:
         self.ufunc(rows[0], rows[1], out=out)
         for r in range(2, n):
             self.ufunc(out, rows[r], out=out)
-        if self.divide is not None:
-            if self.floating:
-                np.divide(out, self.divide, out=out)
-            else:
-                _truncating_divide(out, self.divide)
-        if self.post != 1.0:
-            if self.floating:
-                np.multiply(out, self.post, out=out)
-            else:
-                out[...] = (out * self.post).astype(self.dtype)
+        if self.divide is not None or self.post != 1.0:
+            _scale_sum(out, self.divide, self.post, self.floating)
+
+
+def _scale_sum(chunk: np.ndarray, divide: int | None, post: float, floating: bool) -> None:
+    """Divides a reduced ``chunk`` by ``divide`` (an average; None: no division) and multiplies
+    it by ``post``, in place. An integer chunk is divided exactly, rounding toward zero; with a
+    postscale too it is scaled once by ``post / divide`` in double precision and rounded toward
+    zero, as Horovod does (dividing first would round twice: 3 * 2 / 2 would give 2)."""
+    if floating:
+        if divide is not None:
+            np.divide(chunk, divide, out=chunk)
+        if post != 1.0:
+            np.multiply(chunk, post, out=chunk)
+    elif post != 1.0:
+        factor = post / divide if divide is not None else post
+        chunk[...] = (chunk * factor).astype(chunk.dtype)
+    elif divide is not None:
+        _truncating_divide(chunk, divide)
 
 
 def _truncating_divide(values: np.ndarray, divisor: int) -> None:

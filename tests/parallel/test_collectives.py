@@ -181,6 +181,15 @@ def test_bad_arguments_raise(hvd):
         hvd.allreduce(tf.ones(1), op="mean")
     with pytest.raises(TypeError, match="cannot reduce bool"):
         hvd.allreduce(tf.constant([True]))
+    words = tf.constant(["a", "b"])
+    for collective, call in [
+        ("broadcast", lambda: hvd.broadcast(words, 0)),
+        ("allgather", lambda: hvd.allgather(words)),
+        ("alltoall", lambda: hvd.alltoall(tf.fill([hvd.size()], "a"))),
+        ("broadcast", lambda: tf.function(lambda: hvd.broadcast(tf.constant("a"), 0))()),
+    ]:
+        with pytest.raises(TypeError, match=f"{collective} cannot send string tensors"):
+            call()
 
 
 def test_objects_travel_by_cloudpickle_and_the_root_keeps_its_own(hvd):

@@ -93,6 +93,22 @@ def test_integer_average_truncates_toward_zero(hvd):
     np.testing.assert_array_equal(out.numpy(), expect)
 
 
+@pytest.mark.parametrize("size", [3, 30_000], ids=["small", "large"])
+def test_integer_average_with_a_postscale_rounds_once(hvd, size):
+    """Horovod scales an integer sum once by postscale / n (in double) and rounds toward zero:
+    the mean is not truncated first. Small buckets ride in the argument check, large ones not;
+    reducescatter scales the same way."""
+    n, r = hvd.size(), hvd.rank()
+    values = np.arange(size) % 7 - 3 + r  # negative and positive sums
+    total = sum(np.arange(size) % 7 - 3 + k for k in range(n))
+    expect = np.trunc(total * (3.0 / n)).astype(np.int64)
+    out = hvd.allreduce(tf.constant(values, tf.int32), op=hvd.Average, postscale_factor=3.0)
+    np.testing.assert_array_equal(out.numpy(), expect)
+    rows = tf.constant(np.tile(values, (n, 1)), tf.int64)
+    mine = hvd.reducescatter(rows, op=hvd.Average, postscale_factor=3.0)
+    np.testing.assert_array_equal(mine.numpy(), [expect])
+
+
 def test_prescale_and_postscale(hvd):
     n, r = hvd.size(), hvd.rank()
     x = tf.constant([float(r + 1)] * 4)

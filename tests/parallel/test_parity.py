@@ -237,6 +237,34 @@ def test_broadcast_and_grouped_allreduce_gradients_follow_horovod(hvd):
     np.testing.assert_array_equal(tape.gradient(s1, t).numpy(), [float(n)] * 3)
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_grouped_allreduce_gradients_with_an_integer_member_or_min_max(hvd, mode):
+    """A group holding an integer tensor, and a Min or Max group, still differentiate their
+    float members as the single allreduce does: the sum's gradient is the sum of every rank's
+    (n here), Max's goes whole to the rank holding the extreme (rank n - 1)."""
+    r, n = hvd.rank(), hvd.size()
+    a = tf.Variable([1.0, 2.0])
+
+    def gradients():
+        with tf.GradientTape(persistent=True) as tape:
+            x = a * (r + 1.0)
+            total, count = hvd.grouped_allreduce([x, tf.constant([r], tf.int32)], op=hvd.Sum)
+            (top,) = hvd.grouped_allreduce([x], op=hvd.Max, postscale_factor=2.0)
+            single = hvd.allreduce(x, op=hvd.Max, postscale_factor=2.0)
+        return total, count, top, [tape.gradient(y, a) for y in (total, top, single)]
+
+    total, count, top, (d_total, d_top, d_single) = (
+        gradients() if mode == "eager" else tf.function(gradients)()
+    )
+    np.testing.assert_array_equal(total.numpy(), [n * (n + 1) / 2, n * (n + 1)])
+    np.testing.assert_array_equal(count.numpy(), [n * (n - 1) // 2])
+    np.testing.assert_array_equal(top.numpy(), [2.0 * n, 4.0 * n])
+    np.testing.assert_array_equal(d_total.numpy(), [n * (r + 1.0)] * 2)
+    holds = 1.0 if r == n - 1 else 0.0
+    np.testing.assert_array_equal(d_top.numpy(), [holds * 2.0 * n * (r + 1.0)] * 2)
+    np.testing.assert_array_equal(d_single.numpy(), d_top.numpy())
+
+
 # ---- arguments that differ between ranks ----
 
 
@@ -256,6 +284,11 @@ def test_mismatched_arguments_raise_failed_precondition_on_every_rank(hvd, mode)
         # second is 400 KB): both checks still move records of one size.
         "size across the inline bound": lambda: hvd.allreduce(tf.ones([4 if r else 100_000])),
         "collective": lambda: hvd.allreduce(tf.ones([2])) if r else hvd.allgather(tf.ones([2])),
+        # Scale factors: ranks that scale differently would end with different results.
+        "postscale": lambda: hvd.allreduce(tf.ones([2]), op=hvd.Sum, postscale_factor=r + 1.0),
+        "prescale, large bucket": lambda: hvd.allreduce(tf.ones([100_000]), prescale_factor=r + 1),
+        "grouped postscale": lambda: hvd.grouped_allreduce([tf.ones(2)], postscale_factor=r + 2),
+        "reducescatter prescale": lambda: hvd.reducescatter(tf.ones([n, 2]), prescale_factor=r + 1),
     }
     for what, build in cases.items():
         if mode == "eager":
@@ -267,6 +300,24 @@ def test_mismatched_arguments_raise_failed_precondition_on_every_rank(hvd, mode)
             with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
                 with pytest.raises(tf.errors.FailedPreconditionError):
                     sess.run(build())
+    assert hvd.allreduce(tf.ones([1]), op=hvd.Sum).numpy()[0] == n  # the job goes on
+
+
+def test_scale_factors_that_differ_raise_on_every_rank_and_equal_ones_do_not(hvd):
+    """Horovod refuses a collective whose ranks sent different scale factors; ranks that write
+    one factor as an int and another as a float agree. The tape's predivide is a scale."""
+    r, n = hvd.rank(), hvd.size()
+    same = hvd.allreduce(tf.ones([2]), op=hvd.Sum, postscale_factor=2 if r % 2 else 2.0)
+    np.testing.assert_array_equal(same.numpy(), [2.0 * n] * 2)
+    if n == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    w = tf.Variable([1.0, 2.0])
+    with hvd.DistributedGradientTape(tf.GradientTape(), gradient_predivide_factor=r + 1.0) as t:
+        loss = tf.reduce_sum(w * w)
+    with pytest.raises(hvd.MismatchError):
+        t.gradient(loss, [w])
+    with pytest.raises(hvd.MismatchError):
+        hvd.allreduce(tf.ones([2]), op=hvd.Adasum, postscale_factor=r + 1.0)
     assert hvd.allreduce(tf.ones([1]), op=hvd.Sum).numpy()[0] == n  # the job goes on
 
 

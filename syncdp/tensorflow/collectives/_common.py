@@ -145,6 +145,16 @@ def _tunable(process_set) -> bool:
     return whole and not graph.in_v1_graph()
 
 
+def _check_sendable(tensor, collective: str) -> None:
+    """Refuses what no collective can move (strings, resources, variants), as Horovod's ops
+    refuse them when built; the same error at any size and on every rank."""
+    if tensor.dtype not in _REDUCIBLE and tensor.dtype != tf.bool:
+        raise TypeError(
+            f"{collective} cannot send {tensor.dtype.name} tensors; use a numeric or bool dtype "
+            "(for strings or other Python values, broadcast_object or allgather_object)."
+        )
+
+
 def _check_reducible(tensors) -> None:
     for t in tensors:  # the same error at any size, so a 1-rank test catches it
         if t.dtype not in _REDUCIBLE:

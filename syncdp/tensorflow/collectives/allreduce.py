@@ -67,6 +67,8 @@ def _reduce_bucket(
     ``fields`` are more ``(name, value)`` pairs of the bucket's argument check.
     """
     k = len(members)
+    # The scale factors too: ranks that scale differently would end with different results.
+    fields = (("pre", reducer.prescale), ("post", reducer.postscale), *fields)
     # A traced step's shapes are fixed: its signature and checksum are computed once, here.
     fixed = fixed_digest = None
     if all(m.shape.is_fully_defined() for m in members):
@@ -344,20 +346,31 @@ def grouped_allreduce(
     def forward(xs, pre, post, label):
         return fused_allreduce(xs, op, prescale=pre, postscale=post, name=label, **options)[0]
 
-    if op in (Min, Max) or not all(t.dtype.is_floating for t in dense):
-        reduced = forward(dense, prescale_factor, postscale_factor, name)
-    else:
+    # Floating tensors are differentiable (custom_gradient wants only them); the others
+    # (integers, bool) are reduced in a call of their own before them, on every rank alike.
+    floating = [k for k, t in enumerate(dense) if t.dtype.is_floating]
+    exact = [k for k, t in enumerate(dense) if not t.dtype.is_floating]
+    if exact:
+        label = f"{name}.exact" if floating else name
+        reduced = forward([dense[k] for k in exact], prescale_factor, postscale_factor, label)
+        for k, r in zip(exact, reduced):
+            results[dense_at[k]] = r
+    if floating:
 
         @tf.custom_gradient
         def reduce(*xs):
+            if op in (Min, Max):
+                return _min_max_with_gradient(
+                    list(xs), op, prescale_factor, postscale_factor, name, **options
+                )
+
             def grad(*dys):
                 return forward(list(dys), postscale_factor, prescale_factor, f"{name}.grad")
 
             return forward(list(xs), prescale_factor, postscale_factor, name), grad
 
-        reduced = reduce(*dense)
-    for i, r in zip(dense_at, reduced):
-        results[i] = r
+        for k, r in zip(floating, reduce(*[dense[k] for k in floating])):
+            results[dense_at[k]] = r
     return results
 
 
@@ -424,9 +437,16 @@ def allreduce(
     @tf.custom_gradient
     def reduce(x):
         if op in (Min, Max):
-            return _min_max_with_gradient(
-                x, op, prescale_factor, postscale_factor, name, process_set
+            ys, grad = _min_max_with_gradient(
+                [x],
+                op,
+                prescale_factor,
+                postscale_factor,
+                name,
+                process_set=process_set,
+                cap_bytes=0,
             )
+            return ys[0], lambda dy: grad(dy)[0]
         y = forward(x, prescale_factor, postscale_factor)
 
         def grad(dy):
@@ -439,25 +459,29 @@ def allreduce(
     return reduce(tensor)
 
 
-def _min_max_with_gradient(x, op, prescale: float, postscale: float, name: str, process_set):
-    """Min/Max allreduce and its gradient: it flows only to the ranks that hold the extreme.
+def _min_max_with_gradient(xs, op, prescale: float, postscale: float, name: str, **fuse):
+    """Min/Max allreduce of the tensors ``xs`` and its gradient: it flows only to the ranks
+    that hold the extreme. Returns ``(ys, grad)``, ``grad`` taking one ``dy`` per tensor.
 
     With ``z = prescale * x`` on each rank, ``m = min(z)`` over ranks and ``y = postscale * m``,
     and the job's loss the sum of every rank's loss, the gradient of ``x`` on rank r is
     ``prescale * [z_r == m] * postscale * sum_s dy_s / count``, where ``count`` is how many ranks
-    hold the extreme (ties share it, as ``tf.reduce_min`` does).
+    hold the extreme (ties share it, as ``tf.reduce_min`` does). ``fuse`` are
+    :func:`fused_allreduce`'s options (``process_set``, bucketing, compression).
     """
-    options = dict(cap_bytes=0, process_set=process_set)
-    z = x * prescale if prescale != 1.0 else x
-    m = fused_allreduce([z], op, name=name, **options)[0][0]
-    y = m * postscale if postscale != 1.0 else m
+    options = fuse
+    zs = [x * prescale if prescale != 1.0 else x for x in xs]
+    ms = fused_allreduce(zs, op, name=name, **options)[0]
+    ys = [m * postscale if postscale != 1.0 else m for m in ms]
 
-    def grad(dy):
-        holds = tf.cast(tf.equal(z, m), dy.dtype)
-        count, total = fused_allreduce([holds, dy], Sum, name=f"{name}.grad", **options)[0]
-        return holds * total * (prescale * postscale) / count
+    def grad(*dys):
+        holds = [tf.cast(tf.equal(z, m), dy.dtype) for z, m, dy in zip(zs, ms, dys)]
+        sums = fused_allreduce([*holds, *dys], Sum, name=f"{name}.grad", **options)[0]
+        counts, totals = sums[: len(xs)], sums[len(xs) :]
+        scale = prescale * postscale
+        return [h * t * scale / c for h, t, c in zip(holds, totals, counts)]
 
-    return y, grad
+    return ys, grad
 
 
 def _adasum(tensor, name: str, process_set, prescale: float = 1.0, postscale: float = 1.0):
@@ -477,7 +501,10 @@ def _adasum(tensor, name: str, process_set, prescale: float = 1.0, postscale: fl
 
     def run(array):
         comm = _comm(process_set)
-        comm.agree(_signature(name, array, op="adasum", shape=array.shape), name=name)
+        signature = _signature(
+            name, array, op="adasum", shape=array.shape, pre=float(prescale), post=float(postscale)
+        )
+        comm.agree(signature, name=name)
         rows = comm.allgather_equal(array, name=name).reshape(comm.size, -1).astype(np.float64)
         combined = adasum_tree(rows) * (prescale * postscale)
         return (combined.astype(array.dtype).reshape(array.shape),)

@@ -20,6 +20,7 @@ from syncdp.tensorflow.collectives._common import (
     ReduceOp,
     Sum,
     _check_reducible,
+    _check_sendable,
     _comm,
     _resolve_op,
     _signature,
@@ -94,6 +95,7 @@ def alltoall(
     """
     _comm(process_set)
     tensor = tf.convert_to_tensor(tensor)
+    _check_sendable(tensor, "alltoall")
     if tensor.shape.rank == 0:
         raise ValueError("alltoall needs a tensor of rank >= 1.")
     name = name or "alltoall"
@@ -134,7 +136,8 @@ def _reducescatter_call(tensor, op: ReduceOp, name: str, process_set, pre=1.0, p
 
     def run(a):
         comm = _comm(process_set)
-        comm.agree(_signature(name, a, op=op.value, shape=a.shape), name=name)
+        scales = dict(pre=reducer.prescale, post=reducer.postscale)
+        comm.agree(_signature(name, a, op=op.value, shape=a.shape, **scales), name=name)
         rows = _scatter_counts(a.shape[0], comm.size)
         row = int(np.prod(a.shape[1:], dtype=np.int64))
         out = reducer.scatter(comm, a, [r * row for r in rows])

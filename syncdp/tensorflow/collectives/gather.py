@@ -11,6 +11,7 @@ import tensorflow as tf
 from syncdp.engine import joining
 from syncdp.job.process_sets import global_process_set
 from syncdp.tensorflow.collectives._common import (
+    _check_sendable,
     _comm,
     _root,
     _signature,
@@ -78,6 +79,7 @@ def allgather(
     """
     _comm(process_set)
     tensor = tf.convert_to_tensor(tensor)
+    _check_sendable(tensor, "allgather")
     if tensor.shape.rank == 0:
         tensor = tf.reshape(tensor, [1])
     name = name or "allgather"
@@ -145,6 +147,7 @@ def broadcast(
     _comm(process_set)
     root = _root(process_set, root_rank)
     tensor = tf.convert_to_tensor(tensor)
+    _check_sendable(tensor, "broadcast")
     name = name or "broadcast"
     if not tensor.dtype.is_floating:
         return _bcast(tensor, root_rank, name, process_set)

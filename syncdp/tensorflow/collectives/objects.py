@@ -17,6 +17,7 @@ from syncdp.engine import joining
 from syncdp.job import runtime
 from syncdp.job.process_sets import global_process_set
 from syncdp.tensorflow.collectives._common import (
+    _check_sendable,
     _comm,
     _root,
     _signature,
@@ -81,6 +82,8 @@ def broadcast_variables(
     cap = runtime.get_config().fusion_threshold
     # Keras 3 variables report their dtype as a string: plan on the tensors' values.
     current = [tf.convert_to_tensor(v) for v in variables]
+    for c in current:
+        _check_sendable(c, "broadcast_variables")
     buckets = engine.plan([_spec(c) for c in current], first_bytes=0, cap_bytes=cap)
     for b, bucket in enumerate(buckets):
         values = [current[i] for i in bucket.indices]
