@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.compressors import QuarterCompressor
+
 MODES = ["eager", "function"]
 
 
@@ -251,16 +253,22 @@ def test_grouped_allreduce_gradients_with_an_integer_member_or_min_max(hvd, mode
             total, count = hvd.grouped_allreduce([x, tf.constant([r], tf.int32)], op=hvd.Sum)
             (top,) = hvd.grouped_allreduce([x], op=hvd.Max, postscale_factor=2.0)
             single = hvd.allreduce(x, op=hvd.Max, postscale_factor=2.0)
-        return total, count, top, [tape.gradient(y, a) for y in (total, top, single)]
+            # a lossy compressor would round 1.001: the extreme is found exactly, as a single
+            # Max finds it (else no rank's value equals it, and the gradient is 0 / 0)
+            (near,) = hvd.grouped_allreduce([x * 1.001], op=hvd.Max, compression=QuarterCompressor)
+        ys = (total, top, single, near)
+        return total, count, top, near, [tape.gradient(y, a) for y in ys]
 
-    total, count, top, (d_total, d_top, d_single) = (
+    total, count, top, near, (d_total, d_top, d_single, d_near) = (
         gradients() if mode == "eager" else tf.function(gradients)()
     )
+    np.testing.assert_allclose(near.numpy(), [n * 1.001, n * 2.002], rtol=1e-6)
+    holds = 1.0 if r == n - 1 else 0.0  # rank n - 1 holds the maximum
+    np.testing.assert_allclose(d_near.numpy(), [holds * n * (r + 1) * 1.001] * 2, rtol=1e-6)
     np.testing.assert_array_equal(total.numpy(), [n * (n + 1) / 2, n * (n + 1)])
     np.testing.assert_array_equal(count.numpy(), [n * (n - 1) // 2])
     np.testing.assert_array_equal(top.numpy(), [2.0 * n, 4.0 * n])
     np.testing.assert_array_equal(d_total.numpy(), [n * (r + 1.0)] * 2)
-    holds = 1.0 if r == n - 1 else 0.0
     np.testing.assert_array_equal(d_top.numpy(), [holds * 2.0 * n * (r + 1.0)] * 2)
     np.testing.assert_array_equal(d_single.numpy(), d_top.numpy())
 

@@ -359,9 +359,11 @@ def grouped_allreduce(
 
         @tf.custom_gradient
         def reduce(*xs):
-            if op in (Min, Max):
+            if op in (Min, Max):  # exact, as a single allreduce's: the gradient finds the
+                # ranks holding the extreme by comparing their values with it
+                exact_options = {k: v for k, v in options.items() if k != "compression"}
                 return _min_max_with_gradient(
-                    list(xs), op, prescale_factor, postscale_factor, name, **options
+                    list(xs), op, prescale_factor, postscale_factor, name, **exact_options
                 )
 
             def grad(*dys):
