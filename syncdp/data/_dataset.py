@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from syncdp.base.errors import DataError
-from syncdp.data._sharding import _assign, _gather_counts, _resolve_files
+from syncdp.data._sharding import _assign, _gather_counts, _resolved, check_seed_and_epoch
 from syncdp.job import runtime
 
 __all__ = ["tfrecord_dataset"]
@@ -231,9 +231,10 @@ def tfrecord_dataset(
         >>> model.fit(ds, epochs=3)  # every rank runs ds.cardinality() steps per epoch
     """
     _check_args(batch_size, shuffle_buffer, shard_by, compression_type, seed)
+    check_seed_and_epoch("tfrecord_dataset", seed, epoch)
     batch_size = int(batch_size)
     size, rank = runtime.size(), runtime.rank()
-    paths = _resolve_files(files, "tfrecord_dataset")
+    paths, problem = _resolved(files, "tfrecord_dataset")
     if shuffle_files is None:
         shuffle_files = shuffle_buffer > 0
     file_seed = seed if shuffle_files else None
@@ -250,10 +251,12 @@ def tfrecord_dataset(
             "batch_size": batch_size,
             "shard_by": shard_by,
             "epoch": epoch,
+            "shuffle_files": bool(shuffle_files),  # its default: shuffle_buffer > 0
             "file_seed": file_seed,
             "compression_type": compression_type or None,
             "skip_corrupt": bool(skip_corrupt),
         },
+        problem=problem,
     )
     plan, note = _plan(counts, size, batch_size, shard_by, seed=file_seed, epoch=epoch)
     if plan.steps == 0:

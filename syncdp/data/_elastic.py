@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from syncdp.base.errors import DataError
-from syncdp.data._sharding import _gather_counts, _resolve_files
+from syncdp.data._sharding import _gather_counts, _resolved, check_seed_and_epoch
 from syncdp.job import runtime
 
 __all__ = ["elastic_tfrecord_dataset", "elastic_steps"]
@@ -107,7 +107,8 @@ def elastic_tfrecord_dataset(
             f"global_batch_size must be at least the number of ranks ({size}) so every rank "
             f"gets a record each step; got {global_batch_size}."
         )
-    paths = _resolve_files(files, "elastic_tfrecord_dataset")
+    check_seed_and_epoch("elastic_tfrecord_dataset", seed, epoch)
+    paths, problem = _resolved(files, "elastic_tfrecord_dataset")
     counts, _ = _gather_counts(
         paths,
         verify=verify,
@@ -123,6 +124,7 @@ def elastic_tfrecord_dataset(
             "file_order_seed": seed if shuffle_files else None,
             "sample_weights": bool(sample_weights),
         },
+        problem=problem,
     )
     total = sum(counts)
     steps = elastic_steps(total, global_batch_size)

@@ -68,6 +68,29 @@ def _resolve_files(files, caller: str) -> list[str]:
     return paths
 
 
+def _resolved(files, caller: str) -> tuple[list[str], str | None]:
+    """:func:`_resolve_files`'s paths, or ``([], what was wrong)``: a problem with one rank's
+    own list (a pattern that matches nothing on its host) is raised on every rank together,
+    by :func:`_agree_on_files`, rather than on that rank alone while the others wait for it."""
+    try:
+        return _resolve_files(files, caller), None
+    except DataError as error:
+        return [], str(error)
+
+
+def check_seed_and_epoch(caller: str, seed, epoch) -> None:
+    """Refuses a ``seed`` (None or an integer >= 0) or ``epoch`` (an integer >= 0) that cannot
+    order the files, naming the argument."""
+    for what, value, optional in (("seed", seed, True), ("epoch", epoch, False)):
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(
+                f"{caller} needs {what} to be an integer >= 0"
+                f"{' (or None)' if optional else ''}, the same on every rank; got {value!r}."
+            )
+
+
 def _count_one(
     path: str, verify: bool, compression_type: str | None, skip_corrupt: bool
 ) -> tuple[int, str | None, int | None]:
@@ -176,13 +199,15 @@ def _gather_counts(
     skip_corrupt: bool,
     caller: str,
     agree: dict | None = None,
+    problem: str | None = None,
 ):
     """Counts every file's records, sharing the work and the results among all ranks.
 
     A synchronization point: all ranks must call it, in the same order, with the same files.
     First the ranks check that they were given the same arguments (``agree``, which decide who
     reads what) and see the same files (names and sizes); then each counts a share of the files
-    and one ``allgather`` gives every rank every count and every error.
+    and one ``allgather`` gives every rank every count and every error. ``problem`` is what
+    this rank found wrong with its list (see :func:`_resolved`).
 
     Returns:
         ``(counts, damaged)``: the records each file yields, and ``(path, what was wrong,
@@ -196,7 +221,7 @@ def _gather_counts(
     """
     comm = runtime.communicator()
     name = f"{caller}.count_records"
-    sizes = _agree_on_files(paths, caller, name, agree)
+    sizes = _agree_on_files(paths, caller, name, agree, problem)
     # Every rank sees the same sizes now, so every rank makes the same split of the counting.
     mine = _assign([max(b, 0) for b in sizes], comm.size)[comm.rank]
     results: dict[int, tuple] = {}
@@ -223,27 +248,34 @@ def _gather_counts(
     return counts, damaged
 
 
-def _agree_on_files(paths: list[str], caller: str, name: str, agree: dict | None) -> list[int]:
-    """Checks, on every rank together, that the ranks passed the same ``agree`` values, were
-    given the same files in the same order and see the same sizes; returns the sizes.
+def _agree_on_files(
+    paths: list[str], caller: str, name: str, agree: dict | None, problem: str | None = None
+) -> list[int]:
+    """Checks, on every rank together, that the ranks passed the same ``agree`` values, found
+    no ``problem`` with their lists, were given the same files in the same order and see the
+    same sizes; returns the sizes.
 
     Raises:
         MismatchError: On every rank, when ranks passed different ``agree`` values.
-        DataError: On every rank, when ranks were given different file lists or see a file
-            with different sizes (or one rank does not see it).
+        DataError: On every rank, when a rank found a problem with its list, ranks were given
+            different file lists or see a file with different sizes (or one rank does not see
+            it).
     """
     comm = runtime.communicator()
     comm.enter(name, **(agree or {}))
     sizes = [_file_size(p) for p in paths]
-    views = comm.allgather_object((paths, sizes), name=f"{caller}.files")
-    for rank, (rank_paths, _) in enumerate(views):
+    views = comm.allgather_object((paths, sizes, problem), name=f"{caller}.files")
+    problems = [f"rank {r}: {why}" for r, (_, _, why) in enumerate(views) if why is not None]
+    if problems:
+        raise _listed(f"{caller}: the file list failed on {len(problems)} rank(s)", problems)
+    for rank, (rank_paths, _, _) in enumerate(views):
         if rank_paths != paths:
             raise DataError(
                 f"{caller}: ranks were given different files: rank {comm.rank} has "
                 f"{len(paths)} starting {paths[:2]}, rank {rank} has {len(rank_paths)} "
                 f"starting {rank_paths[:2]}. Pass the same list (or glob) on every rank."
             )
-    differing = _differing_files(paths, [rank_sizes for _, rank_sizes in views])
+    differing = _differing_files(paths, [rank_sizes for _, rank_sizes, _ in views])
     if differing:
         raise _listed(f"{caller}: {len(differing)} file(s) differ between ranks", differing)
     return sizes
@@ -284,18 +316,14 @@ def shard_files(
             see them differently). Raised on every rank.
         MismatchError: Ranks passed different ``seed``, ``epoch`` or ``balance``, on every
             rank.
+        ValueError: ``seed`` or ``epoch`` is not an integer >= 0 (``seed`` may be None).
 
     Example:
         >>> my_files = syncdp.data.shard_files("data/*.tfrecord", seed=1, epoch=epoch)
     """
-    paths = _resolve_files(files, "shard_files")
+    check_seed_and_epoch("shard_files", seed, epoch)
+    paths, problem = _resolved(files, "shard_files")
     size, rank = runtime.size(), runtime.rank()
-    if len(paths) < size:
-        raise DataError(
-            f"shard_files needs at least as many files as ranks: got {len(paths)} "
-            f"files for {size} ranks. Write more shards, or use "
-            "tfrecord_dataset(..., shard_by='records')."
-        )
     if balance:
         weights, _ = _gather_counts(
             paths,
@@ -304,12 +332,19 @@ def shard_files(
             skip_corrupt=False,
             caller="shard_files",
             agree={"seed": seed, "epoch": epoch, "compression_type": compression_type or None},
+            problem=problem,
         )
+        _enough_files(paths, size)  # the same list on every rank now: raised on all or none
         return [paths[i] for i in _assign(weights, size, seed=seed, epoch=epoch)[rank]]
     # Unchecked, ranks that differ in seed, epoch or file order would read files twice or never.
     sizes = _agree_on_files(
-        paths, "shard_files", "shard_files", {"seed": seed, "epoch": epoch, "balance": False}
+        paths,
+        "shard_files",
+        "shard_files",
+        {"seed": seed, "epoch": epoch, "balance": False},
+        problem,
     )
+    _enough_files(paths, size)
     missing = [p for p, b in zip(paths, sizes, strict=True) if b < 0]  # the same on every rank
     if missing:
         raise DataError(
@@ -320,3 +355,12 @@ def shard_files(
     if seed is not None:
         order = np.random.default_rng([seed, epoch]).permutation(len(paths))
     return [paths[i] for i in order[rank::size]]
+
+
+def _enough_files(paths: list[str], size: int) -> None:
+    if len(paths) < size:
+        raise DataError(
+            f"shard_files needs at least as many files as ranks: got {len(paths)} "
+            f"files for {size} ranks. Write more shards, or use "
+            "tfrecord_dataset(..., shard_by='records')."
+        )

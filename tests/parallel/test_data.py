@@ -1,5 +1,6 @@
 """syncdp.data at any number of ranks: disjoint records, full coverage, equal step counts."""
 
+import re
 import shutil
 import tempfile
 import warnings
@@ -342,3 +343,73 @@ def test_split_by_record_needs_the_same_interleave_on_every_rank(hvd, data):
         data["six"], parse_id, 2, shard_by="files", num_parallel_reads=1 + hvd.rank()
     )
     _check_disjoint_equal(hvd, mine, 2, int(mine.cardinality()), range(2000, 2060))
+
+
+def _on_one_rank(rank_files, other_files):
+    """The last rank's list is ``rank_files``, the others' ``other_files``."""
+    return rank_files if syncdp.rank() == syncdp.size() - 1 else other_files
+
+
+@pytest.mark.parametrize("caller", ["tfrecord_dataset", "shard_files", "unbalanced", "elastic"])
+def test_a_glob_that_matches_nothing_on_one_rank_fails_every_rank(hvd, data, caller):
+    """Hosts with their own copies of the data: where one host lacks them, its rank's pattern
+    matches nothing. Every rank raises the DataError, naming that rank, instead of the others
+    waiting for it until the stall timeout (forever without one)."""
+    from syncdp.data import elastic_tfrecord_dataset
+
+    files = _on_one_rank(f"{data['dir']}/nowhere/*.tfrecord", f"{data['dir']}/six/*.tfrecord")
+    build = {
+        "tfrecord_dataset": lambda: tfrecord_dataset(files, parse_id, 2),
+        "shard_files": lambda: shard_files(files),
+        "unbalanced": lambda: shard_files(files, balance=False),
+        "elastic": lambda: elastic_tfrecord_dataset(files, parse_id, 6),
+    }[caller]
+    with pytest.raises(DataError) as info:
+        build()
+    assert f"rank {hvd.size() - 1}: " in str(info.value)
+    assert "matches no files" in str(info.value)
+    assert hvd.allreduce(tf.ones([1]), op=hvd.Sum).numpy()[0] == hvd.size()  # the job goes on
+
+
+def test_fewer_files_than_ranks_on_one_rank_fails_every_rank(hvd, data):
+    if hvd.size() == 1:
+        pytest.skip("one rank has files enough")
+    files = _on_one_rank(data["single"], data["six"][: hvd.size()])
+    with pytest.raises(DataError, match="ranks were given different files"):
+        shard_files(files)
+    with pytest.raises(DataError, match="at least as many files as ranks"):
+        shard_files([data["single"]])
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"seed": -1}, "shard_files needs seed to be an integer >= 0 (or None)"),
+        ({"seed": 1.5}, "needs seed to be an integer"),
+        ({"epoch": -1}, "shard_files needs epoch to be an integer >= 0"),
+        ({"epoch": 1.0}, "needs epoch to be an integer"),
+    ],
+)
+def test_shard_files_names_a_bad_seed_or_epoch(hvd, data, kwargs, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        shard_files(data["six"], **kwargs)
+
+
+@pytest.mark.parametrize("epoch", [-1, 1.0, None])
+def test_a_dataset_names_a_bad_epoch(hvd, data, epoch):
+    from syncdp.data import elastic_tfrecord_dataset
+
+    with pytest.raises(ValueError, match="tfrecord_dataset needs epoch to be an integer >= 0"):
+        tfrecord_dataset(data["abc"], parse_id, 4, shuffle_buffer=8, seed=1, epoch=epoch)
+    with pytest.raises(ValueError, match="elastic_tfrecord_dataset needs epoch"):
+        elastic_tfrecord_dataset(data["abc"], parse_id, 6, epoch=epoch)
+
+
+def test_a_shuffle_that_differs_is_named_as_the_user_wrote_it(hvd, data):
+    """One rank shuffles records (and so, by default, files), another does not, both with
+    seed 3: the error names shuffle_files, whose default follows shuffle_buffer."""
+    if hvd.size() == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    buffer = 10 if hvd.rank() == 0 else 0
+    with pytest.raises(hvd.MismatchError, match="different shuffle_files"):
+        tfrecord_dataset(data["six"], parse_id, 2, shuffle_buffer=buffer, seed=3)
