@@ -471,14 +471,13 @@ def _min_max_with_gradient(xs, op, prescale: float, postscale: float, name: str,
     hold the extreme (ties share it, as ``tf.reduce_min`` does). ``fuse`` are
     :func:`fused_allreduce`'s options (``process_set``, bucketing, compression).
     """
-    options = fuse
     zs = [x * prescale if prescale != 1.0 else x for x in xs]
-    ms = fused_allreduce(zs, op, name=name, **options)[0]
+    ms = fused_allreduce(zs, op, name=name, **fuse)[0]
     ys = [m * postscale if postscale != 1.0 else m for m in ms]
 
     def grad(*dys):
         holds = [tf.cast(tf.equal(z, m), dy.dtype) for z, m, dy in zip(zs, ms, dys)]
-        sums = fused_allreduce([*holds, *dys], Sum, name=f"{name}.grad", **options)[0]
+        sums = fused_allreduce([*holds, *dys], Sum, name=f"{name}.grad", **fuse)[0]
         counts, totals = sums[: len(xs)], sums[len(xs) :]
         scale = prescale * postscale
         return [h * t * scale / c for h, t, c in zip(holds, totals, counts)]
