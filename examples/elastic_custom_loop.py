@@ -12,7 +12,8 @@ of ranks, so the result equals one process's.
 
 ``--kill LABEL:EPOCH:BATCH[:SIGNAL]`` (repeatable) makes the process labelled LABEL (the
 original ranks are 0..N-1, replacements N, N+1, ...) send itself SIGNAL (default KILL) before
-that batch; ``--kill LABEL:reset`` makes it die in its first reset callback (a failure during
+that batch (SIGNAL ``exit``: it calls ``sys.exit(0)`` there, leaving the job by its own
+choice); ``--kill LABEL:reset`` makes it die in its first reset callback (a failure during
 recovery); ``--kill LABEL:refilled`` makes it die at the first step at which a warm spare
 started in the background waits (``--spares``: a used or dead spare was replaced).
 ``--touch EPOCH:BATCH:PATH`` makes rank 0 create PATH before that batch: a host discovery script
@@ -112,9 +113,8 @@ def main() -> int:
     for spec in args.kill:
         parts = spec.split(":")
         if int(parts[0]) == label:
-            kills[tuple(parts[1:3])] = getattr(
-                signal, "SIG" + (parts[3] if len(parts) > 3 else "KILL")
-            )
+            how = parts[3] if len(parts) > 3 else "KILL"
+            kills[tuple(parts[1:3])] = how if how == "exit" else getattr(signal, "SIG" + how)
 
     def parse(record):
         spec = {
@@ -165,6 +165,9 @@ def main() -> int:
                 waiting = runtime.elastic_plan().spares
                 if refilled and any(m.label >= first_new_spare for m in waiting):
                     sig = refilled
+                if sig == "exit":
+                    print(f"label {label}: calling sys.exit(0)", flush=True)
+                    sys.exit(0)
                 if sig is not None:
                     print(f"label {label}: sending myself {sig.name}", flush=True)
                     os.kill(os.getpid(), sig)

@@ -48,10 +48,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import socket
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from syncdp.base.errors import (
     HorovodInternalError,
@@ -329,6 +330,24 @@ def _no_reset() -> None:
     pass
 
 
+def _leave_now(leaving: SystemExit) -> NoReturn:
+    """Ends this rank at once, as a lost one, when its training function calls ``sys.exit()``:
+    the others recover without it from the last commit. Exiting the usual way would leave them
+    waiting for it in their next collective while its ``MPI_Finalize`` waits for them, until
+    the finalize bound (``--finalize-timeout``, 60 s) killed it."""
+    code = leaving.code
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)  # what sys.exit("message") prints
+    print(
+        f"syncdp: rank {runtime.rank()} called sys.exit({code!r}) inside elastic.run before "
+        "training finished; it leaves the job now and the others go on without it.",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+
+
 def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
     """:func:`run`, calling ``reset()`` after every membership change: Horovod's ``run_fn``.
 
@@ -373,9 +392,14 @@ def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
                 # Every rank must know that every rank finished: a rank lost at the very end
                 # would otherwise leave some survivors recovering while the others exit.
                 runtime.communicator().all_agree(1, name="elastic.done")
+                runtime.training_finished()
                 if runtime.rank() == 0:  # a host lost from now on needs no restart
                     report.send("trained", 0, "every rank finished training")
                 return result
+            except SystemExit as leaving:
+                if runtime.elastic_plan() is None:
+                    raise
+                _leave_now(leaving)
             except Exception as error:  # noqa: BLE001 - re-raised unless it is a failure
                 event = _failure(error)
                 if event is None or runtime.elastic_plan() is None:

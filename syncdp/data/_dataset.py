@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from syncdp.base.errors import DataError
-from syncdp.data._sharding import _assign, _gather_counts, _resolved, check_seed_and_epoch
+from syncdp.data._sharding import _assign, _check_whole, _gather_counts, _resolved
 from syncdp.job import runtime
 
 __all__ = ["tfrecord_dataset"]
@@ -231,7 +231,7 @@ def tfrecord_dataset(
         >>> model.fit(ds, epochs=3)  # every rank runs ds.cardinality() steps per epoch
     """
     _check_args(batch_size, shuffle_buffer, shard_by, compression_type, seed)
-    check_seed_and_epoch("tfrecord_dataset", seed, epoch)
+    _check_whole("tfrecord_dataset", "epoch", epoch)
     batch_size = int(batch_size)
     size, rank = runtime.size(), runtime.rank()
     paths, problem = _resolved(files, "tfrecord_dataset")

@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from syncdp.base.errors import DataError
-from syncdp.data._sharding import _gather_counts, _resolved, check_seed_and_epoch
+from syncdp.data._sharding import _check_whole, _gather_counts, _resolved
 from syncdp.job import runtime
 
 __all__ = ["elastic_tfrecord_dataset", "elastic_steps"]
@@ -107,7 +107,8 @@ def elastic_tfrecord_dataset(
             f"global_batch_size must be at least the number of ranks ({size}) so every rank "
             f"gets a record each step; got {global_batch_size}."
         )
-    check_seed_and_epoch("elastic_tfrecord_dataset", seed, epoch)
+    _check_whole("elastic_tfrecord_dataset", "seed", seed)
+    _check_whole("elastic_tfrecord_dataset", "epoch", epoch)
     paths, problem = _resolved(files, "elastic_tfrecord_dataset")
     counts, _ = _gather_counts(
         paths,

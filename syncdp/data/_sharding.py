@@ -78,17 +78,16 @@ def _resolved(files, caller: str) -> tuple[list[str], str | None]:
         return [], str(error)
 
 
-def check_seed_and_epoch(caller: str, seed, epoch) -> None:
-    """Refuses a ``seed`` (None or an integer >= 0) or ``epoch`` (an integer >= 0) that cannot
-    order the files, naming the argument."""
-    for what, value, optional in (("seed", seed, True), ("epoch", epoch, False)):
-        if value is None and optional:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(
-                f"{caller} needs {what} to be an integer >= 0"
-                f"{' (or None)' if optional else ''}, the same on every rank; got {value!r}."
-            )
+def _check_whole(caller: str, what: str, value, *, optional: bool = False) -> None:
+    """Refuses a ``seed`` or ``epoch`` that cannot order the files (not an integer >= 0; None
+    where ``optional``), naming the argument."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(
+            f"{caller} needs {what} to be an integer >= 0{' (or None)' if optional else ''}, "
+            f"the same on every rank; got {value!r}."
+        )
 
 
 def _count_one(
@@ -265,9 +264,12 @@ def _agree_on_files(
     comm.enter(name, **(agree or {}))
     sizes = [_file_size(p) for p in paths]
     views = comm.allgather_object((paths, sizes, problem), name=f"{caller}.files")
-    problems = [f"rank {r}: {why}" for r, (_, _, why) in enumerate(views) if why is not None]
+    problems = [(r, why) for r, (_, _, why) in enumerate(views) if why is not None]
+    if len(problems) == comm.size and len({why for _, why in problems}) == 1:
+        raise DataError(problems[0][1])  # the same on every rank: said once
     if problems:
-        raise _listed(f"{caller}: the file list failed on {len(problems)} rank(s)", problems)
+        lines = [f"rank {r}: {why}" for r, why in problems]
+        raise _listed(f"{caller}: the file list failed on {len(lines)} rank(s)", lines)
     for rank, (rank_paths, _, _) in enumerate(views):
         if rank_paths != paths:
             raise DataError(
@@ -321,7 +323,8 @@ def shard_files(
     Example:
         >>> my_files = syncdp.data.shard_files("data/*.tfrecord", seed=1, epoch=epoch)
     """
-    check_seed_and_epoch("shard_files", seed, epoch)
+    _check_whole("shard_files", "seed", seed, optional=True)
+    _check_whole("shard_files", "epoch", epoch)
     paths, problem = _resolved(files, "shard_files")
     size, rank = runtime.size(), runtime.rank()
     if balance:

@@ -104,6 +104,9 @@ class _State:
     reserve = None
     # Rank 0's care of the spares (syncdp.membership.refill): new ones started in the background.
     keeper = None
+    # Elastic mode: every rank finished an elastic.run (its final agreement); a rank lost from
+    # then on leaves nothing to recover.
+    trained = False
 
 
 _state = _State()
@@ -568,6 +571,11 @@ def states_synced() -> None:
     _state.steps_unsynced = False
 
 
+def training_finished() -> None:
+    """Called by ``elastic.run`` on every rank once every rank has finished training."""
+    _state.trained = True
+
+
 def on_reset(callback) -> None:
     """Calls ``callback()`` after every membership change, on every rank (elastic mode)."""
     _state.reset_callbacks.append(callback)
@@ -737,9 +745,14 @@ def _install_failure_hook() -> None:
             # launcher names, if none does), instead of ending every rank.
             lines = [line.strip() for line in text.splitlines() if line.strip()]
             why = next((line for line in lines if "a rank of" in line), lines[-1])
+            after = (
+                "after training had finished (elastic.run returned); this process ends, and so "
+                "does the job: nothing is left to recover"
+                if _state.trained
+                else "outside elastic.run; this process ends, the job recovers without it"
+            )
             print(
-                f"syncdp: rank {comm.rank}: a rank of the job was lost outside elastic.run "
-                f"({why}); this process ends, the job recovers without it.",
+                f"syncdp: rank {comm.rank}: a rank of the job was lost {after} ({why}).",
                 file=sys.stderr,
                 flush=True,
             )

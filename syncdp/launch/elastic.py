@@ -325,8 +325,10 @@ class ElasticLog:
                 aborting = self._aborting
             if raised:  # an exception, not a loss: the job ends (the verdict says why)
                 then = "it raised an exception, so the job ends"
-            elif code == -signal.SIGALRM:
-                then = "its training had ended"
+            elif self.trained:  # elastic.run had returned on every rank: nothing to redo
+                then = "training had finished, so the job ends"
+            elif code == -signal.SIGALRM:  # its MPI_Finalize hung (bounded by the alarm)
+                then = "it had left its training function before the others; recovering"
             elif ending:  # taken down with the rank that raised: nothing to recover from
                 then = "another rank raised an exception, so the job ends"
             elif aborting:  # every rank ends: the verdict says why

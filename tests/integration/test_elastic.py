@@ -540,3 +540,62 @@ def test_rank_0_lost_while_it_grows_the_job_is_a_recovery_with_new_labels(tmp_pa
     assert re.search(r"elastic: lost rank 0 \(pid \d+ on .*\)", result.stderr), result.stderr
     labels = re.findall(r"output \[(\d+)\]\)", result.stderr)
     assert sorted(labels) == ["3", "4"], result.stderr[-4000:]
+
+
+def test_a_rank_that_calls_sys_exit_in_training_leaves_at_once(tmp_path):
+    """sys.exit() inside the training function: the rank leaves the job then and there, and
+    the others recover without it from the last commit (it used to wait in MPI_Finalize for
+    ranks that waited for it, until the 60 s finalize bound killed it, and the launcher then
+    said its training had ended)."""
+    started = time.monotonic()
+    result = _run(tmp_path, 3, "1:0:4:exit")
+    _assert_finished(result, size=3, changes=1)
+    assert "rank 1 called sys.exit(0) inside elastic.run before training finished" in (
+        result.stderr
+    ), result.stderr[-3000:]
+    assert "training had" not in result.stderr, result.stderr[-3000:]
+    assert time.monotonic() - started < 60, "the others waited for the finalize bound"
+
+
+# Rank 1 dies after training has finished (elastic.run returned on every rank), while rank 0
+# is in a collective of its own program's end.
+LOST_AFTER_TRAINING = """
+import os, signal, time
+import syncdp, syncdp.elastic
+syncdp.init()
+state = syncdp.elastic.ObjectState(step=0)
+
+@syncdp.elastic.run
+def train(state):
+    while state.step < 3:
+        syncdp.barrier()
+        state.step += 1
+        state.commit()
+
+train(state)
+if syncdp.rank() == 1:
+    time.sleep(1)
+    os.kill(os.getpid(), signal.SIGKILL)
+syncdp.allgather_object(syncdp.rank())
+"""
+
+
+def test_a_rank_lost_after_training_is_not_called_a_recovery(tmp_path):
+    """Nothing is left to recover: the job fails (a rank of the program's end was lost), and
+    neither the launcher nor the surviving rank says it recovers."""
+    result = launch(
+        2,
+        "python",
+        python_script(tmp_path, LOST_AFTER_TRAINING),
+        launcher_args=("--min-np", "1"),
+        timeout=120,
+    )
+    err = result.stderr
+    assert result.returncode != 0, err[-3000:]
+    assert "recovering" not in err and "recovers without it" not in err, err[-3000:]
+    assert re.search(
+        r"lost rank 1 \(pid \d+ on .*\): it was killed by signal 9 \(SIGKILL\); "
+        r"training had finished, so the job ends",
+        err,
+    ), err[-3000:]
+    assert "a rank of the job was lost after training had finished" in err, err[-3000:]

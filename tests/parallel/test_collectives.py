@@ -187,9 +187,13 @@ def test_bad_arguments_raise(hvd):
         ("allgather", lambda: hvd.allgather(words)),
         ("alltoall", lambda: hvd.alltoall(tf.fill([hvd.size()], "a"))),
         ("broadcast", lambda: tf.function(lambda: hvd.broadcast(tf.constant("a"), 0))()),
+        ("broadcast_variables", lambda: hvd.broadcast_variables([tf.Variable(["a"])], 0)),
     ]:
         with pytest.raises(TypeError, match=f"{collective} cannot send string tensors"):
             call()
+    mine = tf.constant([complex(hvd.rank(), 1)], tf.complex64)  # moved as bytes, as before
+    expected = [complex(k, 1) for k in range(hvd.size())]
+    np.testing.assert_array_equal(hvd.allgather(mine).numpy(), expected)
 
 
 def test_objects_travel_by_cloudpickle_and_the_root_keeps_its_own(hvd):

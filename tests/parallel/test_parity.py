@@ -297,6 +297,11 @@ def test_mismatched_arguments_raise_failed_precondition_on_every_rank(hvd, mode)
         "prescale, large bucket": lambda: hvd.allreduce(tf.ones([100_000]), prescale_factor=r + 1),
         "grouped postscale": lambda: hvd.grouped_allreduce([tf.ones(2)], postscale_factor=r + 2),
         "reducescatter prescale": lambda: hvd.reducescatter(tf.ones([n, 2]), prescale_factor=r + 1),
+        # Min and Max scale in TensorFlow, around a reduction of their own
+        "max postscale": lambda: hvd.allreduce(tf.ones([2]), op=hvd.Max, postscale_factor=r + 1),
+        "grouped min prescale": lambda: hvd.grouped_allreduce(
+            [tf.ones([2])], op=hvd.Min, prescale_factor=r + 1
+        ),
     }
     for what, build in cases.items():
         if mode == "eager":
@@ -317,6 +322,8 @@ def test_scale_factors_that_differ_raise_on_every_rank_and_equal_ones_do_not(hvd
     r, n = hvd.rank(), hvd.size()
     same = hvd.allreduce(tf.ones([2]), op=hvd.Sum, postscale_factor=2 if r % 2 else 2.0)
     np.testing.assert_array_equal(same.numpy(), [2.0 * n] * 2)
+    zero = hvd.allreduce(tf.ones([2]), op=hvd.Max, postscale_factor=-0.0 if r % 2 else 0.0)
+    np.testing.assert_array_equal(np.abs(zero.numpy()), [0.0, 0.0])
     if n == 1:
         pytest.skip("one rank cannot disagree with itself")
     w = tf.Variable([1.0, 2.0])

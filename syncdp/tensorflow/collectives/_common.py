@@ -94,6 +94,10 @@ _REDUCIBLE = {
 }
 
 
+# What broadcast, allgather and alltoall move as bytes: the reducible dtypes, bool, complex.
+_SENDABLE = _REDUCIBLE | {tf.bool, tf.complex64, tf.complex128}
+
+
 def _resolve_op(op, average) -> ReduceOp:
     if op is not None and average is not None:
         raise ValueError("allreduce takes op or the deprecated average, not both.")
@@ -132,6 +136,16 @@ def _signature(name: str, tensor_like, **fields) -> tuple:
     return (("name", name), ("dtype", dtype), *fields.items())
 
 
+def _scale_fields(prescale, postscale) -> tuple:
+    """The scale factors as fields of a collective's signature, named as the caller passed
+    them: ranks that scale differently would end with different results. As floats (2 and 2.0
+    agree), and -0.0 as 0.0."""
+    return (
+        ("prescale_factor", float(prescale) + 0.0),
+        ("postscale_factor", float(postscale) + 0.0),
+    )
+
+
 def _spec(tensor) -> engine.TensorSpec:
     shape = tensor.shape
     nbytes = shape.num_elements() * tensor.dtype.size if shape.is_fully_defined() else -1
@@ -145,12 +159,12 @@ def _tunable(process_set) -> bool:
     return whole and not graph.in_v1_graph()
 
 
-def _check_sendable(tensor, collective: str) -> None:
+def _check_sendable(dtype: tf.DType, collective: str) -> None:
     """Refuses what no collective can move (strings, resources, variants), as Horovod's ops
     refuse them when built; the same error at any size and on every rank."""
-    if tensor.dtype not in _REDUCIBLE and tensor.dtype != tf.bool:
+    if dtype not in _SENDABLE:
         raise TypeError(
-            f"{collective} cannot send {tensor.dtype.name} tensors; use a numeric or bool dtype "
+            f"{collective} cannot send {dtype.name} tensors; use a numeric or bool dtype "
             "(for strings or other Python values, broadcast_object or allgather_object)."
         )
 

@@ -27,6 +27,7 @@ from syncdp.tensorflow.collectives._common import (
     _check_reducible,
     _comm,
     _resolve_op,
+    _scale_fields,
     _signature,
     _spec,
     _tunable,
@@ -68,7 +69,9 @@ def _reduce_bucket(
     """
     k = len(members)
     # The scale factors too: ranks that scale differently would end with different results.
-    fields = (("pre", reducer.prescale), ("post", reducer.postscale), *fields)
+    # A caller that scales in TensorFlow instead (Min/Max) passes its own factors in ``fields``,
+    # which come later and so win.
+    fields = (*_scale_fields(reducer.prescale, reducer.postscale), *fields)
     # A traced step's shapes are fixed: its signature and checksum are computed once, here.
     fixed = fixed_digest = None
     if all(m.shape.is_fully_defined() for m in members):
@@ -294,8 +297,10 @@ def grouped_allreduce(
     """Allreduces a list of tensors in as few fused collectives as the threshold allows.
 
     A synchronization point: every rank of the set must call it with the same list of shapes
-    and dtypes, in the same order relative to other collectives. Differentiable: the gradients
-    are grouped-allreduced the same way.
+    and dtypes, in the same order relative to other collectives. Differentiable (its float
+    tensors): the gradients are grouped-allreduced the same way; for Min and Max they go to the
+    ranks holding the extreme, as :func:`allreduce`'s do, and the extreme is found without
+    ``compression``.
 
     Args:
         tensors: Tensors, ``tf.IndexedSlices`` (gathered, as Horovod does) or None (passed
@@ -349,21 +354,22 @@ def grouped_allreduce(
     # Floating tensors are differentiable (custom_gradient wants only them); the others
     # (integers, bool) are reduced in a call of their own before them, on every rank alike.
     floating = [k for k, t in enumerate(dense) if t.dtype.is_floating]
-    exact = [k for k, t in enumerate(dense) if not t.dtype.is_floating]
-    if exact:
-        label = f"{name}.exact" if floating else name
-        reduced = forward([dense[k] for k in exact], prescale_factor, postscale_factor, label)
-        for k, r in zip(exact, reduced):
+    integral = [k for k, t in enumerate(dense) if not t.dtype.is_floating]
+    if integral:
+        label = f"{name}.integral" if floating else name
+        reduced = forward([dense[k] for k in integral], prescale_factor, postscale_factor, label)
+        for k, r in zip(integral, reduced):
             results[dense_at[k]] = r
     if floating:
 
         @tf.custom_gradient
         def reduce(*xs):
-            if op in (Min, Max):  # exact, as a single allreduce's: the gradient finds the
-                # ranks holding the extreme by comparing their values with it
-                exact_options = {k: v for k, v in options.items() if k != "compression"}
+            if op in (Min, Max):
+                # Uncompressed, as a single allreduce's: the gradient finds the ranks holding
+                # the extreme by comparing their values with it.
+                uncompressed = {k: v for k, v in options.items() if k != "compression"}
                 return _min_max_with_gradient(
-                    list(xs), op, prescale_factor, postscale_factor, name, **exact_options
+                    list(xs), op, prescale_factor, postscale_factor, name, **uncompressed
                 )
 
             def grad(*dys):
@@ -472,7 +478,7 @@ def _min_max_with_gradient(xs, op, prescale: float, postscale: float, name: str,
     :func:`fused_allreduce`'s options (``process_set``, bucketing, compression).
     """
     zs = [x * prescale if prescale != 1.0 else x for x in xs]
-    ms = fused_allreduce(zs, op, name=name, **fuse)[0]
+    ms = fused_allreduce(zs, op, name=name, fields=_scale_fields(prescale, postscale), **fuse)[0]
     ys = [m * postscale if postscale != 1.0 else m for m in ms]
 
     def grad(*dys):
@@ -502,10 +508,8 @@ def _adasum(tensor, name: str, process_set, prescale: float = 1.0, postscale: fl
 
     def run(array):
         comm = _comm(process_set)
-        signature = _signature(
-            name, array, op="adasum", shape=array.shape, pre=float(prescale), post=float(postscale)
-        )
-        comm.agree(signature, name=name)
+        fields = dict(_scale_fields(prescale, postscale))
+        comm.agree(_signature(name, array, op="adasum", shape=array.shape, **fields), name=name)
         rows = comm.allgather_equal(array, name=name).reshape(comm.size, -1).astype(np.float64)
         combined = adasum_tree(rows) * (prescale * postscale)
         return (combined.astype(array.dtype).reshape(array.shape),)

@@ -23,6 +23,7 @@ from syncdp.tensorflow.collectives._common import (
     _check_sendable,
     _comm,
     _resolve_op,
+    _scale_fields,
     _signature,
 )
 from syncdp.tensorflow.collectives.gather import allgather
@@ -95,7 +96,7 @@ def alltoall(
     """
     _comm(process_set)
     tensor = tf.convert_to_tensor(tensor)
-    _check_sendable(tensor, "alltoall")
+    _check_sendable(tensor.dtype, "alltoall")
     if tensor.shape.rank == 0:
         raise ValueError("alltoall needs a tensor of rank >= 1.")
     name = name or "alltoall"
@@ -136,7 +137,7 @@ def _reducescatter_call(tensor, op: ReduceOp, name: str, process_set, pre=1.0, p
 
     def run(a):
         comm = _comm(process_set)
-        scales = dict(pre=reducer.prescale, post=reducer.postscale)
+        scales = dict(_scale_fields(reducer.prescale, reducer.postscale))
         comm.agree(_signature(name, a, op=op.value, shape=a.shape, **scales), name=name)
         rows = _scatter_counts(a.shape[0], comm.size)
         row = int(np.prod(a.shape[1:], dtype=np.int64))

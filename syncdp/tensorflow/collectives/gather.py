@@ -69,7 +69,8 @@ def allgather(
     rank's gradient.
 
     Args:
-        tensor: A tensor of any dtype and rank >= 1 (a scalar is gathered as shape [1]).
+        tensor: A tensor of a numeric or bool dtype and rank >= 1 (a scalar is gathered as
+            shape [1]).
         name: Name of the collective in the timeline. Defaults to "allgather".
         ignore_name_scope: Accepted for Horovod compatibility.
         process_set: The ranks that gather together. Defaults to the whole job.
@@ -79,7 +80,7 @@ def allgather(
     """
     _comm(process_set)
     tensor = tf.convert_to_tensor(tensor)
-    _check_sendable(tensor, "allgather")
+    _check_sendable(tensor.dtype, "allgather")
     if tensor.shape.rank == 0:
         tensor = tf.reshape(tensor, [1])
     name = name or "allgather"
@@ -147,7 +148,7 @@ def broadcast(
     _comm(process_set)
     root = _root(process_set, root_rank)
     tensor = tf.convert_to_tensor(tensor)
-    _check_sendable(tensor, "broadcast")
+    _check_sendable(tensor.dtype, "broadcast")
     name = name or "broadcast"
     if not tensor.dtype.is_floating:
         return _bcast(tensor, root_rank, name, process_set)

@@ -76,14 +76,14 @@ def broadcast_variables(
     comm = _comm(process_set)
     root = _root(process_set, root_rank)
     variables = list(variables)
+    for v in variables:  # at any size; Keras 3 variables report their dtype as a string
+        _check_sendable(tf.as_dtype(v.dtype), "broadcast_variables")
     if comm.size == 1 or not variables:
         return None if tf.executing_eagerly() else tf.no_op()
     assigns = []
     cap = runtime.get_config().fusion_threshold
-    # Keras 3 variables report their dtype as a string: plan on the tensors' values.
+    # Plan on the tensors' values (the variables' dtypes may be strings).
     current = [tf.convert_to_tensor(v) for v in variables]
-    for c in current:
-        _check_sendable(c, "broadcast_variables")
     buckets = engine.plan([_spec(c) for c in current], first_bytes=0, cap_bytes=cap)
     for b, bucket in enumerate(buckets):
         values = [current[i] for i in bucket.indices]
