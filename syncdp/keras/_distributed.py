@@ -154,6 +154,9 @@ class Distributed:
         op = ops.reduce_op(op)
         if op not in (ops.Average, ops.Sum):
             raise ValueError(f"op must be syncdp.Average or syncdp.Sum; got {op!r}.")
+        if gradient_predivide_factor != 1.0 and op is not ops.Average:
+            # Refused here, as Horovod does, not at the first training step.
+            raise ValueError("gradient_predivide_factor not supported with op != Average.")
         if (
             int(backward_passes_per_step) != backward_passes_per_step
             or backward_passes_per_step < 1

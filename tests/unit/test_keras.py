@@ -113,6 +113,11 @@ def test_horovods_keras_2_spellings_still_work():
         (dict(backward_passes_per_step=0), ValueError, "integer >= 1; got 0"),
         (dict(compression="fp8"), ValueError, r"compress\(\) and decompress\(\); got 'fp8'"),
         (dict(learning_rate=0.1), TypeError, "set learning rate"),
+        (
+            dict(op=syncdp.Sum, gradient_predivide_factor=2.0),
+            ValueError,
+            "gradient_predivide_factor not supported with op != Average",
+        ),
     ],
 )
 def test_bad_arguments_say_what_to_do(kwargs, error, match):
