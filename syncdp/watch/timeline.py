@@ -38,6 +38,12 @@ __all__ = ["Timeline", "gather_and_write", "load"]
 # Rows (thread ids) of each rank's process in the trace.
 _COLLECTIVES, _GRADIENTS = 0, 1
 
+# Events each rank keeps for the job's trace (a Python dict each, about 0.5 KB: some 100 MB). The
+# job's timeline is held in memory until shutdown; without a bound a long run would grow every
+# rank's memory without end (ResNet-50 records about 170 events a step). Later ones are left
+# out, and the trace says where.
+MAX_EVENTS = 200_000
+
 
 class Timeline:
     """Collects one complete ("X") event per collective on this rank.
@@ -47,11 +53,15 @@ class Timeline:
         every_rank: Whether every rank records and rank 0 gathers their events at the end (the
             job's timeline, ``--timeline-filename``), or rank 0 records alone
             (``start_timeline``). Defaults to True.
+        max_events: With ``every_rank``, the events this rank records at most (they are kept
+            in memory until the gather); one more marks where the rest were left out.
+            Defaults to :data:`MAX_EVENTS`.
     """
 
-    def __init__(self, path: str, *, every_rank: bool = True):
+    def __init__(self, path: str, *, every_rank: bool = True, max_events: int = MAX_EVENTS):
         self.path = path
         self.every_rank = every_rank
+        self.max_events = max_events
         self.rank = 0
         self.events: list[dict] = []
         self._origin = time.perf_counter()
@@ -136,10 +146,38 @@ class Timeline:
         self._recorded += 1
 
     def _add(self, event: dict) -> None:
+        added = [event]
         if self.every_rank:  # kept for the gather at the end
+            if len(self.events) >= self.max_events:
+                return  # full: the note that says so is the last event
             self.events.append(event)
+            if len(self.events) == self.max_events:
+                added.append(self._full(event["ts"]))
         if self._stream is not None:
-            self._stream.add(event)
+            for one in added:
+                self._stream.add(one)
+
+    def _full(self, ts: float) -> dict:
+        """Adds the note that ends a full timeline; returns it."""
+        note = {
+            "name": f"timeline full: later events of this rank left out ({self.max_events:,} kept)",
+            "cat": "timeline",
+            "ph": "i",
+            "s": "p",
+            "pid": self.rank,
+            "tid": _COLLECTIVES,
+            "ts": ts,
+        }
+        self.events.append(note)
+        if self.rank == 0:
+            print(
+                f"syncdp: the timeline holds {self.max_events:,} events per rank at most (in "
+                "memory until the job ends); later collectives are left out of it. Record a "
+                "shorter run for a whole trace.",
+                file=sys.stderr,
+                flush=True,
+            )
+        return note
 
 
 def gather_and_write(mpi_comm, timeline: Timeline | None) -> str | None:

@@ -71,3 +71,25 @@ def test_a_path_rank_0_cannot_write_is_named_when_the_timeline_starts(tmp_path):
     blocker.write_text("")
     with pytest.raises(OSError, match="the timeline cannot be written to"):
         Timeline(str(blocker / "trace.json")).start(0)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_full_timeline_keeps_its_first_events_and_says_where_it_stopped(tmp_path, capsys, rank):
+    """A job's timeline is held in memory until the end: each rank keeps at most max_events,
+    then a note, and nothing more (rank 0's file likewise); rank 0 says so once."""
+    path = tmp_path / "trace.json"
+    timeline = Timeline(str(path), max_events=3)
+    timeline.start(rank)
+    for i in range(5):
+        timeline.record(f"c{i}", 8, "float32", 1.0 + i, 1.5 + i)
+        timeline.mark(f"gradient {i}", 1.2 + i)
+    names = [e["name"] for e in timeline.events]
+    assert names[:3] == ["c0", "gradient 0", "c1"]
+    assert len(names) == 4 and names[3].startswith("timeline full: later events of this rank")
+    said = capsys.readouterr().err
+    if rank == 0:
+        assert said.count("the timeline holds 3 events per rank at most") == 1
+        streamed = [e["name"] for e in _trace(path) if e["ph"] != "M"]
+        assert streamed == names
+    else:
+        assert said == "" and not path.exists()
