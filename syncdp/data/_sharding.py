@@ -361,6 +361,8 @@ def shard_files(
 
 
 def _enough_files(paths: list[str], size: int) -> None:
+    """Refuses fewer files than ranks; called once the ranks agree on the list, so every rank
+    raises or none does."""
     if len(paths) < size:
         raise DataError(
             f"shard_files needs at least as many files as ranks: got {len(paths)} "
