@@ -165,6 +165,12 @@ class Distributed:
                 "backward_passes_per_step must be an integer >= 1; got "
                 f"{backward_passes_per_step!r}."
             )
+        if backward_passes_per_step > 1 and getattr(optimizer, "gradient_accumulation_steps", None):
+            raise ValueError(
+                "backward_passes_per_step and the wrapped optimizer's "
+                "gradient_accumulation_steps both accumulate gradients over several steps; "
+                "use one of them."
+            )
         if not _compression.is_compressor(compression):
             raise ValueError(
                 "compression must be a compressor: syncdp.Compression.none, "
@@ -311,6 +317,20 @@ class Distributed:
     @property
     def iterations(self):
         return self.inner_optimizer.iterations
+
+    @property
+    def loss_scale_factor(self):
+        """The wrapped optimizer's (Keras 3): its update divides the gradients by it. A
+        LossScaleOptimizer around this one (compile's, under mixed_float16) sets it to None
+        here, as it scales the loss itself, so that must reach the wrapped optimizer, or the
+        gradients would be divided by it once more."""
+        return getattr(self.__dict__.get("inner_optimizer"), "loss_scale_factor", None)
+
+    @loss_scale_factor.setter
+    def loss_scale_factor(self, factor):
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is not None:  # the base class's __init__ sets it before the inner exists
+            inner.loss_scale_factor = factor
 
     def __getattr__(self, name):
         # Called only when ordinary lookup fails: hyperparameters of the wrapped optimizer

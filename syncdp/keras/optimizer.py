@@ -68,6 +68,10 @@ def for_package(keras: ModuleType) -> type:
         _base_arguments = {"learning_rate": 0.0} if _major(keras) >= 3 else {}
 
     DistributedOptimizer.__qualname__ = DistributedOptimizer.__name__
+    if _major(keras) < 3:
+        # tf-keras' LossScaleOptimizerV3 (compile's, under mixed_float16) saves the optimizer it
+        # wraps by its bare class name, and an .h5 file's loader looks that up as it is.
+        keras.utils.get_custom_objects().setdefault("DistributedOptimizer", DistributedOptimizer)
     return DistributedOptimizer
 
 

@@ -361,6 +361,24 @@ def test_mixed_precision_overflow_while_accumulating_is_skipped_on_every_rank():
     _assert_identical_across_ranks(model.get_weights())
 
 
+def test_a_mixed_precision_model_saved_to_h5_loads_back_with_its_optimizer(shared_dir):
+    """tf-keras' LossScaleOptimizer saves the DistributedOptimizer it wraps by its bare class
+    name, which an .h5 file's loader must find (hvd.load_model and tf-keras' own)."""
+    path = os.path.join(shared_dir, "mixed.h5")
+    with _mixed_float16():
+        model = _regression(seed=100)
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+        if hvd.rank() == 0:
+            model.save(path)
+        hvd.barrier()
+        for load in (hvd.load_model, keras.models.load_model):
+            loaded = load(path)
+            assert isinstance(loaded.optimizer, keras.mixed_precision.LossScaleOptimizer)
+            assert type(loaded.optimizer.inner_optimizer).__name__ == "DistributedOptimizer"
+            _assert_close(loaded.get_weights(), model.get_weights(), atol=0)
+        hvd.barrier()
+
+
 def test_aggregated_gradients_are_reduced_once_whatever_happens_between():
     # tf-keras' own pattern for custom aggregation: aggregate, transform, then apply with
     # skip_gradients_aggregation=True. And a step whose aggregation was never applied (a loss

@@ -125,6 +125,13 @@ def test_bad_arguments_say_what_to_do(kwargs, error, match):
         hvd.DistributedOptimizer(keras.optimizers.SGD(), **kwargs)
 
 
+def test_two_ways_of_accumulating_gradients_are_refused_together():
+    accumulating = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match="both accumulate gradients over several steps"):
+        hvd.DistributedOptimizer(accumulating, backward_passes_per_step=2)
+    hvd.DistributedOptimizer(accumulating)  # either one alone is fine
+
+
 def test_rejects_what_is_not_a_keras_3_optimizer():
     with pytest.raises(TypeError, match="Pass an instance such as keras.optimizers.Adam"):
         hvd.DistributedOptimizer("adam")
@@ -422,3 +429,25 @@ def test_fp16_compress_is_horovods_and_collectives_cast_only_across_hosts(monkey
     monkeypatch.setattr(compression, "_across_hosts", lambda: False)
     assert compression.for_transport(compression.Compression.fp16) is compression.NoneCompressor
     assert compression.for_transport(compression.Compression.none) is compression.NoneCompressor
+
+
+def test_under_mixed_precision_the_wrapped_optimizers_loss_scale_factor_is_not_applied_twice():
+    """Compile wraps the optimizer in a LossScaleOptimizer, which scales the loss itself and
+    turns the wrapped optimizer's loss_scale_factor off; through DistributedOptimizer that must
+    reach the optimizer that divides the gradients by it. The update equals plain Keras'."""
+    x, y = _xy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        weights = []
+        for wrap in (lambda opt: opt, hvd.DistributedOptimizer):
+            model = _model()
+            start = [w.copy() for w in model.get_weights()]
+            model.compile(wrap(keras.optimizers.SGD(0.05, loss_scale_factor=8.0)), "mse")
+            model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+            weights.append([w - s for w, s in zip(model.get_weights(), start)])
+            assert model.optimizer.inner_optimizer.loss_scale_factor is None
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    for plain, distributed in zip(*weights):
+        assert np.abs(plain).max() > 1e-3  # the steps moved the weights
+        np.testing.assert_allclose(distributed, plain, rtol=2e-2, atol=1e-4)
