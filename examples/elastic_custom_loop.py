@@ -12,7 +12,7 @@ of ranks, so the result equals one process's.
 
 ``--kill LABEL:EPOCH:BATCH[:SIGNAL]`` (repeatable) makes the process labelled LABEL (the
 original ranks are 0..N-1, replacements N, N+1, ...) send itself SIGNAL (default KILL) before
-that batch (SIGNAL ``exit``: it calls ``sys.exit(0)`` there, leaving the job by its own
+that batch (SIGNAL ``exit``: it calls ``sys.exit(3)`` there, leaving the job by its own
 choice); ``--kill LABEL:reset`` makes it die in its first reset callback (a failure during
 recovery); ``--kill LABEL:refilled`` makes it die at the first step at which a warm spare
 started in the background waits (``--spares``: a used or dead spare was replaced).
@@ -166,8 +166,8 @@ def main() -> int:
                 if refilled and any(m.label >= first_new_spare for m in waiting):
                     sig = refilled
                 if sig == "exit":
-                    print(f"label {label}: calling sys.exit(0)", flush=True)
-                    sys.exit(0)
+                    print(f"label {label}: calling sys.exit(3)", flush=True)
+                    sys.exit(3)
                 if sig is not None:
                     print(f"label {label}: sending myself {sig.name}", flush=True)
                     os.kill(os.getpid(), sig)

@@ -331,16 +331,17 @@ def _no_reset() -> None:
 
 
 def _leave_now(leaving: SystemExit) -> NoReturn:
-    """Ends this rank at once, as a lost one, when its training function calls ``sys.exit()``:
-    the others recover without it from the last commit. Exiting the usual way would leave them
-    waiting for it in their next collective while its ``MPI_Finalize`` waits for them, until
-    the finalize bound (``--finalize-timeout``, 60 s) killed it."""
+    """Ends this rank at once, as a lost one, when its training function calls ``sys.exit()``
+    with a failing status: the others recover without it from the last commit. Exiting the
+    usual way would leave them waiting for it in their next collective while its
+    ``MPI_Finalize`` waits for them, until the finalize bound (``--finalize-timeout``, 60 s)
+    killed it."""
     code = leaving.code
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)  # what sys.exit("message") prints
     print(
         f"syncdp: rank {runtime.rank()} called sys.exit({code!r}) inside elastic.run before "
-        "training finished; it leaves the job now and the others go on without it.",
+        "training finished; it leaves the job now, as a lost rank.",
         file=sys.stderr,
         flush=True,
     )
@@ -375,6 +376,7 @@ def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
 
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
+        runtime.training_finished(False)  # a second run trains again
         reformed = False  # the job was just re-formed: the reset functions run first
         while True:
             try:
@@ -397,7 +399,9 @@ def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
                     report.send("trained", 0, "every rank finished training")
                 return result
             except SystemExit as leaving:
-                if runtime.elastic_plan() is None:
+                # sys.exit(0) (or None) takes the usual way out: every rank may be ending
+                # together (an early stop), and they finalize together.
+                if runtime.elastic_plan() is None or leaving.code in (None, 0):
                     raise
                 _leave_now(leaving)
             except Exception as error:  # noqa: BLE001 - re-raised unless it is a failure

@@ -571,9 +571,10 @@ def states_synced() -> None:
     _state.steps_unsynced = False
 
 
-def training_finished() -> None:
-    """Called by ``elastic.run`` on every rank once every rank has finished training."""
-    _state.trained = True
+def training_finished(finished: bool = True) -> None:
+    """Called by ``elastic.run`` on every rank once every rank has finished training (and with
+    False as a run begins)."""
+    _state.trained = finished
 
 
 def on_reset(callback) -> None:

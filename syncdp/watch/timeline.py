@@ -62,6 +62,7 @@ class Timeline:
         self.path = path
         self.every_rank = every_rank
         self.max_events = max_events
+        self._counting = threading.Lock()
         self.rank = 0
         self.events: list[dict] = []
         self._origin = time.perf_counter()
@@ -148,11 +149,12 @@ class Timeline:
     def _add(self, event: dict) -> None:
         added = [event]
         if self.every_rank:  # kept for the gather at the end
-            if len(self.events) >= self.max_events:
-                return  # full: the note that says so is the last event
-            self.events.append(event)
-            if len(self.events) == self.max_events:
-                added.append(self._full(event["ts"]))
+            with self._counting:  # TensorFlow's threads mark gradients while collectives end
+                if len(self.events) >= self.max_events:
+                    return  # full: the note that says so is the last event
+                self.events.append(event)
+                if len(self.events) == self.max_events:
+                    added.append(self._full(event["ts"]))
         if self._stream is not None:
             for one in added:
                 self._stream.add(one)

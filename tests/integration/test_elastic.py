@@ -544,14 +544,14 @@ def test_rank_0_lost_while_it_grows_the_job_is_a_recovery_with_new_labels(tmp_pa
 
 @pytest.mark.parametrize("label", [1, 0])
 def test_a_rank_that_calls_sys_exit_in_training_leaves_at_once(tmp_path, label):
-    """sys.exit() inside the training function: the rank leaves the job then and there, and
+    """sys.exit(3) inside the training function: the rank leaves the job then and there, and
     the others recover without it from the last commit (it used to wait in MPI_Finalize for
     ranks that waited for it, until the 60 s finalize bound killed it, and the launcher then
     said its training had ended). Rank 0 leaving leaves one new rank 0."""
     started = time.monotonic()
     result = _run(tmp_path, 3, f"{label}:0:4:exit")
     _assert_finished(result, size=3, changes=1)
-    assert f"rank {label} called sys.exit(0) inside elastic.run before training finished" in (
+    assert f"rank {label} called sys.exit(3) inside elastic.run before training finished" in (
         result.stderr
     ), result.stderr[-3000:]
     assert "training had" not in result.stderr, result.stderr[-3000:]

@@ -233,3 +233,15 @@ def test_an_object_one_rank_cannot_pickle_fails_on_every_rank_and_the_job_goes_o
         "from": root
     }
     assert hvd.allgather_object(r * 2) == [2 * i for i in range(n)]
+
+
+def test_broadcast_variables_takes_tf1_ref_variables(hvd):
+    """disable_v2_behavior() programs (or use_resource=False) make reference variables, whose
+    dtype is float32_ref: still a float to broadcast."""
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        v = tf.compat.v1.Variable([float(hvd.rank() + 1)], use_resource=False)
+        assert v.dtype._is_ref_dtype  # TensorFlow names no public check of it
+        op = hvd.broadcast_variables([v], root_rank=0)
+        session.run(v.initializer)
+        session.run(op)
+        np.testing.assert_array_equal(session.run(v), [1.0])

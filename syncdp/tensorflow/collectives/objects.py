@@ -77,7 +77,7 @@ def broadcast_variables(
     root = _root(process_set, root_rank)
     variables = list(variables)
     for v in variables:  # at any size; Keras 3 variables report their dtype as a string
-        _check_sendable(tf.as_dtype(v.dtype), "broadcast_variables")
+        _check_sendable(tf.as_dtype(v.dtype).base_dtype, "broadcast_variables")  # TF1: float32_ref
     if comm.size == 1 or not variables:
         return None if tf.executing_eagerly() else tf.no_op()
     assigns = []
