@@ -114,12 +114,8 @@ def _check_args(batch_size, shuffle_buffer, shard_by, compression_type, seed) ->
             f"tfrecord_dataset: compression_type must be None, 'GZIP' or 'ZLIB'; "
             f"got {compression_type!r}."
         )
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        # The same on every rank (it decides which rank reads which file): no random default.
-        raise ValueError(
-            f"tfrecord_dataset needs a seed that is an integer >= 0, the same on every rank; "
-            f"got {seed!r}."
-        )
+    # The same on every rank (it decides which rank reads which file): no random default.
+    _check_whole("tfrecord_dataset", "seed", seed)
 
 
 def _describe_damage(damaged) -> str:

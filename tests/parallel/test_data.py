@@ -278,7 +278,7 @@ def test_a_seed_that_is_not_an_integer_is_named(hvd, data, seed):
     # in NumPy with a TypeError.
     from syncdp.data import tfrecord_dataset
 
-    with pytest.raises(ValueError, match="needs a seed that is an integer >= 0"):
+    with pytest.raises(ValueError, match="tfrecord_dataset needs seed to be an integer >= 0"):
         tfrecord_dataset(data["abc"], parse_id, 4, shuffle_buffer=8, seed=seed)
 
 
