@@ -92,7 +92,7 @@ def _plan(
     return by_file, None
 
 
-def _check_args(batch_size, shuffle_buffer, shard_by, compression_type, seed) -> None:
+def _check_args(batch_size, shuffle_buffer, shard_by, compression_type, seed, epoch) -> None:
     if (
         isinstance(batch_size, bool)
         or not isinstance(batch_size, (int, np.integer))
@@ -116,6 +116,7 @@ def _check_args(batch_size, shuffle_buffer, shard_by, compression_type, seed) ->
         )
     # The same on every rank (it decides which rank reads which file): no random default.
     _check_whole("tfrecord_dataset", "seed", seed)
+    _check_whole("tfrecord_dataset", "epoch", epoch)
 
 
 def _describe_damage(damaged) -> str:
@@ -215,7 +216,7 @@ def tfrecord_dataset(
             ``batch_size`` records.
         MismatchError: On every rank, when ranks passed different values of an argument that
             decides who reads what (see ``seed``).
-        ValueError: An argument is out of range.
+        ValueError: An argument is out of range, on any rank: raised on every rank.
 
     Example:
         >>> def parse(record):
@@ -226,13 +227,16 @@ def tfrecord_dataset(
         >>> ds = syncdp.data.tfrecord_dataset("data/*.tfrecord", parse, 32, shuffle_buffer=1000)
         >>> model.fit(ds, epochs=3)  # every rank runs ds.cardinality() steps per epoch
     """
-    _check_args(batch_size, shuffle_buffer, shard_by, compression_type, seed)
-    _check_whole("tfrecord_dataset", "epoch", epoch)
-    batch_size = int(batch_size)
     size, rank = runtime.size(), runtime.rank()
-    paths, problem = _resolved(files, "tfrecord_dataset")
-    if shuffle_files is None:
-        shuffle_files = shuffle_buffer > 0
+    paths, problem = _resolved(
+        files,
+        "tfrecord_dataset",
+        lambda: _check_args(batch_size, shuffle_buffer, shard_by, compression_type, seed, epoch),
+    )
+    if problem is None:  # else raised on every rank by the counting's agreement
+        batch_size = int(batch_size)
+        if shuffle_files is None:
+            shuffle_files = shuffle_buffer > 0
     file_seed = seed if shuffle_files else None
     counts, damaged = _gather_counts(
         paths,

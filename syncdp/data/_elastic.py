@@ -97,19 +97,24 @@ def elastic_tfrecord_dataset(
             the epoch has fewer records than one global batch.
         MismatchError: Ranks passed different ``global_batch_size``, ``epoch``,
             ``start_batch`` or (with ``shuffle_files``) ``seed``.
-        ValueError: ``global_batch_size`` is below the number of ranks, or ``start_batch`` is
-            outside the epoch.
+        ValueError: ``global_batch_size`` is below the number of ranks, ``seed`` or ``epoch``
+            is not an integer >= 0, or ``start_batch`` is outside the epoch: raised on every
+            rank.
     """
     size, rank = runtime.size(), runtime.rank()
-    global_batch_size = int(global_batch_size)
-    if global_batch_size < size:
-        raise ValueError(
-            f"global_batch_size must be at least the number of ranks ({size}) so every rank "
-            f"gets a record each step; got {global_batch_size}."
-        )
-    _check_whole("elastic_tfrecord_dataset", "seed", seed)
-    _check_whole("elastic_tfrecord_dataset", "epoch", epoch)
-    paths, problem = _resolved(files, "elastic_tfrecord_dataset")
+
+    def check():
+        if int(global_batch_size) < size:
+            raise ValueError(
+                f"global_batch_size must be at least the number of ranks ({size}) so every "
+                f"rank gets a record each step; got {global_batch_size}."
+            )
+        _check_whole("elastic_tfrecord_dataset", "seed", seed)
+        _check_whole("elastic_tfrecord_dataset", "epoch", epoch)
+
+    paths, problem = _resolved(files, "elastic_tfrecord_dataset", check)
+    if problem is None:  # else raised on every rank by the counting's agreement
+        global_batch_size = int(global_batch_size)
     counts, _ = _gather_counts(
         paths,
         verify=verify,

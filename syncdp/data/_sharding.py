@@ -68,14 +68,17 @@ def _resolve_files(files, caller: str) -> list[str]:
     return paths
 
 
-def _resolved(files, caller: str) -> tuple[list[str], str | None]:
+def _resolved(files, caller: str, check=None) -> tuple[list[str], ValueError | None]:
     """:func:`_resolve_files`'s paths, or ``([], what was wrong)``: a problem with one rank's
-    own list (a pattern that matches nothing on its host) is raised on every rank together,
-    by :func:`_agree_on_files`, rather than on that rank alone while the others wait for it."""
+    own list (a pattern that matches nothing on its host), or with its arguments (``check``,
+    which raises ValueError), is raised on every rank together by :func:`_agree_on_files`,
+    rather than on that rank alone while the others wait for it."""
     try:
+        if check is not None:
+            check()
         return _resolve_files(files, caller), None
-    except DataError as error:
-        return [], str(error)
+    except ValueError as error:  # DataError is one
+        return [], error
 
 
 def _check_whole(caller: str, what: str, value, *, optional: bool = False) -> None:
@@ -183,11 +186,11 @@ def _differing_files(paths: list[str], sizes_by_rank: list[list[int]]) -> list[s
     return lines
 
 
-def _listed(head: str, lines: list[str]) -> DataError:
-    """A DataError of ``head`` and the first ten ``lines``, one per line."""
+def _listed(head: str, lines: list[str], kind: type[ValueError] = DataError) -> ValueError:
+    """A ``kind`` of error of ``head`` and the first ten ``lines``, one per line."""
     shown = "\n  ".join(lines[:10])
     more = f"\n  ... and {len(lines) - 10} more" if len(lines) > 10 else ""
-    return DataError(f"{head}:\n  {shown}{more}")
+    return kind(f"{head}:\n  {shown}{more}")
 
 
 def _gather_counts(
@@ -198,7 +201,7 @@ def _gather_counts(
     skip_corrupt: bool,
     caller: str,
     agree: dict | None = None,
-    problem: str | None = None,
+    problem: ValueError | None = None,
 ):
     """Counts every file's records, sharing the work and the results among all ranks.
 
@@ -206,7 +209,7 @@ def _gather_counts(
     First the ranks check that they were given the same arguments (``agree``, which decide who
     reads what) and see the same files (names and sizes); then each counts a share of the files
     and one ``allgather`` gives every rank every count and every error. ``problem`` is what
-    this rank found wrong with its list (see :func:`_resolved`).
+    this rank found wrong with its list or arguments (see :func:`_resolved`).
 
     Returns:
         ``(counts, damaged)``: the records each file yields, and ``(path, what was wrong,
@@ -248,28 +251,38 @@ def _gather_counts(
 
 
 def _agree_on_files(
-    paths: list[str], caller: str, name: str, agree: dict | None, problem: str | None = None
+    paths: list[str],
+    caller: str,
+    name: str,
+    agree: dict | None,
+    problem: ValueError | None = None,
 ) -> list[int]:
-    """Checks, on every rank together, that the ranks passed the same ``agree`` values, found
-    no ``problem`` with their lists, were given the same files in the same order and see the
-    same sizes; returns the sizes.
+    """Checks, on every rank together, that the ranks found no ``problem`` with their lists
+    or arguments, passed the same ``agree`` values, were given the same files in the same
+    order and see the same sizes; returns the sizes.
 
     Raises:
+        ValueError: On every rank, when a rank found a bad argument (and none a problem with
+            its list).
         MismatchError: On every rank, when ranks passed different ``agree`` values.
         DataError: On every rank, when a rank found a problem with its list, ranks were given
             different file lists or see a file with different sizes (or one rank does not see
             it).
     """
     comm = runtime.communicator()
-    comm.enter(name, **(agree or {}))
+    comm.enter(name)  # every rank is here: the gather below pairs with no other collective
     sizes = [_file_size(p) for p in paths]
     views = comm.allgather_object((paths, sizes, problem), name=f"{caller}.files")
-    problems = [(r, why) for r, (_, _, why) in enumerate(views) if why is not None]
-    if len(problems) == comm.size and len({why for _, why in problems}) == 1:
-        raise DataError(problems[0][1])  # the same on every rank: said once
+    problems = [(r, error) for r, (_, _, error) in enumerate(views) if error is not None]
     if problems:
-        lines = [f"rank {r}: {why}" for r, why in problems]
-        raise _listed(f"{caller}: the file list failed on {len(lines)} rank(s)", lines)
+        # A bad argument alone is a ValueError; DataError (also a ValueError) otherwise.
+        kind = DataError if any(isinstance(e, DataError) for _, e in problems) else ValueError
+        if len(problems) == comm.size and len({str(e) for _, e in problems}) == 1:
+            raise kind(str(problems[0][1]))  # the same on every rank: said once
+        lines = [f"rank {r}: {error}" for r, error in problems]
+        raise _listed(f"{caller} failed on {len(lines)} rank(s)", lines, kind)
+    # Checked after the problems: a rank's bad argument is named as such, not as a mismatch.
+    comm.enter(name, **(agree or {}))
     for rank, (rank_paths, _, _) in enumerate(views):
         if rank_paths != paths:
             raise DataError(
@@ -318,14 +331,18 @@ def shard_files(
             see them differently). Raised on every rank.
         MismatchError: Ranks passed different ``seed``, ``epoch`` or ``balance``, on every
             rank.
-        ValueError: ``seed`` or ``epoch`` is not an integer >= 0 (``seed`` may be None).
+        ValueError: ``seed`` or ``epoch`` is not an integer >= 0 (``seed`` may be None) on any
+            rank: raised on every rank.
 
     Example:
         >>> my_files = syncdp.data.shard_files("data/*.tfrecord", seed=1, epoch=epoch)
     """
-    _check_whole("shard_files", "seed", seed, optional=True)
-    _check_whole("shard_files", "epoch", epoch)
-    paths, problem = _resolved(files, "shard_files")
+
+    def check():
+        _check_whole("shard_files", "seed", seed, optional=True)
+        _check_whole("shard_files", "epoch", epoch)
+
+    paths, problem = _resolved(files, "shard_files", check)
     size, rank = runtime.size(), runtime.rank()
     if balance:
         weights, _ = _gather_counts(

@@ -372,6 +372,37 @@ def test_a_glob_that_matches_nothing_on_one_rank_fails_every_rank(hvd, data, cal
     assert hvd.allreduce(tf.ones([1]), op=hvd.Sum).numpy()[0] == hvd.size()  # the job goes on
 
 
+@pytest.mark.parametrize("caller", ["tfrecord_dataset", "shard_files", "unbalanced", "elastic"])
+def test_a_bad_argument_on_one_rank_fails_every_rank(hvd, data, caller):
+    """A value computed per rank (a seed from the rank, an epoch counter) that is bad on one
+    rank only: every rank raises its ValueError, naming that rank, instead of the others
+    waiting for it until the stall timeout (forever without one)."""
+    from syncdp.data import elastic_tfrecord_dataset
+
+    files = f"{data['dir']}/six/*.tfrecord"
+    bad = _on_one_rank(-1, 0)
+    build = {
+        "tfrecord_dataset": lambda: tfrecord_dataset(files, parse_id, 2, seed=bad),
+        "shard_files": lambda: shard_files(files, epoch=bad),
+        "unbalanced": lambda: shard_files(files, balance=False, seed=bad),
+        "elastic": lambda: elastic_tfrecord_dataset(files, parse_id, 6, epoch=bad),
+    }[caller]
+    with pytest.raises(ValueError) as info:
+        build()
+    assert type(info.value) is ValueError  # an argument's fault, not the data's
+    assert "to be an integer >= 0" in str(info.value)
+    if hvd.size() > 1:
+        assert f"failed on 1 rank(s):\n  rank {hvd.size() - 1}: " in str(info.value)
+    assert hvd.allreduce(tf.ones([1]), op=hvd.Sum).numpy()[0] == hvd.size()  # the job goes on
+    build = {  # and the same call with good arguments works
+        "tfrecord_dataset": lambda: tfrecord_dataset(files, parse_id, 2, seed=1),
+        "shard_files": lambda: shard_files(files, epoch=1),
+        "unbalanced": lambda: shard_files(files, balance=False, seed=1),
+        "elastic": lambda: elastic_tfrecord_dataset(files, parse_id, 6, epoch=1),
+    }[caller]
+    assert build() is not None
+
+
 def test_a_glob_that_matches_nothing_anywhere_is_said_once(hvd, data):
     with pytest.raises(DataError) as info:
         shard_files(f"{data['dir']}/nowhere/*.tfrecord")
