@@ -245,7 +245,8 @@ def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
             else ""
         )
         raise ValueError(f"add_process_set: ranks passed different sets: {everyone}.{split}")
-    if ps.process_set_id is not None or any(s.ranks == ps.ranks for s in sets.values()):
+    registered = [list(range(world.size))] + [s.ranks for s in sets.values()]  # global: id 0
+    if ps.process_set_id is not None or ps.ranks in registered:
         raise ValueError(f"Attempted to add a duplicate process set: {ps.ranks}.")
     return _register(ps, world, sets)
 

@@ -41,6 +41,15 @@ def test_sets_are_registered_alike_on_every_rank(hvd, sets):
             hvd.add_process_set(sets[0].ranks)
 
 
+def test_a_set_of_every_rank_is_the_global_set_and_is_not_added_again(hvd):
+    # As Horovod refuses it: the global set (id 0) already holds every rank. It was registered
+    # a second time, under a new id, unlike init(process_sets=[every rank]), which gives id 0.
+    before = hvd.get_process_set_ids_and_ranks()
+    with pytest.raises(ValueError, match="duplicate process set"):
+        hvd.add_process_set(list(range(hvd.size())))
+    assert hvd.get_process_set_ids_and_ranks() == before
+
+
 def test_collectives_of_each_set_alternating_with_the_job(hvd, sets):
     r, n = hvd.rank(), hvd.size()
     for _ in range(2):
