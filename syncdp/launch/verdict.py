@@ -39,6 +39,9 @@ from syncdp.launch.worker import describe_exit
 _ABORTED = re.compile(
     r"MPI_ABORT was invoked on rank (\d+) in communicator MPI_COMM_WORLD .*?Errorcode: (-?\d+)"
 )
+# mpirun's banner for a process that ended without MPI_Finalize after others called MPI_Init
+# (os._exit() after init(), for one): Open MPI then stops the others.
+_IMPROPER = re.compile(r"process rank (\d+) with PID (\d+) on node (\S+) exiting improperly")
 
 if TYPE_CHECKING:
     from syncdp.launch.elastic import ElasticLog
@@ -143,15 +146,22 @@ class Verdict:
         self._lock = threading.Lock()
         # Rank -> error code of an MPI_Abort its own code called (mpirun's banner says so).
         self.aborted: dict[int, int] = {}
+        # Rank -> (pid, host) of a process mpirun says ended without MPI_Finalize.
+        self.improper: dict[int, tuple[int, str]] = {}
 
     def on_banner(self, words: str) -> None:
         """For :func:`syncdp.launch.output.copy_output`: notes a rank that called
-        ``MPI_Abort`` (outside elastic mode, its rank in ``MPI_COMM_WORLD`` is the job's). A
-        rank that aborts with error code 0 exits 0, and must not count as a clean exit."""
+        ``MPI_Abort`` or ended without ``MPI_Finalize`` (outside elastic mode, its rank in
+        ``MPI_COMM_WORLD`` is the job's). Either exits 0, and must not count as a clean exit
+        when the job failed by it."""
         found = _ABORTED.search(words)
         if found and self.elastic is None:
             with self._lock:
                 self.aborted.setdefault(int(found[1]), int(found[2]))
+        found = _IMPROPER.search(words)
+        if found and self.elastic is None:
+            with self._lock:
+                self.improper.setdefault(int(found[1]), (int(found[2]), found[3]))
 
     def add(self, report: dict) -> None:
         """Records one report; sets :attr:`failed` when it is a failure."""
@@ -329,7 +339,18 @@ class Verdict:
                 ),
             )
         if len(clean) < self.num_proc:
-            return Outcome(1, (f"the job failed ({tally}): {self._stopped_text()}",))
+            # A rank that exited 0 without MPI_Finalize while others still ran made Open MPI
+            # stop them: it is the cause, not a clean exit. (Where every rank did so, each
+            # finished its program: no rank was stopped, and the job succeeded.)
+            improper = sorted(r for r in clean if r in self.improper)
+            tally = f"{len(clean) - len(improper)} of {self.num_proc} ranks exited cleanly"
+            cause = "".join(
+                f"rank {r} (pid {self.improper[r][0]} on {self.improper[r][1]}) exited 0 "
+                "without finalizing MPI (as os._exit() after init() does), so Open MPI "
+                "ended the job: "
+                for r in improper
+            )
+            return Outcome(1, (f"the job failed ({tally}): {cause}{self._stopped_text()}",))
         return Outcome(0)
 
     def _decide_elastic(

@@ -100,6 +100,31 @@ def test_a_rank_that_calls_mpi_abort_with_code_0_fails_the_job_named(tmp_path, n
     assert last.endswith("rank 1 called MPI_Abort with error code 0, and its process exited 0")
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_rank_that_leaves_without_finalizing_is_named_not_the_rank_open_mpi_stopped(
+    tmp_path, n
+):
+    # os._exit(0) on rank 1 after MPI_Init while the others compute (in no collective, so no
+    # syncdp watchdog sees it): Open MPI stops the others. The verdict named a stopped rank as
+    # the failure and counted rank 1, the cause, as a clean exit. Where every rank leaves so
+    # at the end, each finished its program, and the job succeeds (its ranks' reports decide).
+    script = python_script(
+        tmp_path,
+        "import os, sys, time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
+        "if sys.argv[1] == 'all' or MPI.COMM_WORLD.Get_rank() == 1:\n    os._exit(0)\n"
+        "time.sleep(30)\n",
+    )
+    result = launch(n, "python", script, "one", timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"syncdp-run: the job failed (0 of {n} ranks exited cleanly): "), last
+    assert re.search(r": rank 1 \(pid \d+ on \S+\) exited 0 without finalizing MPI", last), last
+    stopped = "rank 0 was" if n == 2 else "ranks 0, 2 were"
+    assert f"so Open MPI ended the job: {stopped} stopped before finishing" in last, last
+    everyone = launch(n, "python", script, "all", timeout=120)
+    assert everyone.returncode == 0, everyone.stderr[-3000:]
+
+
 def test_exception_on_one_rank_ends_the_job_naming_it(tmp_path):
     script = python_script(
         tmp_path,
