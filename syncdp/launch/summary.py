@@ -17,8 +17,11 @@ Example output::
 
 In an elastic job the heading counts the steps of the ranks that trained longest; a rank that
 joined later (a replacement, a spare made a rank) trained fewer, and a ``steps`` column then
-says how many each did. Each rank leaves a recovery, and the first step after it, out of its
-figures (``syncdp.watch.stats``), so a newcomer's start-up is charged to no rank.
+says how many each did. A rank with fewer than two steps (one that called ``join()`` after its
+first batch) has no step time (``-``), its shares are over its whole run, and it is not
+compared with the others for the slowest. Each rank leaves a recovery, and the first step
+after it, out of its figures (``syncdp.watch.stats``), so a newcomer's start-up is charged to
+no rank.
 
 The bandwidth column takes one unit for every row, the largest of GB/s, MB/s and kB/s in
 which the fastest rank moves at least 1 (a small model moves kilobytes per step, which in GB/s
@@ -98,13 +101,16 @@ def format_table(reports: Iterable[Mapping], *, prefix: str = "syncdp-run: ") ->
         lines.append(
             f"  {rank:>4}  {str(r.get('host', '?'))[:11]:<12}"
             + (f"{counts[rank]:>7}" if uneven else "")
-            + f"{step * 1e3 if step else float('nan'):>8.1f}"
-            f"{_share(r.get('computing')):>11}{_share(r.get('waiting')):>9}"
+            + (f"{step * 1e3:>8.1f}" if step else f"{'-':>8}")
+            + f"{_share(r.get('computing')):>11}{_share(r.get('waiting')):>9}"
             f"{_share(r.get('moving')):>8}"
             f"{_rate(r.get('gbps'), per_unit):>7}"
         )
-    if len(latest) >= 2:
-        waits = {rank: float(r.get("waiting") or 0.0) for rank, r in latest.items()}
+    # Only ranks with a measured step are compared: one that ran fewer than two steps (it
+    # joined early, or trained on one batch) has its shares over its whole run instead.
+    stepped = {rank: r for rank, r in latest.items() if r.get("step_s")}
+    if len(stepped) >= 2:
+        waits = {rank: float(r.get("waiting") or 0.0) for rank, r in stepped.items()}
         slowest = min(waits, key=waits.get)
         others = [w for rank, w in waits.items() if rank != slowest]
         mean_other = sum(others) / len(others)
