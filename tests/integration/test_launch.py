@@ -101,9 +101,7 @@ def test_a_rank_that_calls_mpi_abort_with_code_0_fails_the_job_named(tmp_path, n
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_a_rank_that_leaves_without_finalizing_is_named_not_the_rank_open_mpi_stopped(
-    tmp_path, n
-):
+def test_a_rank_that_leaves_without_finalizing_is_named_not_the_rank_open_mpi_stopped(tmp_path, n):
     # os._exit(0) on rank 1 after MPI_Init while the others compute (in no collective, so no
     # syncdp watchdog sees it): Open MPI stops the others. The verdict named a stopped rank as
     # the failure and counted rank 1, the cause, as a clean exit. Where every rank leaves so
