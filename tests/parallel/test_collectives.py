@@ -245,3 +245,27 @@ def test_broadcast_variables_takes_tf1_ref_variables(hvd):
         session.run(v.initializer)
         session.run(op)
         np.testing.assert_array_equal(session.run(v), [1.0])
+
+
+def test_collectives_take_the_tf1_references_that_assign_ops_return(hvd):
+    """Under disable_v2_behavior() an assign op returns a float32_ref tensor; TensorFlow's ops
+    (and Horovod's) read its value. Every collective refused it as a dtype it cannot move."""
+    r, n = hvd.rank(), hvd.size()
+    a = [q + 2.0 for q in range(n)]  # each rank's value after the assign_add below
+    total = sum(a)
+    want = {
+        "allreduce": lambda x: (hvd.allreduce(x, op=hvd.Sum), [total] * n),
+        "grouped": lambda x: (hvd.grouped_allreduce([x], op=hvd.Sum)[0], [total] * n),
+        "broadcast": lambda x: (hvd.broadcast(x, root_rank=n - 1), [a[-1]] * n),
+        "allgather": lambda x: (hvd.allgather(x), np.repeat(a, n)),
+        "alltoall": lambda x: (hvd.alltoall(x), a),  # element r of every rank's
+        "reducescatter": lambda x: (hvd.reducescatter(x, op=hvd.Sum), [total]),
+    }
+    for name, build in want.items():  # a graph each: running one runs those built before
+        with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+            v = tf.compat.v1.Variable(tf.fill([n], float(r + 1)), use_resource=False)
+            session.run(v.initializer)
+            ref = v.assign_add(tf.ones([n]))
+            assert ref.dtype._is_ref_dtype, name
+            collective, expected = build(ref)
+            np.testing.assert_array_equal(session.run(collective), expected, err_msg=name)

@@ -159,6 +159,13 @@ def _tunable(process_set) -> bool:
     return whole and not graph.in_v1_graph()
 
 
+def _value(tensor) -> tf.Tensor:
+    """``tensor`` as a tensor of its value: a TF1 reference (``float32_ref``, what an assign op
+    returns under ``disable_v2_behavior()``) is read, as TensorFlow's own ops read it."""
+    tensor = tf.convert_to_tensor(tensor)
+    return tf.identity(tensor) if tensor.dtype != tensor.dtype.base_dtype else tensor
+
+
 def _check_sendable(dtype: tf.DType, collective: str) -> None:
     """Refuses what no collective can move (strings, resources, variants), as Horovod's ops
     refuse them when built; the same error at any size and on every rank."""

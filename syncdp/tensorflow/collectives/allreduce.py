@@ -31,6 +31,7 @@ from syncdp.tensorflow.collectives._common import (
     _signature,
     _spec,
     _tunable,
+    _value,
 )
 from syncdp.tensorflow.collectives.gather import allgather, average_gradients_with
 from syncdp.tensorflow.compression import Compression, for_transport
@@ -340,7 +341,7 @@ def grouped_allreduce(
     ]
     if not dense_at:
         return results
-    dense = [tf.convert_to_tensor(tensors[i]) for i in dense_at]
+    dense = [_value(tensors[i]) for i in dense_at]
     options = dict(
         compression=compression,
         cap_bytes=fusion_threshold,
@@ -433,7 +434,7 @@ def allreduce(
         _check_sparse(op, prescale_factor, postscale_factor)
         return _allreduce_sparse(tensor, op, name, process_set)
     _comm(process_set)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _value(tensor)
 
     def forward(x, pre, post, label=name, how=op):
         options = dict(compression=compression, prescale=pre, postscale=post, cap_bytes=0)
@@ -502,7 +503,7 @@ def _adasum(tensor, name: str, process_set, prescale: float = 1.0, postscale: fl
     so every rank gets bit-identical results. Adasum commutes with scaling, so ``prescale``
     and ``postscale`` simply multiply the result.
     """
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _value(tensor)
     if not tensor.dtype.is_floating:
         raise ValueError(f"Adasum reduces floating-point tensors; got {tensor.dtype.name}.")
 

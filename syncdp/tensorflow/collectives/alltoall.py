@@ -25,6 +25,7 @@ from syncdp.tensorflow.collectives._common import (
     _resolve_op,
     _scale_fields,
     _signature,
+    _value,
 )
 from syncdp.tensorflow.collectives.gather import allgather
 from syncdp.tensorflow.compression import Compression, for_transport
@@ -95,7 +96,7 @@ def alltoall(
             some ranks passed bad splits, the others get MismatchError).
     """
     _comm(process_set)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _value(tensor)
     _check_sendable(tensor.dtype, "alltoall")
     if tensor.shape.rank == 0:
         raise ValueError("alltoall needs a tensor of rank >= 1.")
@@ -184,7 +185,7 @@ def reducescatter(
     if op is Adasum:
         raise NotImplementedError("reducescatter does not support Adasum.")
     _comm(process_set)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _value(tensor)
     if tensor.shape.rank == 0:
         raise ValueError("reducescatter needs a tensor of rank >= 1.")
     _check_reducible([tensor])

@@ -15,6 +15,7 @@ from syncdp.tensorflow.collectives._common import (
     _comm,
     _root,
     _signature,
+    _value,
 )
 from syncdp.tensorflow.graph import ordered_call
 
@@ -79,7 +80,7 @@ def allgather(
         A tensor with the rows of the set's first rank, then its second, and so on.
     """
     _comm(process_set)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _value(tensor)
     _check_sendable(tensor.dtype, "allgather")
     if tensor.shape.rank == 0:
         tensor = tf.reshape(tensor, [1])
@@ -147,7 +148,7 @@ def broadcast(
     """
     _comm(process_set)
     root = _root(process_set, root_rank)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _value(tensor)
     _check_sendable(tensor.dtype, "broadcast")
     name = name or "broadcast"
     if not tensor.dtype.is_floating:
