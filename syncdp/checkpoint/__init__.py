@@ -421,8 +421,9 @@ class CheckpointManager:
                 it on purpose (the state of a step is the newest one saved for it): the old
                 checkpoint stays restorable until the new one is in place, so a crash in
                 between keeps one of the two.
-            metadata: A small JSON-serializable dict stored with the checkpoint and available
-                as ``self.metadata`` after ``restore()``. Defaults to None.
+            metadata: A small JSON-serializable dict with string keys, stored with the
+                checkpoint and available as ``self.metadata`` after ``restore()`` (as JSON
+                reads it back: tuples as lists). Defaults to None.
 
         Returns:
             The checkpoint's path on rank 0, None on the other ranks.
@@ -524,6 +525,26 @@ def _metadata_problem(metadata) -> str | None:
         json.dumps(metadata)
     except (TypeError, ValueError) as e:
         return f"it must be JSON-serializable: {e}"
+    key = _key_not_a_string(metadata)
+    if key is not None:  # JSON would turn it into a string: restore() would give another key
+        return f"its keys must be strings (JSON stores {key!r} as {json.dumps(str(key))})"
+    return None
+
+
+def _key_not_a_string(value):
+    """The first dict key in ``value`` (at any depth) that is not a string, or None."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return key
+            found = _key_not_a_string(item)
+            if found is not None:
+                return found
+    elif isinstance(value, list | tuple):
+        for item in value:
+            found = _key_not_a_string(item)
+            if found is not None:
+                return found
     return None
 
 

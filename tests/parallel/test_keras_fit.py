@@ -440,6 +440,10 @@ def test_checkpoint_metadata_a_restore_would_not_take_is_refused_before_writing(
     for bad in ([("epoch", 2)], {"epoch": object()}):
         with pytest.raises(CheckpointError, match="refused its metadata"):
             manager.save(2, metadata=bad)
+    # Keys JSON turns into strings: the restore would give {"1": ...}, not {1: ...}.
+    for bad in ({1: "one"}, {"epochs": [{2: "two"}]}):
+        with pytest.raises(CheckpointError, match="its keys must be strings"):
+            manager.save(2, metadata=bad)
     if hvd.rank() == 0:
         assert [step for step, _ in list_checkpoints(directory)] == [1]
     resumed = CheckpointManager(directory, v=v, max_to_keep=1)
