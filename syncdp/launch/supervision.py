@@ -13,7 +13,9 @@
   elastic mode that holds for the final membership's ranks, whatever their verdict: warm spares
   are never needed for a job to end, and one that does not leave is stopped with mpirun. When
   mpirun has ended, the shared-memory segments that the job's killed processes left in
-  ``/dev/shm`` on this host are removed (:class:`syncdp.launch.cleanup.ShmLeftovers`).
+  ``/dev/shm`` on this host are removed (:class:`syncdp.launch.cleanup.ShmLeftovers`), and
+  whatever is left in mpirun's session is killed (:func:`end_session`: a remote shell whose
+  link was cut would wait for it for hours).
 - :class:`StopOnSignals` turns SIGINT, SIGTERM and SIGHUP to the launcher into stopping the job
   (mpirun is asked first, then killed after a grace), and remembers the signal.
 """
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from syncdp.launch.output import Flow
     from syncdp.launch.verdict import Verdict
 
-__all__ = ["start_mpirun", "stop", "supervise", "StopOnSignals"]
+__all__ = ["start_mpirun", "stop", "end_session", "supervise", "StopOnSignals"]
 
 _PR_SET_PDEATHSIG = 1
 # Seconds between asking mpirun to stop (SIGTERM) and killing it.
@@ -93,12 +95,14 @@ def stop(
     grace: float = TERMINATE_GRACE_SECONDS,
 ) -> None:
     """Asks mpirun (and through it every rank) to stop, then, after ``grace`` seconds, kills
-    whatever is left of its process group."""
+    whatever is left of its process group; and, once it has ended, of its session."""
     if process.poll() is not None:
+        end_session(process.pid)
         return
     try:
         os.killpg(process.pid, signum)
     except ProcessLookupError:
+        end_session(process.pid)
         return
     try:
         process.wait(timeout=grace)
@@ -108,6 +112,37 @@ def stop(
         except ProcessLookupError:
             pass
         process.wait()
+    end_session(process.pid)
+
+
+def end_session(session: int) -> list[int]:
+    """Kills what is left of mpirun's session ``session`` once mpirun has ended, and returns
+    the process ids. Open MPI starts each remote shell (ssh) in a process group of its own,
+    which stopping mpirun's group misses; an ssh whose host's link was cut waits for its peer
+    until TCP gives up (hours), so it outlived the launcher."""
+    left = _session_members(session)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def _session_members(session: int) -> list[int]:
+    """The processes of this host in session ``session``, other than this one."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in (os.getpid(), session):  # (a new leader)
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if len(fields) > 3 and fields[3] == str(session).encode() and fields[0] != b"Z":
+            found.append(int(name))
+    return found
 
 
 def supervise(
@@ -139,6 +174,8 @@ def supervise(
     try:
         return _supervise(process, verdict, links, leftovers, flow)
     finally:
+        if process.poll() is not None:
+            end_session(process.pid)  # a remote shell stuck on a cut link, say
         leftovers.remove()  # what killed processes left in /dev/shm, once nothing holds it
 
 

@@ -377,3 +377,44 @@ def test_a_rank_command_not_found_exits_127_and_one_not_runnable_126(tmp_path, m
     (tmp_path / "train.sh").write_text("echo hi\n")  # not executable
     assert worker.main(["./train.sh"]) == 126
     assert worker.main(["./missing.sh"]) == 127
+
+
+def test_what_mpirun_leaves_in_its_session_is_killed_once_it_has_ended():
+    # Open MPI starts each remote shell (ssh) in a process group of its own: stopping mpirun's
+    # group missed it, and an ssh whose host's link was cut outlived the launcher for hours.
+    # Here a stand-in for mpirun starts a child in its own group and exits at once.
+    from syncdp.launch import supervision
+
+    mpirun = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys\n"
+            "child = subprocess.Popen(['sleep', '120'], process_group=0)\n"
+            "print(child.pid, flush=True)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    left = int(mpirun.stdout.readline())
+    mpirun.wait(timeout=30)
+    assert os.getpgid(left) == left and os.getsid(left) == mpirun.pid  # out of mpirun's group
+    try:
+        supervision.stop(mpirun)  # mpirun has ended: what it left is swept all the same
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(left):
+            time.sleep(0.05)
+        assert not _alive(left)
+    finally:
+        if _alive(left):
+            os.kill(left, 9)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed and not yet reaped by its new parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
