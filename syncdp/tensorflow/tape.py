@@ -284,7 +284,9 @@ def reduce_gradients(
         )
         for i, r in zip(dense_at, reduced):
             results[i] = r
-    elif step_tensor is not None:  # no dense gradient to carry it: a bucket of its own
+    elif step_tensor is not None or (several and op is collectives.Adasum):
+        # No dense gradient to carry the step: a bucket of its own. (Adasum carries no step;
+        # its bucket meets the other ranks' gradients, and their checks differ.)
         _, agreed = collectives.fused_allreduce(
             [tf.zeros([1], tf.float32)],
             op,

@@ -127,6 +127,35 @@ def test_a_variable_unused_on_some_ranks_is_named_and_zero_gradients_average_it(
     np.testing.assert_allclose(grad_b.numpy(), [6.0 * users / n], rtol=1e-6)
 
 
+@pytest.mark.parametrize("unused", ["one of two", "the only one"])
+def test_adasum_refuses_gradients_that_differ_between_ranks_as_the_others_do(hvd, unused):
+    """Adasum reduces tensor by tensor: where rank 0 alone had a gradient for v, its reduction
+    of v met the others' next one (of w, the same shape), and the replicas diverged silently
+    from then on. Now every rank raises, naming the variable, and the job goes on."""
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        pytest.skip("one rank cannot differ from another")
+    w, v = tf.Variable([1.0, 2.0], name="w"), tf.Variable([3.0, 4.0], name="v")
+    x = tf.constant([1.0, 0.0]) if r % 2 == 0 else tf.constant([0.0, 1.0])
+    sources = [w, v] if unused == "one of two" else [v]
+
+    def grads(use_v: bool):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * x) + (tf.reduce_sum(v * v) if use_v else 0.0)
+        return hvd.DistributedGradientTape(tape, op=hvd.Adasum).gradient(loss, sources)
+
+    with pytest.raises(hvd.MismatchError, match="no_gradient"):
+        grads(use_v=r == 0)
+    # The job goes on: the next reduction pairs right. Ranks 0 and 1's [1, 0] and [0, 1] are
+    # orthogonal: summed, [1, 1]; at np=3 that meets rank 2's [1, 0] (a.b = 1, |a|^2 = 2,
+    # |b|^2 = 1): (1 - 1/4) [1, 1] + (1 - 1/2) [1, 0] = [1.25, 0.75].
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * x)
+    (grad_w,) = hvd.DistributedGradientTape(tape, op=hvd.Adasum).gradient(loss, [w])
+    expected = [1.0, 1.0] if n == 2 else [1.25, 0.75]
+    np.testing.assert_allclose(grad_w.numpy(), expected, rtol=1e-6)
+
+
 def test_resnet50_gradient_list_is_averaged_exactly(hvd):
     """ResNet-50's 214 trainable variables (~100 MB): the tape returns the exact average.
 

@@ -234,7 +234,14 @@ def fused_allreduce(
             speaker=min((process_set or global_process_set).ranks),
         )
     if op is Adasum:  # per tensor (its dot products are the tensor's own), never bucketed
-        results = [_adasum(w, name, process_set, prescale, postscale) for w in wire]
+        # Each call's check names its place among the tensors (and the caller's fields): ranks
+        # that differ in the tensors they reduce (a gradient None on one rank) must not pair
+        # one tensor with another of the same shape.
+        place = [("tensor", (k, len(wire))) for k in range(len(wire))]
+        results = [
+            _adasum(w, name, process_set, prescale, postscale, (*fields, where))
+            for w, where in zip(wire, place)
+        ]
         agreed = None
     elif tuning is not None:  # gradients, with the fusion threshold and first bucket tuned
         site = (name, tuple((s.nbytes, s.dtype) for s in specs))  # all a plan depends on
@@ -492,7 +499,14 @@ def _min_max_with_gradient(xs, op, prescale: float, postscale: float, name: str,
     return ys, grad
 
 
-def _adasum(tensor, name: str, process_set, prescale: float = 1.0, postscale: float = 1.0):
+def _adasum(
+    tensor,
+    name: str,
+    process_set,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    fields: tuple = (),
+):
     """Adasum of ``tensor`` over the ranks: a binary tree of pairwise Adasum combinations.
 
     Adasum (Maleki et al., 2020) combines two gradients ``a`` and ``b`` as
@@ -501,7 +515,8 @@ def _adasum(tensor, name: str, process_set, prescale: float = 1.0, postscale: fl
     results pairwise, up the tree; a rank left without a partner at some level is carried up
     unchanged. Every rank gathers the others' tensors and computes the same tree in float64,
     so every rank gets bit-identical results. Adasum commutes with scaling, so ``prescale``
-    and ``postscale`` simply multiply the result.
+    and ``postscale`` simply multiply the result. ``fields`` are more ``(name, value)`` pairs
+    the ranks' argument check compares (the tensor's place among a call's, say).
     """
     tensor = _value(tensor)
     if not tensor.dtype.is_floating:
@@ -509,8 +524,8 @@ def _adasum(tensor, name: str, process_set, prescale: float = 1.0, postscale: fl
 
     def run(array):
         comm = _comm(process_set)
-        fields = dict(_scale_fields(prescale, postscale))
-        comm.agree(_signature(name, array, op="adasum", shape=array.shape, **fields), name=name)
+        checked = dict((*_scale_fields(prescale, postscale), *fields))
+        comm.agree(_signature(name, array, op="adasum", shape=array.shape, **checked), name=name)
         rows = comm.allgather_equal(array, name=name).reshape(comm.size, -1).astype(np.float64)
         combined = adasum_tree(rows) * (prescale * postscale)
         return (combined.astype(array.dtype).reshape(array.shape),)
