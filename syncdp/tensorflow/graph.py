@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context as _tf_context
+from tensorflow.python.eager import record as _tf_record
 
 from syncdp.base import errors
 
@@ -65,6 +66,31 @@ _last_collective: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # the number of ops the graph had when it was announced (its calling op comes after those).
 _pending_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _standalone = threading.local()
+# graph -> {host call op's name: its gradient, fn(inputs, outputs, *dys) -> one gradient per
+# input}. The functions hold no tensor of the graph (that would keep the weak key alive).
+_gradients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_HOST_CALL_GRADIENT = "SyncdpHostCall"
+
+
+@tf.RegisterGradient(_HOST_CALL_GRADIENT)
+def _host_call_gradient(op, *dys):
+    """The gradient of a host call that :func:`ordered_call` was given one for (taken when a
+    graph is differentiated: ``tf.gradients``, a ``tf.function`` under a tape); None for each
+    input of any other, as TensorFlow's own for ``PyFunc``, which this replaces, gives."""
+    gradient = _gradients.get(op.graph, {}).get(op.name)
+    if gradient is None:
+        return [None] * len(op.inputs)
+    return gradient(list(op.inputs), list(op.outputs), *dys)
+
+
+def _record(gradient, inputs, outputs) -> None:
+    """Tells the tapes recording now (eagerly, or inside a ``tf.function`` being traced) that
+    ``outputs`` came from ``inputs``, with ``gradient``: a tape sees no op of a host call."""
+    if _tf_record.could_possibly_record():
+        inputs, outputs = list(inputs), list(outputs)
+        _tf_record.record_operation(
+            _HOST_CALL_GRADIENT, outputs, inputs, lambda *dys: gradient(inputs, outputs, *dys)
+        )
 
 
 @contextlib.contextmanager
@@ -98,8 +124,16 @@ def host_call(fn, inputs: Sequence[tf.Tensor], out_dtypes, *, stateful: bool = T
     return tf.numpy_function(fn, list(inputs), out_dtypes, stateful=stateful, name=name)
 
 
-def ordered_call(fn, inputs: Sequence[tf.Tensor], out_dtypes, out_shapes, name: str):
-    """Runs ``fn`` (NumPy arrays -> tuple of NumPy arrays) eagerly or as an ordered graph node."""
+def ordered_call(
+    fn, inputs: Sequence[tf.Tensor], out_dtypes, out_shapes, name: str, *, gradient=None
+):
+    """Runs ``fn`` (NumPy arrays -> tuple of NumPy arrays) eagerly or as an ordered graph node.
+
+    ``gradient``, ``fn(inputs, outputs, *dys)`` returning one gradient (or None) per input,
+    makes the call differentiable, eagerly and in a graph: a tape around a step that reduces
+    gradients then differentiates through the reduction, as through Horovod's ops (a penalty
+    on the averaged gradient). It must hold no tensor of a graph.
+    """
     if tf.executing_eagerly():
         try:
             results = fn(*[_numpy_view(t) for t in inputs])
@@ -112,6 +146,8 @@ def ordered_call(fn, inputs: Sequence[tf.Tensor], out_dtypes, out_shapes, name: 
             device = inputs[i].device if i < len(inputs) else ""
             with tf.device(device or "/cpu:0"):
                 outs.append(tf.convert_to_tensor(r, dtype=dtype))
+        if gradient is not None:
+            _record(gradient, inputs, outs)
         return outs
     graph = tf.compat.v1.get_default_graph()
     own_chain = getattr(_standalone, "chain", None)
@@ -122,8 +158,15 @@ def ordered_call(fn, inputs: Sequence[tf.Tensor], out_dtypes, out_shapes, name: 
     v1_graph = in_v1_graph()
     run = _with_status(fn, out_dtypes) if v1_graph else fn
     dtypes = list(out_dtypes) + ([tf.int32] if v1_graph else [])
-    with tf.control_dependencies([_after(p, graph) for p in previous]):
+    override = {"PyFunc": _HOST_CALL_GRADIENT} if gradient is not None else {}
+    with (
+        tf.control_dependencies([_after(p, graph) for p in previous]),
+        graph.gradient_override_map(override),
+    ):
         outs = host_call(run, inputs, dtypes, name=name.replace(".", "_"))
+    if gradient is not None:
+        _gradients.setdefault(graph, {})[outs[0].op.name] = gradient
+        _record(gradient, inputs, outs)
     if own_chain is None:
         _last_collective[graph] = outs[0].op.name
         _announce(graph, outs[0].op)

@@ -156,6 +156,43 @@ def test_adasum_refuses_gradients_that_differ_between_ranks_as_the_others_do(hvd
     np.testing.assert_allclose(grad_w.numpy(), expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("where", ["eager", "function", "function under an eager tape"])
+def test_a_tape_differentiates_through_the_averaged_gradient(hvd, where):
+    """A penalty on the averaged gradient (loss + sum(g^2), g the tape's average): an outer
+    tape differentiates through the reduction, as through Horovod's allreduce op, whose
+    gradient is the same average of the outputs' gradients. The reduction was a host call no
+    tape saw: the penalty's term was silently left out.
+
+    Rank r: l = c sum(w^3), c = r + 1, so g = 3 mean(c) w^2 and, through the average (dy = 2g
+    on every rank) and this rank's 3 c w^2, d(l + sum(g^2))/dw = 3 c w^2 + 36 c mean(c) w^3.
+    """
+    n, r = hvd.size(), hvd.rank()
+    c, mean_c = r + 1.0, (n + 1) / 2
+    w = tf.Variable([1.0, 2.0])
+
+    def loss_and_average():
+        with tf.GradientTape() as inner:
+            loss = c * tf.reduce_sum(w**3)
+        (g,) = hvd.DistributedGradientTape(inner, gradient_predivide_factor=2.0).gradient(loss, [w])
+        return loss, g
+
+    def penalized(part):
+        with tf.GradientTape() as outer:
+            loss, g = part()
+            total = loss + tf.reduce_sum(g * g)
+        return g, outer.gradient(total, w)
+
+    if where == "eager":
+        g, d = penalized(loss_and_average)
+    elif where == "function":
+        g, d = tf.function(lambda: penalized(loss_and_average))()
+    else:  # the outer tape differentiates the traced function's graph
+        g, d = penalized(tf.function(loss_and_average))
+    x = np.array([1.0, 2.0])
+    np.testing.assert_allclose(g.numpy(), 3 * mean_c * x**2, rtol=1e-6)
+    np.testing.assert_allclose(d.numpy(), 3 * c * x**2 + 36 * c * mean_c * x**3, rtol=1e-6)
+
+
 def test_resnet50_gradient_list_is_averaged_exactly(hvd):
     """ResNet-50's 214 trainable variables (~100 MB): the tape returns the exact average.
 

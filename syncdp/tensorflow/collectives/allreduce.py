@@ -121,7 +121,12 @@ def _reduce_bucket(
     inputs = sent + ([] if step is None or count_step is not None else [step])
     dtypes = [m.dtype for m in sent] + ([tf.int64] if carries else [])
     shapes = [m.shape for m in sent] + ([tf.TensorShape([])] if carries else [])
-    outs = ordered_call(run, inputs, dtypes, shapes, reducer.name)
+    gradient = None
+    if reducer.op in (Average.value, Sum.value) and sent[0].dtype.is_floating:
+        gradient = bucket_gradient(
+            ReduceOp(reducer.op), reducer.prescale, reducer.postscale, reducer.name, process_set, j
+        )
+    outs = ordered_call(run, inputs, dtypes, shapes, reducer.name, gradient=gradient)
     reduced = outs[:j]
     if packed:
         sizes = [m.shape.num_elements() for m in members]
@@ -130,6 +135,29 @@ def _reduce_bucket(
             p if m.shape.rank == 1 else tf.reshape(p, m.shape) for p, m in zip(pieces, members)
         ]
     return (reduced, outs[j]) if carries else (reduced, None)
+
+
+def bucket_gradient(op: ReduceOp, prescale: float, postscale: float, name: str, process_set, count):
+    """The gradient of a reduction ``y = postscale * op(prescale * x)`` (Average or Sum) of
+    ``count`` tensors: it is linear, so each input's gradient is the same reduction of the
+    outputs' gradients with the factors swapped, as Horovod's allreduce op registers. Returns
+    ``fn(inputs, outputs, *dys)`` for :func:`~syncdp.tensorflow.graph.ordered_call` (anything
+    after the ``count`` tensors, a step carried in, gets none); holds no tensor."""
+
+    def gradient(inputs, outputs, *dys):
+        outs = outputs[:count]
+        dys = [tf.zeros_like(o) if d is None else d for o, d in zip(outs, dys[:count])]
+        back, _ = fused_allreduce(
+            dys,
+            op,
+            prescale=postscale,
+            postscale=prescale,
+            name=f"{name}.grad",
+            process_set=process_set,
+        )
+        return [*back, *[None] * (len(inputs) - count)]
+
+    return gradient
 
 
 def fused_allreduce(
