@@ -527,7 +527,8 @@ def _metadata_problem(metadata) -> str | None:
         return f"it must be JSON-serializable: {e}"
     key = _key_not_a_string(metadata)
     if key is not None:  # JSON would turn it into a string: restore() would give another key
-        return f"its keys must be strings (JSON stores {key!r} as {json.dumps(str(key))})"
+        stored = next(iter(json.loads(json.dumps({key: 0}))))
+        return f"its keys must be strings (JSON stores {key!r} as {stored!r})"
     return None
 
 

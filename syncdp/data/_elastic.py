@@ -104,10 +104,14 @@ def elastic_tfrecord_dataset(
     size, rank = runtime.size(), runtime.rank()
 
     def check():
-        if int(global_batch_size) < size:
+        try:
+            whole = int(global_batch_size)
+        except (TypeError, ValueError):  # None, a list: refused on every rank all the same
+            whole = None
+        if whole is None or whole < size:
             raise ValueError(
-                f"global_batch_size must be at least the number of ranks ({size}) so every "
-                f"rank gets a record each step; got {global_batch_size}."
+                f"global_batch_size must be an integer at least the number of ranks ({size}) "
+                f"so every rank gets a record each step; got {global_batch_size!r}."
             )
         _check_whole("elastic_tfrecord_dataset", "seed", seed)
         _check_whole("elastic_tfrecord_dataset", "epoch", epoch)

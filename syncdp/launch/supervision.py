@@ -116,10 +116,22 @@ def stop(
 
 
 def end_session(session: int) -> list[int]:
-    """Kills what is left of mpirun's session ``session`` once mpirun has ended, and returns
-    the process ids. Open MPI starts each remote shell (ssh) in a process group of its own,
-    which stopping mpirun's group misses; an ssh whose host's link was cut waits for its peer
-    until TCP gives up (hours), so it outlived the launcher."""
+    """Kills what is left of mpirun's session once mpirun has ended.
+
+    Open MPI starts each remote shell (ssh) in a process group of its own, which stopping
+    mpirun's group misses; an ssh whose host's link was cut waits for its peer until TCP gives
+    up (hours), so it outlived the launcher.
+
+    Args:
+        session: mpirun's process id, which is its session's (``start_new_session``).
+
+    Returns:
+        The process ids killed.
+    """
+    if os.path.exists(f"/proc/{session}"):
+        # mpirun is reaped: its number, in use again, is another process's (the kernel reuses
+        # none while a session of that number has a member), and that session is not the job's.
+        return []
     left = _session_members(session)
     for pid in left:
         try:
@@ -132,8 +144,12 @@ def end_session(session: int) -> list[int]:
 def _session_members(session: int) -> list[int]:
     """The processes of this host in session ``session``, other than this one."""
     found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in (os.getpid(), session):  # (a new leader)
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # not Linux: nothing to look at
+        return []
+    for name in names:
+        if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
             with open(f"/proc/{name}/stat", "rb") as f:

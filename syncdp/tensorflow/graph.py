@@ -76,7 +76,10 @@ _HOST_CALL_GRADIENT = "SyncdpHostCall"
 def _host_call_gradient(op, *dys):
     """The gradient of a host call that :func:`ordered_call` was given one for (taken when a
     graph is differentiated: ``tf.gradients``, a ``tf.function`` under a tape); None for each
-    input of any other, as TensorFlow's own for ``PyFunc``, which this replaces, gives."""
+    input of any other, as TensorFlow's own for ``PyFunc``, which this replaces, gives.
+    Saving a SavedModel traces every registered gradient with no op (``op`` None): none."""
+    if not isinstance(op, tf.Operation):
+        return [None] * len(dys)
     gradient = _gradients.get(op.graph, {}).get(op.name)
     if gradient is None:
         return [None] * len(op.inputs)
@@ -88,7 +91,7 @@ def _record(gradient, inputs, outputs) -> None:
     ``outputs`` came from ``inputs``, with ``gradient``: a tape sees no op of a host call."""
     if _tf_record.could_possibly_record():
         inputs, outputs = list(inputs), list(outputs)
-        _tf_record.record_operation(
+        _tf_record.record_operation_backprop_only(  # no forward accumulator: it would run
             _HOST_CALL_GRADIENT, outputs, inputs, lambda *dys: gradient(inputs, outputs, *dys)
         )
 

@@ -193,6 +193,28 @@ def test_a_tape_differentiates_through_the_averaged_gradient(hvd, where):
     np.testing.assert_allclose(d.numpy(), 3 * c * x**2 + 36 * c * mean_c * x**3, rtol=1e-6)
 
 
+def test_a_traced_reduction_saves_as_a_saved_model(hvd, tmp_path):
+    # Saving traces every registered gradient with no op: the reduction's gradient must give
+    # none there rather than fail the save. (A predivide makes the host call at np=1 too.)
+    class Step(tf.Module):
+        def __init__(self):
+            self.w = tf.Variable([1.0, 2.0])
+
+        @tf.function(input_signature=[tf.TensorSpec([], tf.float32)])
+        def gradient(self, c):
+            with tf.GradientTape() as tape:
+                loss = c * tf.reduce_sum(self.w**2)
+            tape = hvd.DistributedGradientTape(tape, gradient_predivide_factor=2.0)
+            return tape.gradient(loss, [self.w])[0]
+
+    step = Step()
+    mean_c = (hvd.size() + 1) / 2
+    g = step.gradient(tf.constant(hvd.rank() + 1.0))
+    np.testing.assert_allclose(g.numpy(), [2 * mean_c, 4 * mean_c], rtol=1e-6)
+    tf.saved_model.save(step, str(tmp_path / f"rank{hvd.rank()}"))
+    assert (tmp_path / f"rank{hvd.rank()}" / "saved_model.pb").exists()
+
+
 def test_resnet50_gradient_list_is_averaged_exactly(hvd):
     """ResNet-50's 214 trainable variables (~100 MB): the tape returns the exact average.
 

@@ -7,7 +7,7 @@ promises).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -123,7 +123,7 @@ def _reduce_bucket(
     shapes = [m.shape for m in sent] + ([tf.TensorShape([])] if carries else [])
     gradient = None
     if reducer.op in (Average.value, Sum.value) and sent[0].dtype.is_floating:
-        gradient = bucket_gradient(
+        gradient = _bucket_gradient(
             ReduceOp(reducer.op), reducer.prescale, reducer.postscale, reducer.name, process_set, j
         )
     outs = ordered_call(run, inputs, dtypes, shapes, reducer.name, gradient=gradient)
@@ -137,7 +137,9 @@ def _reduce_bucket(
     return (reduced, outs[j]) if carries else (reduced, None)
 
 
-def bucket_gradient(op: ReduceOp, prescale: float, postscale: float, name: str, process_set, count):
+def _bucket_gradient(
+    op: ReduceOp, prescale: float, postscale: float, name: str, process_set, count: int
+) -> Callable:
     """The gradient of a reduction ``y = postscale * op(prescale * x)`` (Average or Sum) of
     ``count`` tensors: it is linear, so each input's gradient is the same reduction of the
     outputs' gradients with the factors swapped, as Horovod's allreduce op registers. Returns
