@@ -322,7 +322,9 @@ class Verdict:
         # After a failure the job is ended on purpose, and supervisors killed in the teardown
         # are its casualties, not news; hosts gone silent or ranks never started still are.
         silent = self._unreported_text(links, mpirun_code, teardown=first is not None)
-        tally = f"{len(clean)} of {self.num_proc} ranks exited cleanly"
+        # Where the job failed, a rank that exited 0 without MPI_Finalize is no clean exit.
+        improper = sorted(r for r in clean if r in self.improper)
+        tally = f"{len(clean) - len(improper)} of {self.num_proc} ranks exited cleanly"
         if first is not None:
             lines = [silent] if silent else []
             lines.append(f"the job failed ({tally}); first failure: {self.describe(first)}")
@@ -342,8 +344,6 @@ class Verdict:
             # A rank that exited 0 without MPI_Finalize while others still ran made Open MPI
             # stop them: it is the cause, not a clean exit. (Where every rank did so, each
             # finished its program: no rank was stopped, and the job succeeded.)
-            improper = sorted(r for r in clean if r in self.improper)
-            tally = f"{len(clean) - len(improper)} of {self.num_proc} ranks exited cleanly"
             cause = "".join(
                 f"rank {r} (pid {self.improper[r][0]} on {self.improper[r][1]}) exited 0 "
                 "without finalizing MPI (as os._exit() after init() does), so Open MPI "

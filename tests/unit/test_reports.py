@@ -531,3 +531,28 @@ def test_a_host_lost_from_the_lifelines_is_a_failure_named_once():
         "the job failed (0 of 4 ranks exited cleanly); first failure: ranks 2, 3 (on hb) fell "
         "silent: no word from hb for 10 s (host unreachable, or its daemon lost)",
     )
+
+
+def test_a_rank_open_mpi_says_left_without_finalizing_is_the_failure_not_a_clean_exit():
+    # Rank 1 exited 0 without MPI_Finalize (os._exit after init) while rank 0 computed; Open
+    # MPI then stopped rank 0. Where every rank left so at the end, none was stopped: success.
+    banner = (
+        "prterun has exited due to process rank 1 with PID 4201 on node h exiting improperly. "
+        "There are three reasons this could occur:"
+    )
+    verdict = Verdict(num_proc=2, start_timeout=10.0)
+    verdict.on_banner(banner)
+    verdict.add(_exit(1, 1.0))
+    verdict.add(_exit(0, 1.1, signal=15, requested=True))  # stopped as the job ended
+    code, last = _last(verdict)
+    assert code == 1
+    assert last == (
+        "the job failed (0 of 2 ranks exited cleanly): rank 1 (pid 4201 on h) exited 0 without "
+        "finalizing MPI (as os._exit() after init() does), so Open MPI ended the job: rank 0 "
+        "was stopped before finishing (was killed by signal 15 (SIGTERM))"
+    )
+    everyone = Verdict(num_proc=2, start_timeout=10.0)
+    everyone.on_banner(banner)
+    everyone.add(_exit(0, 1.0))
+    everyone.add(_exit(1, 1.0))
+    assert _last(everyone)[0] == 0
