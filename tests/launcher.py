@@ -138,3 +138,23 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
             f"{result.stderr[-6000:]}"
         )
     return result
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids, timeout: float) -> list[int]:
+    """Waits up to ``timeout`` seconds for the processes ``pids`` to end; returns those left."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]

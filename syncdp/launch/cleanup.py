@@ -73,6 +73,7 @@ __all__ = [
     "sweep_command",
     "remove_directory",
     "remove_stale_session_dirs",
+    "session_members",
 ]
 
 # The most a sweep of one host takes, remote shell included.
@@ -477,24 +478,48 @@ class ShmLeftovers:
         return uid, job[:-4]  # Open MPI's job ids: mpirun's 16 bits, then its job's 16
 
 
-def _descendants(root: int) -> list[int]:
-    """``root`` and every process below it, on this host."""
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    for name in os.listdir("/proc"):
+def _processes() -> dict[int, list[bytes]]:
+    """Every process on this host: its ``/proc/PID/stat`` fields after the command's name
+    (state, parent, process group, session, ...); empty without ``/proc``."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # not Linux
+        return {}
+    found = {}
+    for name in names:
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
-                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
             continue
-        children[parent].append(int(name))
+        if len(fields) > 3:
+            found[int(name)] = fields
+    return found
+
+
+def _descendants(root: int) -> list[int]:
+    """``root`` and every process below it, on this host."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for pid, fields in _processes().items():
+        children[int(fields[1])].append(pid)
     found, todo = [], [root]
     while todo:
         pid = todo.pop()
         found.append(pid)
         todo.extend(children.get(pid, ()))
     return found
+
+
+def session_members(session: int) -> list[int]:
+    """The live processes of this host in session ``session``, other than this one."""
+    me, key = os.getpid(), str(session).encode()
+    return [
+        pid
+        for pid, fields in _processes().items()
+        if pid != me and fields[3] == key and fields[0] != b"Z"
+    ]
 
 
 def _mapped(pid: int | str, directory: str) -> set[str]:

@@ -31,7 +31,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from syncdp.launch.cleanup import ShmLeftovers, remove_stale_segments, remove_stale_session_dirs
+from syncdp.launch.cleanup import (
+    ShmLeftovers,
+    remove_stale_segments,
+    remove_stale_session_dirs,
+    session_members,
+)
 from syncdp.launch.elastic import SPARE_GRACE_SECONDS
 
 if TYPE_CHECKING:
@@ -132,33 +137,13 @@ def end_session(session: int) -> list[int]:
         # mpirun is reaped: its number, in use again, is another process's (the kernel reuses
         # none while a session of that number has a member), and that session is not the job's.
         return []
-    left = _session_members(session)
+    left = session_members(session)
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     return left
-
-
-def _session_members(session: int) -> list[int]:
-    """The processes of this host in session ``session``, other than this one."""
-    found = []
-    try:
-        names = os.listdir("/proc")
-    except OSError:  # not Linux: nothing to look at
-        return []
-    for name in names:
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if len(fields) > 3 and fields[3] == str(session).encode() and fields[0] != b"Z":
-            found.append(int(name))
-    return found
 
 
 def supervise(

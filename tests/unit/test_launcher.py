@@ -17,7 +17,7 @@ from syncdp.base import settings
 from syncdp.launch import run
 from syncdp.launch.lifeline import LIFELINE_VAR
 from syncdp.watch import report
-from tests.launcher import ROOT, rank_env
+from tests.launcher import ROOT, alive, rank_env, wait_gone
 
 
 def test_horovodrun_command_line():
@@ -402,19 +402,7 @@ def test_what_mpirun_leaves_in_its_session_is_killed_once_it_has_ended():
     assert os.getpgid(left) == left and os.getsid(left) == mpirun.pid  # out of mpirun's group
     try:
         supervision.stop(mpirun)  # mpirun has ended: what it left is swept all the same
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and _alive(left):
-            time.sleep(0.05)
-        assert not _alive(left)
+        assert not wait_gone([left], timeout=10)
     finally:
-        if _alive(left):
+        if alive(left):
             os.kill(left, 9)
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, killed and not yet reaped by its new parent, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -17,7 +17,7 @@ import pytest
 
 from syncdp.launch.lifeline import LIFELINE_VAR, Lifeline, LifelineServer
 from syncdp.watch import report
-from tests.launcher import ROOT, rank_env
+from tests.launcher import ROOT, rank_env, wait_gone
 
 # A stand-in for syncdp-run: the two servers a supervisor talks to, then nothing.
 LAUNCHER = """
@@ -39,24 +39,6 @@ helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]
 print("pids", helper.pid, flush=True)
 time.sleep(600)
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _wait_gone(pids, timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        left = [p for p in pids if _alive(p)]
-        if not left:
-            return []
-        time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
 
 
 def _kill(proc) -> None:
@@ -100,7 +82,7 @@ def test_a_supervisor_ends_its_rank_group_when_the_launcher_is_sigkilled():
         killed = time.monotonic()
         os.kill(launcher.pid, signal.SIGKILL)
         worker.wait(timeout=10)
-        left = _wait_gone([rank, helper], timeout=10)
+        left = wait_gone([rank, helper], timeout=10)
         print(
             f"launcher SIGKILL -> supervisor, rank, helper gone: {time.monotonic() - killed:.1f} s"
         )
