@@ -144,7 +144,12 @@ def _bucket_gradient(
     ``count`` tensors: it is linear, so each input's gradient is the same reduction of the
     outputs' gradients with the factors swapped, as Horovod's allreduce op registers. Returns
     ``fn(inputs, outputs, *dys)`` for :func:`~syncdp.tensorflow.graph.ordered_call` (anything
-    after the ``count`` tensors, a step carried in, gets none); holds no tensor."""
+    after the ``count`` tensors, a step carried in, gets none); holds no tensor.
+
+    It serves the reductions nothing else makes differentiable: the tape's and the
+    optimizers' (``reduce_gradients``). :func:`allreduce` and :func:`grouped_allreduce` wrap
+    theirs in a ``tf.custom_gradient`` of their own, as every collective with a gradient does
+    (Min/Max, Product and Adasum need one), and that one is taken there."""
 
     def gradient(inputs, outputs, *dys):
         outs = outputs[:count]
