@@ -96,6 +96,40 @@ def test_allreduce_gradient_is_the_allreduce_of_the_gradient(hvd):
     np.testing.assert_allclose(grad, np.full([2], hvd.size() * (hvd.rank() + 1.0)))
 
 
+@pytest.mark.parametrize("mode", ["eager", "function", "tf1_graph"])
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_scaled_average_and_sum_gradients_swap_the_factors(hvd, mode, compression):
+    """y = post * op(pre * c_r * x) over ranks, every rank's loss summed: the gradient on rank
+    r is post * pre * c_r, times n for a Sum (every rank's upstream ones summed)."""
+    r, n = hvd.rank(), hvd.size()
+    c = r + 1.0
+    options = dict(prescale_factor=4.0, postscale_factor=0.5)
+    options["compression"] = getattr(hvd.Compression, compression)
+
+    def gradients(x):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            mean = hvd.allreduce(x * c, op=hvd.Average, **options)
+            (total,) = hvd.grouped_allreduce([x * c], op=hvd.Sum, **options)
+        return mean, total, tape.gradient(mean, x), tape.gradient(total, x)
+
+    if mode == "tf1_graph":
+        with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+            x = tf.compat.v1.placeholder(tf.float32, [2])
+            mean = hvd.allreduce(x * c, op=hvd.Average, **options)
+            (total,) = hvd.grouped_allreduce([x * c], op=hvd.Sum, **options)
+            grads = tf.gradients(mean, x) + tf.gradients(total, x)
+            out = session.run([mean, total, *grads], {x: [1.0, 2.0]})
+    else:
+        out = [t.numpy() for t in run(mode, gradients, tf.constant([1.0, 2.0]))]
+    mean, total, d_mean, d_total = out
+    ranks_sum = n * (n + 1) / 2
+    np.testing.assert_allclose(mean, [2.0 * ranks_sum / n, 4.0 * ranks_sum / n], rtol=1e-6)
+    np.testing.assert_allclose(total, [2.0 * ranks_sum, 4.0 * ranks_sum], rtol=1e-6)
+    np.testing.assert_allclose(d_mean, [2.0 * c] * 2, rtol=1e-6)
+    np.testing.assert_allclose(d_total, [2.0 * c * n] * 2, rtol=1e-6)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_broadcast_variables_makes_replicas_identical(hvd, mode):
     tf.random.set_seed(100 + hvd.rank())  # a different initialisation on every rank

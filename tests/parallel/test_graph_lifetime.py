@@ -3,9 +3,10 @@
 syncdp remembers, per graph being built, the last collective made in it (the next one waits for
 it). That memory must not keep the graph alive: a program that builds and drops graphs (a TF1
 loop making a graph per evaluation, a ``tf.function`` retraced for new shapes) would otherwise
-keep every one. Integer collectives are used here: a float collective is differentiable through
-``tf.custom_gradient``, whose registry TensorFlow itself keeps forever (plain TensorFlow leaks
-such a graph too).
+keep every one. An Average or Sum of floats, differentiated, must not keep it either: its
+gradient is kept with the graph. (Min, Max, Product and Adasum are differentiable through
+``tf.custom_gradient``, whose registry TensorFlow itself keeps forever: plain TensorFlow leaks
+such a graph too.)
 """
 
 import gc
@@ -63,3 +64,34 @@ def test_a_tf1_graph_is_freed_when_dropped():
     graph = _tf1_graph_run_and_dropped()
     gc.collect()
     assert graph() is None, "the TF1 graph outlived the program's last reference to it"
+
+
+def _float_step_traced_and_dropped():
+    """A traced step that averages and sums floats and is differentiated through them."""
+    r, n = hvd.rank(), hvd.size()
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            mean = hvd.allreduce(x * (r + 1.0), op=hvd.Average, prescale_factor=2.0)
+            total, double = hvd.grouped_allreduce([x, 2.0 * x], op=hvd.Sum)
+            loss = tf.reduce_sum(mean) + tf.reduce_sum(total) + tf.reduce_sum(double)
+        return mean, total, tape.gradient(loss, x)
+
+    x = tf.ones([3])
+    concrete = step.get_concrete_function(x)
+    mean, total, grad = concrete(x)
+    ranks_sum = n * (n + 1) / 2
+    np.testing.assert_allclose(mean.numpy(), np.full(3, 2.0 * ranks_sum / n), rtol=1e-6)
+    np.testing.assert_allclose(total.numpy(), np.full(3, float(n)))
+    # every rank's loss is summed over ranks: mean's term gives 2 (r + 1) (the n ranks' ones,
+    # averaged), total's n and double's 2 n
+    np.testing.assert_allclose(grad.numpy(), np.full(3, 2.0 * (r + 1) + 3.0 * n), rtol=1e-6)
+    return weakref.ref(concrete.graph)
+
+
+def test_a_differentiated_float_average_and_sum_do_not_keep_their_graph():
+    graph = _float_step_traced_and_dropped()
+    gc.collect()
+    assert graph() is None, "the function's graph outlived the function"

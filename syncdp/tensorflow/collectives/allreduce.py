@@ -146,10 +146,10 @@ def _bucket_gradient(
     ``fn(inputs, outputs, *dys)`` for :func:`~syncdp.tensorflow.graph.ordered_call` (anything
     after the ``count`` tensors, a step carried in, gets none); holds no tensor.
 
-    It serves the reductions nothing else makes differentiable: the tape's and the
-    optimizers' (``reduce_gradients``). :func:`allreduce` and :func:`grouped_allreduce` wrap
-    theirs in a ``tf.custom_gradient`` of their own, as every collective with a gradient does
-    (Min/Max, Product and Adasum need one), and that one is taken there."""
+    It is every Average and Sum reduction's gradient: the tape's, the optimizers'
+    (``reduce_gradients``), :func:`allreduce`'s and :func:`grouped_allreduce`'s. Kept with the
+    graph (:func:`~syncdp.tensorflow.graph.ordered_call`), it is freed with it, where a
+    ``tf.custom_gradient`` (Min/Max, Product, Adasum) stays in TensorFlow's registry."""
 
     def gradient(inputs, outputs, *dys):
         outs = outputs[:count]
@@ -394,6 +394,12 @@ def grouped_allreduce(
     def forward(xs, pre, post, label):
         return fused_allreduce(xs, op, prescale=pre, postscale=post, name=label, **options)[0]
 
+    # Average and Sum buckets carry their own gradient (_bucket_gradient), which lives and dies
+    # with the graph: no tf.custom_gradient, whose registry keeps every graph it was used in.
+    if op in (Average, Sum):
+        for i, r in zip(dense_at, forward(dense, prescale_factor, postscale_factor, name)):
+            results[i] = r
+        return results
     # Floating tensors are differentiable (custom_gradient wants only them); the others
     # (integers, bool) are reduced in a call of their own before them, on every rank alike.
     floating = [k for k, t in enumerate(dense) if t.dtype.is_floating]
@@ -415,7 +421,7 @@ def grouped_allreduce(
                     list(xs), op, prescale_factor, postscale_factor, name, **uncompressed
                 )
 
-            def grad(*dys):
+            def grad(*dys):  # Product and Adasum: the same reduction of the gradients
                 return forward(list(dys), postscale_factor, prescale_factor, f"{name}.grad")
 
             return forward(list(xs), prescale_factor, postscale_factor, name), grad
@@ -482,7 +488,10 @@ def allreduce(
         options = dict(compression=compression, prescale=pre, postscale=post, cap_bytes=0)
         return fused_allreduce([x], how, name=label, process_set=process_set, **options)[0][0]
 
-    if not tensor.dtype.is_floating:  # custom_gradient wants differentiable inputs
+    # Integers are not differentiable (custom_gradient wants only differentiable inputs), and
+    # an Average or Sum bucket carries its own gradient (_bucket_gradient), which lives and
+    # dies with the graph: tf.custom_gradient's registry keeps every graph it was used in.
+    if not tensor.dtype.is_floating or op in (Average, Sum):
         return forward(tensor, prescale_factor, postscale_factor)
 
     @tf.custom_gradient
@@ -502,7 +511,8 @@ def allreduce(
 
         def grad(dy):
             # y = post * op(pre * x): the chain rule swaps the factors. Horovod's gradient of
-            # a Product or Adasum is the same reduction of the gradient; so is ours.
+            # a Product or Adasum is the same reduction of the gradient; so is ours (an
+            # Average's or Sum's is its bucket's, _bucket_gradient).
             return forward(dy, postscale_factor, prescale_factor, f"{name}.grad")
 
         return y, grad
