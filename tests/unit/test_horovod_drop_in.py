@@ -221,3 +221,33 @@ def test_horovods_test_helpers_and_keras_2s_version_are_there():
         env={"TF_USE_LEGACY_KERAS": "1"},
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_the_pth_file_is_silent_when_syncdp_is_gone_and_installs_the_names_otherwise(tmp_path):
+    """Python runs the .pth line at every start: a checkout removed under an editable install
+    (syncdp no longer importable) must not print a traceback at every start."""
+    shutil.copy(os.path.join(ROOT, "syncdp-horovod.pth"), tmp_path)
+    site_dir = str(tmp_path)
+    # -I -S: no site-packages, no PYTHONPATH, so syncdp is importable only where put on the path
+    gone = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", f"import site; site.addsitedir({site_dir!r})"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert gone.returncode == 0 and gone.stderr == "", gone.stderr
+    present = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            f"import sys; sys.path.insert(0, {str(ROOT)!r}); import site;"
+            f" site.addsitedir({site_dir!r}); import syncdp.horovod_names as names;"
+            " print(names.installed() is not None)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert present.stdout.strip() == "True" and present.stderr == "", present.stderr
