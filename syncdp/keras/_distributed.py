@@ -54,9 +54,10 @@ class Distributed:
     The wrapped optimizer does the update: its learning rate (``optimizer.learning_rate``, and
     Keras 2's ``optimizer.lr``, both settable), ``iterations``, variables and config are
     reachable through this object, and other public attributes (``momentum``, ``beta_1``, ...)
-    are read from it. The wrapper is an optimizer of the wrapped one's Keras: Keras 3's
-    ``keras.optimizers.Optimizer``, or Keras 2's ``tf.keras.optimizers.Optimizer`` (tf-keras,
-    for its current and legacy optimizers).
+    are read from it and set on it (``opt.momentum = 0.5`` changes the update, as on Horovod's
+    optimizer, which is the wrapped class itself). The wrapper is an optimizer of the wrapped
+    one's Keras: Keras 3's ``keras.optimizers.Optimizer``, or Keras 2's
+    ``tf.keras.optimizers.Optimizer`` (tf-keras, for its current and legacy optimizers).
 
     Args:
         optimizer: The Keras optimizer to wrap (``keras.optimizers.SGD(...)``, ``Adam``, ...;
@@ -339,6 +340,22 @@ class Distributed:
         if inner is None or name.startswith("_"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(inner, name)
+
+    def __setattr__(self, name, value):
+        # The wrapped optimizer does the update: a setting of its (momentum, nesterov, epsilon,
+        # clipnorm, weight_decay, ...) set here goes to it, or the update would silently
+        # ignore it. Everything else (this wrapper's own arguments, Keras' private state, a
+        # name the wrapped optimizer lacks) stays here.
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None or not _settable_on(inner, name, type(self)):
+            super().__setattr__(name, value)
+            return
+        setattr(inner, name, value)
+        # The Keras base class keeps copies of some settings here, unused since the wrapped
+        # optimizer updates: kept equal so that reading them here agrees, except those the
+        # base class's build() would act on (an EMA or accumulators of the wrapper's own).
+        if name in self.__dict__ and name not in _BASE_BUILD_READS:
+            super().__setattr__(name, value)
 
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
@@ -672,6 +689,39 @@ class _PassCounter:
         passes = self._optimizer._passes
         k = self._optimizer.backward_passes_per_step
         return tf.math.floormod(tf.convert_to_tensor(0 if passes is None else passes), k)
+
+
+# This wrapper's own attributes: never the wrapped optimizer's, though it has some of them.
+_OWN = frozenset(
+    {
+        "inner_optimizer",
+        "compression",
+        "sparse_as_dense",
+        "gradient_predivide_factor",
+        "op",
+        "backward_passes_per_step",
+        "average_aggregated_gradients",
+        "process_set",
+        "scale_local_gradients",
+        "built",
+        "name",
+    }
+)
+
+# Settings the Keras base class keeps on the wrapper too and its build() reads.
+_BASE_BUILD_READS = frozenset(
+    {"use_ema", "ema_momentum", "ema_overwrite_frequency", "gradient_accumulation_steps"}
+)
+
+
+def _settable_on(inner, name: str, wrapper_class: type) -> bool:
+    """Whether setting ``name`` on the wrapper means setting it on the wrapped ``inner``: a
+    public setting of ``inner``'s that is neither the wrapper's own nor defined by its class
+    (``learning_rate`` and ``iterations`` are properties that reach ``inner`` themselves)."""
+    if name.startswith("_") or name in _OWN or hasattr(wrapper_class, name):
+        return False
+    # Keras 2's legacy optimizers keep hyperparameters in _hyper (reading one may create it).
+    return name in getattr(inner, "_hyper", ()) or hasattr(inner, name)
 
 
 def _same(reduced: list, grads: list) -> bool:

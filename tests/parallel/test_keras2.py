@@ -822,3 +822,17 @@ def test_keras_3_in_the_same_process():
             _local(),
             callbacks=[syncdp.keras.callbacks.MetricAverageCallback()],
         )
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["sgd", "legacy-sgd"])
+def test_settings_set_on_the_distributed_optimizer_reach_the_update(legacy):
+    """As tests/parallel/test_keras_fit.py's test of the same name, for Keras 2's optimizers."""
+    from tests.parallel.test_keras_fit import _settings_set_on_the_wrapper_reach_the_update
+
+    optimizers = keras.optimizers.legacy if legacy else keras.optimizers
+    settings = [("momentum", 0.0), ("nesterov", True), ("clipnorm", 0.5)]
+    if not legacy:  # the legacy SGD has no weight decay
+        settings.append(("weight_decay", 0.1))
+    _settings_set_on_the_wrapper_reach_the_update(
+        lambda: optimizers.SGD(0.1, momentum=0.9), hvd.DistributedOptimizer, settings
+    )

@@ -586,3 +586,34 @@ def test_an_optimizer_made_on_one_rank_only_leaves_the_collectives_alike():
     reference.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
     for got, want in zip(model.weights, reference.weights, strict=True):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=0, atol=1e-5)
+
+
+def _settings_set_on_the_wrapper_reach_the_update(make_sgd, optimizer_class, settings):
+    """Sets each setting on a DistributedOptimizer after construction, applies rank-dependent
+    gradients three times, and compares with the plain optimizer, given the same settings,
+    applying the ranks' mean gradient (rank r's gradient is (r + 1) g: the mean (n + 1) g / 2)."""
+    g = np.array([1.0, 3.0], np.float32)
+    mean = (hvd.size() + 1) / 2.0 * g
+    for name, value in settings:
+
+        def trained(distributed, name=name, value=value):
+            v = tf.Variable([1.0, -2.0])
+            opt = make_sgd()
+            opt = optimizer_class(opt) if distributed else opt
+            setattr(opt, name, value)
+            grad = (hvd.rank() + 1.0) * g if distributed else mean
+            for _ in range(3):
+                opt.apply_gradients([(tf.constant(grad), v)])
+            return v.numpy(), getattr(opt, name)
+
+        (got, read_back), (expected, _) = trained(True), trained(False)
+        np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=name)
+        assert read_back == value, (name, read_back)
+
+
+def test_settings_set_on_the_distributed_optimizer_reach_the_update():
+    _settings_set_on_the_wrapper_reach_the_update(
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        hvd.DistributedOptimizer,
+        [("momentum", 0.0), ("nesterov", True), ("clipnorm", 0.5), ("weight_decay", 0.1)],
+    )
