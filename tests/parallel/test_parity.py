@@ -30,7 +30,8 @@ def rows_of(rank, n_rows, width=2):
 def test_alltoall_with_splits_sends_each_rank_its_rows(hvd, mode, dtype):
     r, n = hvd.rank(), hvd.size()
     splits = [(r + j) % 3 for j in range(n)]  # uneven, zeros included
-    x = rows_of(r, sum(splits)) % 200
+    # two rows more than the splits send: they stay here, as in Horovod (a partly filled buffer)
+    x = rows_of(r, sum(splits) + 2) % 200
     out, received = run(
         mode, lambda t: hvd.alltoall(t, splits=splits), tf.constant(x, dtype.as_numpy_dtype)
     )
@@ -61,8 +62,8 @@ def test_alltoall_bad_splits_raise_invalid_argument_on_every_rank(hvd):
     if n > 1:
         with pytest.raises(tf.errors.InvalidArgumentError, match="divisible"):
             hvd.alltoall(tf.ones([n + 1]))
-    with pytest.raises(tf.errors.InvalidArgumentError, match="adding up"):
-        hvd.alltoall(tf.ones([n + 1]), splits=[1] * n)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="adding up to at most"):
+        hvd.alltoall(tf.ones([n - 1]), splits=[1] * n)
     assert hvd.allreduce(tf.ones([1]), op=hvd.Sum).numpy()[0] == n  # the job goes on
 
 
@@ -187,7 +188,7 @@ def test_allgather_gradient_is_that_of_the_mean_of_every_ranks_loss(hvd):
 def test_alltoall_gradient_is_that_of_the_sum_of_every_ranks_loss(hvd):
     r, n = hvd.rank(), hvd.size()
     splits = [1 + (r + j) % 2 for j in range(n)]
-    x = rows_of(r, sum(splits)) / 100.0
+    x = rows_of(r, sum(splits) + 1) / 100.0  # the last row is not sent: its gradient is zero
     out_rows = sum(1 + (s + r) % 2 for s in range(n))
 
     def loss_of(t):

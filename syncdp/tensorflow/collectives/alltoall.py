@@ -46,17 +46,19 @@ def _alltoall_call(tensor, splits, name: str, process_set):
             else:
                 bad = ""
                 s = np.full(comm.size, a.shape[0] // comm.size, dtype=np.int64)
-        elif s.size != comm.size or (s < 0).any() or s.sum() != a.shape[0]:
+        elif s.size != comm.size or (s < 0).any() or s.sum() > a.shape[0]:
             bad = f"splits {s.tolist()} for {comm.size} ranks and {a.shape[0]} rows"
         else:
             bad = ""
         comm.agree(_signature(name, a, rank=a.ndim, trailing=a.shape[1:], ok=not bad), name=name)
         if bad:  # every rank got here with a bad input of its own: each one says so
             raise InvalidArgument(
-                f"{name}: {bad}; splits must be {comm.size} counts adding up to "
-                "the first dimension."
+                f"{name}: {bad}; splits must be {comm.size} non-negative counts adding up "
+                "to at most the first dimension."
             )
-        out, received = comm.alltoallv(a, s, name=name)
+        # Rows past the splits' sum stay here, as in Horovod (a buffer of fixed capacity,
+        # partly filled).
+        out, received = comm.alltoallv(a[: int(s.sum())], s, name=name)
         return out, received.astype(np.int32)
 
     out, received = ordered_call(
@@ -76,13 +78,15 @@ def alltoall(
     """Sends consecutive rows of ``tensor`` to each rank and gathers what each rank sent here.
 
     A synchronization point. Rows ``[sum(splits[:j]), sum(splits[:j+1]))`` go to rank ``j``;
-    the result holds the rows received from rank 0, then rank 1, and so on. Differentiable: the
-    gradient travels back by the reverse alltoall.
+    rows past ``sum(splits)`` are not sent (as in Horovod). The result holds the rows received
+    from rank 0, then rank 1, and so on. Differentiable: the gradient travels back by the
+    reverse alltoall (zero for the rows not sent).
 
     Args:
         tensor: A tensor of rank >= 1; the trailing dimensions match on every rank.
-        splits: Rows for each rank of the set (a list or int tensor adding up to the first
-            dimension). Defaults to equal parts (the first dimension must divide evenly).
+        splits: Rows for each rank of the set (a list or int tensor adding up to at most
+            the first dimension). Defaults to equal parts (the first dimension must divide
+            evenly).
         name: Name of the collective in the timeline. Defaults to "alltoall".
         ignore_name_scope: Accepted for Horovod compatibility.
         process_set: The ranks that take part. Defaults to the whole job.
@@ -91,7 +95,8 @@ def alltoall(
         The gathered rows; with ``splits`` given, ``(rows, received_splits)`` as in Horovod.
 
     Raises:
-        InvalidArgument: ``splits`` do not add up, or without them the first dimension does
+        InvalidArgument: ``splits`` add up to more than the first dimension (or are negative,
+            or not one per rank), or without them the first dimension does
             not divide evenly (TensorFlow's ``InvalidArgumentError``, on every rank; when only
             some ranks passed bad splits, the others get MismatchError).
     """
@@ -114,7 +119,8 @@ def alltoall(
 
             def grad(dy, _unused=None):
                 back, _ = _alltoall_call(dy, received, f"{name}.grad", process_set)
-                return back
+                # the rows past the splits' sum were not sent: their gradient is zero
+                return tf.concat([back, tf.zeros_like(x[tf.shape(back)[0] :])], 0)
 
             return (out, tf.stop_gradient(received)), grad
 
