@@ -223,7 +223,8 @@ SETTINGS: tuple[Setting, ...] = (
         "--autotune-log-file",
         str,
         "",
-        "autotune: rank 0 writes every sample and the choice to this CSV file",
+        "autotune: rank 0 writes every sample and the choice to this CSV file (an earlier "
+        "one is removed at init)",
     ),
     Setting(
         "autotune_warmup_samples",
@@ -636,6 +637,9 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides) -> Config:
             values[key] = value
     if any(values.get(name) for name in ELASTIC_IMPLIED_BY):
         values["elastic"] = True
+    for name in ("timeline", "autotune_log_file"):
+        if values.get(name):  # where the program started: it may change directory later
+            values[name] = os.path.abspath(values[name])
     config = Config(**values)
     _check_autotune_log(config, environ)
     return config

@@ -277,6 +277,20 @@ def _first_problem(everyone: list[list], size: int) -> str | None:
     return None
 
 
+class _JobTimeline:
+    """Where a process set's collectives go in the timeline: the job's, whichever it is when
+    one ends (``start_timeline`` and ``stop_timeline`` replace it), marked with the set's id."""
+
+    def __init__(self, process_set_id: int):
+        self.process_set_id = process_set_id
+
+    def record(self, name: str, nbytes: int, dtype: str, start: float, end: float, **info):
+        timeline = runtime.communicator().timeline
+        if timeline is not None:
+            info["process_set"] = self.process_set_id
+            timeline.record(name, nbytes, dtype, start, end, **info)
+
+
 def _register(ps: ProcessSet, world, sets: dict[int, ProcessSet]) -> ProcessSet:
     """Gives ``ps`` (ranks resolved, checked) the next id and a communicator; a collective of
     every rank of ``world``, which must register the same sets in the same order."""
@@ -288,7 +302,14 @@ def _register(ps: ProcessSet, world, sets: dict[int, ProcessSet]) -> ProcessSet:
     ps.process_set_id = max(sets, default=0) + 1
     scope = f"the process set of ranks {', '.join(map(str, ps.ranks))}"
     ps._comm = (
-        Communicator(sub, world.config, job_comm=world.mpi, revoke_with=(world.mpi,), scope=scope)
+        Communicator(
+            sub,
+            world.config,
+            _JobTimeline(ps.process_set_id),
+            job_comm=world.mpi,
+            revoke_with=(world.mpi,),
+            scope=scope,
+        )
         if included
         else None
     )

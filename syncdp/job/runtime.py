@@ -27,6 +27,7 @@ replacement would. ``shutdown()`` on rank 0 releases the spares still waiting.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import operator
 import os
@@ -187,6 +188,8 @@ def init(comm=None, process_sets=None, **options) -> None:
     # write the timeline) ends the job, named, instead of leaving the others waiting for it.
     _install_failure_hook()
     world = _build(base, config, timeline, plan=plan)
+    if world.rank == 0:
+        _forget_earlier_autotune_log(config)
     if made is not None:
         made.Free()  # syncdp trains on its own duplicate
     _pin_gpu(_state.topology.local_rank)
@@ -203,6 +206,14 @@ def init(comm=None, process_sets=None, **options) -> None:
             f"{config}",
             file=sys.stderr,
         )
+
+
+def _forget_earlier_autotune_log(config: settings.Config) -> None:
+    """Rank 0 of a tuned job removes an autotune log an earlier job left (Horovod truncates
+    it at init too): the file then holds this job's samples, or is absent if it took none."""
+    if config.autotune and not config.elastic and config.autotune_log_file:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(config.autotune_log_file)
 
 
 def _communicator_of_ranks(MPI, ranks):

@@ -59,7 +59,7 @@ class Timeline:
     """
 
     def __init__(self, path: str, *, every_rank: bool = True, max_events: int = MAX_EVENTS):
-        self.path = path
+        self.path = os.path.abspath(path)  # the whole trace is written there at the end
         self.every_rank = every_rank
         self.max_events = max_events
         self._counting = threading.Lock()

@@ -47,13 +47,16 @@ def test_timeline_one_event_per_collective_per_rank(tmp_path, np_):
     if np_ == 1:
         assert mine == []  # one rank reduces nothing: no collective happens
         return
-    # A group's integer tensors are reduced first, in a call of their own (they have no gradient)
-    step = ["tl.integral.bucket0", "tl.bucket0", "tl.bucket1"]
+    # one bucket per dtype and threshold: 400 B of float32, 4000 B of float32, the int32s
+    step = ["tl.bucket0", "tl.bucket1", "tl.bucket2"]
     expected = step * 3 + ["tl_eager.bucket0", "tl_bcast"]
-    assert mine == expected
-    bucket = next(e for e in ranks[1] if e["name"] == "tl.bucket1")
-    assert bucket["args"]["bytes"] == 4000 and bucket["args"]["dtype"] == "float32"
-    assert bucket["args"]["tensors"] == 1
+    assert mine == expected, mine
+    buckets = {e["name"]: e["args"] for e in ranks[1][: len(step)]}
+    assert [(buckets[b]["bytes"], buckets[b]["dtype"], buckets[b]["tensors"]) for b in step] == [
+        (400, "float32", 1),
+        (4000, "float32", 1),
+        (12, "int32", 1),
+    ], buckets
 
 
 OVERLAP_JOB = """
@@ -209,3 +212,58 @@ def test_a_timeline_rank_0_cannot_write_ends_the_job_at_init_naming_it(tmp_path)
     assert result.returncode != 0
     assert f"the timeline cannot be written to {str(trace)!r}" in result.stderr.splitlines()[-1]
     assert result.elapsed < 45, result.stderr[-3000:]  # not the stall timeout
+
+
+RELATIVE_JOB = """
+import os
+import tensorflow as tf
+tf.config.threading.set_intra_op_parallelism_threads(1)
+import syncdp
+
+syncdp.init(timeline="rel.json")
+os.makedirs("sub", exist_ok=True)
+os.chdir("sub")  # after init: the file named there is the one written
+for i in range(3):
+    syncdp.allreduce(tf.ones([4]), name=f"ar{i}")
+"""
+
+
+def test_a_relative_timeline_path_is_where_the_program_started(tmp_path):
+    check(launch(2, "python", python_script(tmp_path, RELATIVE_JOB), cwd=tmp_path, timeout=240))
+    expected = [f"ar{i}.bucket0" for i in range(3)]
+    assert _collectives(tmp_path / "rel.json") == {0: expected, 1: expected}  # every rank's
+    assert not (tmp_path / "sub" / "rel.json").exists()
+
+
+SETS_JOB = """
+import tensorflow as tf
+tf.config.threading.set_intra_op_parallelism_threads(1)
+import horovod.tensorflow as hvd
+
+hvd.init()
+pair = hvd.add_process_set([1, 2])
+if hvd.rank() in (1, 2):
+    for i in range(2):
+        hvd.allreduce(tf.ones([4]), name=f"pair{i}", process_set=pair)
+hvd.allreduce(tf.ones([4]), name="all")
+"""
+
+
+def test_a_process_sets_collectives_are_in_the_timeline(tmp_path):
+    trace = tmp_path / "trace.json"
+    check(
+        launch(
+            3,
+            "python",
+            python_script(tmp_path, SETS_JOB),
+            launcher_args=("--timeline-filename", str(trace)),
+            timeout=240,
+        )
+    )
+    pair = ["pair0.bucket0", "pair1.bucket0"]
+    found = _collectives(trace)
+    ours = {r: [n for n in names if n != "add_process_set"] for r, names in found.items()}
+    assert ours == {0: ["all.bucket0"], 1: [*pair, "all.bucket0"], 2: [*pair, "all.bucket0"]}
+    events = json.loads(trace.read_text())["traceEvents"]
+    marked = {e["args"].get("process_set") for e in events if e.get("name", "").startswith("pair")}
+    assert marked == {1}  # the set's id

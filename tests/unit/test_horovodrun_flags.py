@@ -625,7 +625,7 @@ def test_horovods_own_variables_set_the_settings_they_stand_for():
     assert env["SYNCDP_FUSION_THRESHOLD"] == str(1 << 20) and env["SYNCDP_STALL_TIMEOUT"] == "9"
     # The ranks read them too when started without the launcher (plain mpirun).
     config = settings.from_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_TIMELINE": "t.json"})
-    assert config.autotune and config.timeline == "t.json"
+    assert config.autotune and config.timeline == os.path.abspath("t.json")
     # Horovod's DYNAMIC: no timeline until the program starts one.
     assert settings.from_env({"HOROVOD_TIMELINE": "DYNAMIC"}).timeline == ""
     assert env_of(parse(environ={"HOROVOD_TIMELINE": "DYNAMIC"})).get("SYNCDP_TIMELINE") == ""
