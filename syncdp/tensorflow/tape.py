@@ -192,7 +192,9 @@ def reduce_gradients(
 
     Args:
         grads: Tensors, ``tf.IndexedSlices`` or None (kept None).
-        op: ``Average`` or ``Sum``. Defaults to ``Average``.
+        op: ``Average`` or ``Sum``; also ``Adasum``, and ``Min``, ``Max`` or ``Product`` as
+            Horovod takes them (of each gradient element; dense gradients only, and no step
+            check). Defaults to ``Average``.
         compression: ``Compression.none`` or ``Compression.fp16``. Defaults to none.
         sparse_as_dense: Reduce IndexedSlices as dense tensors. Defaults to False.
         gradient_predivide_factor: Divide by this before the sum and by size/factor after it
@@ -221,8 +223,6 @@ def reduce_gradients(
         VerificationError: ``SYNCDP_VERIFY_EVERY`` is set and ``variables`` differ.
     """
     op = collectives.reduce_op(op)
-    if op not in (collectives.Average, collectives.Sum, collectives.Adasum):
-        raise ValueError(f"Gradients are reduced with Average, Sum or Adasum; got {op}.")
     grads = list(grads)
     if process_set is not None and not process_set.included():
         return grads  # as in Horovod: a rank outside the set keeps its own gradients
@@ -252,7 +252,10 @@ def reduce_gradients(
     step_tensor = None
     # In elastic mode a traced step must stay right when the job later grows from one rank.
     several = comm.size > 1 or runtime.get_config().elastic
-    if several and not graph.in_v1_graph() and op is not collectives.Adasum:
+    # Only a sum carries the ranks' steps (an Average is one); Adasum, Min, Max and Product
+    # reduce without the step check.
+    carries = op in (collectives.Average, collectives.Sum)
+    if several and not graph.in_v1_graph() and carries:
         if step is None and not tf.executing_eagerly() and _dense_count(grads):
             step_tensor = _step_counter(process_set).advance  # counted by the first bucket
         elif step is None:
@@ -284,9 +287,9 @@ def reduce_gradients(
         )
         for i, r in zip(dense_at, reduced):
             results[i] = r
-    elif step_tensor is not None or (several and op is collectives.Adasum):
-        # No dense gradient to carry the step: a bucket of its own. (Adasum carries no step;
-        # its bucket meets the other ranks' gradients, and their checks differ.)
+    elif step_tensor is not None or (several and not carries):
+        # No dense gradient to carry the step: a bucket of its own. (Adasum and the others
+        # carry no step; their bucket meets the other ranks' gradients, and the checks differ.)
         _, agreed = collectives.fused_allreduce(
             [tf.zeros([1], tf.float32)],
             op,

@@ -85,6 +85,33 @@ def test_fp16_compression_and_unconnected_gradients(hvd):
     np.testing.assert_allclose(grad_a.numpy(), np.full([4], expected), rtol=1e-3)
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_min_max_and_product_reduce_each_gradient_element_as_horovods_tape_does(hvd, mode):
+    """Rank r's gradients are (r + 1) c: each element is reduced over the ranks' values
+    (elementwise min, max, product), for every variable, two steps running (no step check
+    stands in the way)."""
+    n, r = hvd.size(), hvd.rank()
+    a, b = tf.Variable([1.0, -2.0]), tf.Variable(3.0)
+    ranks = np.arange(1.0, n + 1).reshape([n] + [1])
+    expected = {
+        hvd.Min: lambda c: np.min(ranks * c, axis=0).reshape(np.shape(c)),
+        hvd.Max: lambda c: np.max(ranks * c, axis=0).reshape(np.shape(c)),
+        hvd.Product: lambda c: np.prod(ranks * c, axis=0).reshape(np.shape(c)),
+    }
+
+    def gradients(op):
+        with tf.GradientTape() as tape:
+            loss = (r + 1.0) * (tf.reduce_sum(a * a) + b * b)  # d/da = 2 (r + 1) a
+        return hvd.DistributedGradientTape(tape, op=op).gradient(loss, [a, b])
+
+    for op, of in expected.items():
+        run = gradients if mode == "eager" else tf.function(lambda op=op: gradients(op))
+        for _ in range(2):
+            grad_a, grad_b = run(op) if mode == "eager" else run()
+            np.testing.assert_allclose(grad_a.numpy(), of(np.array([2.0, -4.0])), rtol=1e-6)
+            np.testing.assert_allclose(grad_b.numpy(), of(6.0), rtol=1e-6)
+
+
 def test_gradient_takes_horovods_arguments_and_tensorflows_unconnected_gradients(hvd):
     # Horovod: gradient(target, sources, output_gradients, use_generic_names); tf.GradientTape:
     # gradient(target, sources, output_gradients, unconnected_gradients).
