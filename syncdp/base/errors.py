@@ -13,7 +13,8 @@
     ├── RankFailureError       elastic mode: a rank died or stalled; recover and go on
     │                          (Horovod's HorovodInternalError)
     ├── HostsUpdatedInterrupt  elastic mode: slots were added; grow at the next commit
-    └── ElasticAbortError      elastic mode: the job cannot go on (below --min-np, reset limit)
+    ├── ElasticAbortError      elastic mode: the job cannot go on (below --min-np, reset limit)
+    └── HorovodVersionMismatchError  Horovod's name, for programs that catch it; never raised
 
 Catch ``SyncdpError`` to handle any of them. A rank that stops answering or a job whose ranks
 never all start is not an exception: the job ends (see ``syncdp.watch.watchdog`` and
@@ -35,6 +36,7 @@ __all__ = [
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
     "ElasticAbortError",
+    "HorovodVersionMismatchError",
 ]
 
 
@@ -116,3 +118,24 @@ class HostsUpdatedInterrupt(SyncdpError, RuntimeError):
 class ElasticAbortError(SyncdpError, RuntimeError):
     """An elastic job cannot go on: fewer ranks than ``--min-np`` are left and no replacement
     could start, or the reset limit was reached."""
+
+
+class HorovodVersionMismatchError(SyncdpError, ImportError):
+    """Horovod raises it when a framework's version differs from the one its extension was
+    compiled against. syncdp compiles nothing, so it never raises it; programs written for
+    Horovod may still import and catch it.
+
+    Args:
+        name: The framework.
+        version: The version found at run time.
+        installed_version: The version at installation.
+    """
+
+    def __init__(self, name: str, version: str, installed_version: str):
+        super().__init__(
+            f"{name} {version} is installed, but the extension was built against "
+            f"{installed_version}."
+        )
+        self.name = name
+        self.version = version
+        self.installed_version = installed_version

@@ -33,7 +33,7 @@ from syncdp.tensorflow.keras2_names import (
     optimizer_variables,
     package_of,
 )
-from syncdp.tensorflow.tape import local_positions, reduce_gradients
+from syncdp.tensorflow.tape import check_groups, local_positions, reduce_gradients
 
 try:  # Private, but the only way to know at trace time that XLA will compile the graph.
     from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
@@ -88,7 +88,8 @@ class Distributed:
             the sum of the k (rank-averaged) gradients, as Horovod's does. Defaults to False
             (Horovod's default).
         num_groups: Accepted for Horovod compatibility; fusion follows the threshold.
-        groups: Accepted for Horovod compatibility.
+        groups: Accepted for Horovod compatibility (a positive integer or a list of lists of
+            variables, as Horovod checks); fusion follows the threshold.
         process_set: The ranks that average together; a rank outside it keeps its own
             gradients. Defaults to the whole job.
         scale_local_gradients: Divide the gradients of variables registered with
@@ -153,6 +154,7 @@ class Distributed:
                 "plain Keras optimizer once."
             )
         op = ops.reduce_op(op)
+        check_groups(num_groups, groups)
         if op not in (ops.Average, ops.Sum):
             raise ValueError(f"op must be syncdp.Average or syncdp.Sum; got {op!r}.")
         if gradient_predivide_factor != 1.0 and op is not ops.Average:

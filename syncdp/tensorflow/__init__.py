@@ -117,6 +117,7 @@ from syncdp.tensorflow.tape import (
     LocalGradientAggregationHelper,
     PartialDistributedGradientTape,
 )
+from syncdp.tensorflow.tape import check_groups as _check_groups
 from syncdp.tensorflow.util import (
     _executing_eagerly,  # noqa: F401 - Horovod tests use it
     check_num_rank_power_of_2,
@@ -247,6 +248,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
     op = reduce_op(op)
     if gradient_predivide_factor != 1.0 and op is not Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average.")
+    _check_groups(num_groups, groups)
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         return LegacyDistributedOptimizer(
             optimizer,

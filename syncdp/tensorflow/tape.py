@@ -168,6 +168,25 @@ def _after(check, grads):
     return out
 
 
+def check_groups(num_groups, groups) -> None:
+    """Refuses what Horovod refuses for its fusion groups (syncdp fuses by the threshold, so
+    it takes the arguments and uses neither): ``groups`` (or a non-zero ``num_groups``) must
+    be a positive integer or a list of lists of variables.
+
+    Raises:
+        ValueError: Neither.
+    """
+    if groups is None and num_groups:
+        groups = num_groups
+    if groups is None or isinstance(groups, list):
+        return
+    if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups <= 0:
+        raise ValueError(
+            "groups should be a positive integer (the number of fusion groups) or a list of "
+            f"lists of tf.Variable; got {groups!r}."
+        )
+
+
 @tf.autograph.experimental.do_not_convert  # see syncdp.tensorflow.graph.host_call
 def reduce_gradients(
     grads,
@@ -399,7 +418,8 @@ class DistributedGradientTape(tf.GradientTape):
         op: ``Average``, ``Sum`` or ``Adasum``. Defaults to ``Average``.
         gradient_predivide_factor: See :func:`reduce_gradients`. Defaults to 1.
         num_groups: Accepted for Horovod compatibility; fusion is set by the threshold.
-        groups: Accepted for Horovod compatibility.
+        groups: Accepted for Horovod compatibility (checked as Horovod does: a positive
+            integer or a list of lists of variables); fusion is set by the threshold.
         process_set: The ranks that average together. Defaults to the whole job.
         scale_local_gradients: Divide the gradients of local sources by the set's size.
             Defaults to True.
@@ -432,6 +452,7 @@ class DistributedGradientTape(tf.GradientTape):
         op = collectives.reduce_op(op)
         if gradient_predivide_factor != 1.0 and op is not collectives.Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average.")
+        check_groups(num_groups, groups)
         # Not GradientTape.__init__: this object records nothing itself.
         self._wrapped = gradtape
         self._step = step

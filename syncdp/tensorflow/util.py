@@ -21,8 +21,11 @@ def _executing_eagerly() -> bool:
     return tf.executing_eagerly()
 
 
-def handle_average_backwards_compatibility(op, average):
+def handle_average_backwards_compatibility(op, average, ops=collectives):
     """The op meant by Horovod's ``op=`` and its deprecated ``average=`` (True: Average).
+
+    ``ops`` is the module whose ``Average`` and ``Sum`` are meant (Horovod's
+    ``get_average_backwards_compatibility_fun`` passes one). Defaults to syncdp's.
 
     Raises:
         ValueError: Both are given.
@@ -35,8 +38,8 @@ def handle_average_backwards_compatibility(op, average):
             DeprecationWarning,
             stacklevel=2,
         )
-        return collectives.Average if average else collectives.Sum
-    return collectives.Average if op is None else op
+        return ops.Average if average else ops.Sum
+    return ops.Average if op is None else op
 
 
 def check_num_rank_power_of_2(num_rank: int) -> bool:

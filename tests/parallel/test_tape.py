@@ -322,3 +322,24 @@ def test_a_set_that_reuses_a_removed_sets_id_counts_its_tape_steps_from_zero(hvd
             assert float(tape_step(d)[0]) == pytest.approx(np.mean([q + 1.0 for q in second]))
     finally:
         assert hvd.remove_process_set(d)
+
+
+def test_fusion_groups_are_checked_as_horovod_checks_them(hvd):
+    """groups (num_groups) must be a positive integer or a list of lists of variables: the
+    tape and both optimizers refuse anything else, as Horovod's do."""
+    a = tf.Variable(1.0)
+    tape = tf.GradientTape()
+    wrappers = {
+        "tape": lambda **kw: hvd.DistributedGradientTape(tape, **kw),
+        "keras": lambda **kw: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), **kw),
+        "tf1": lambda **kw: hvd.DistributedOptimizer(
+            tf.compat.v1.train.GradientDescentOptimizer(0.1), **kw
+        ),
+    }
+    for name, wrap in wrappers.items():
+        for bad in (dict(groups=0), dict(groups=-1), dict(groups=1.5), dict(num_groups=-2)):
+            with pytest.raises(ValueError, match="groups should be a positive integer"):
+                wrap(**bad)
+                pytest.fail(f"{name} took {bad}")
+        for good in (dict(groups=2), dict(groups=[[a]]), dict(num_groups=3), dict()):
+            wrap(**good)

@@ -223,6 +223,45 @@ def test_horovods_test_helpers_and_keras_2s_version_are_there():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
+def test_horovods_common_helpers_and_version_error_are_there():
+    result = _python(
+        """
+        import warnings
+        from horovod.common.util import (
+            extension_available, get_average_backwards_compatibility_fun, get_ext_suffix,
+            gpu_available, is_iterable, num_rank_is_power_2,
+        )
+        from horovod.common.exceptions import HorovodVersionMismatchError
+        import horovod.tensorflow as hvd
+        import syncdp.base.errors as errors
+
+        op_of = get_average_backwards_compatibility_fun(hvd)
+        assert op_of(None, None) is hvd.Average and op_of(hvd.Sum, None) is hvd.Sum
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert op_of(None, False) is hvd.Sum
+        assert [w.category for w in caught] == [DeprecationWarning]
+        try:
+            op_of(hvd.Sum, True)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("op and average together were taken")
+        assert extension_available("horovod.tensorflow") and extension_available("horovod.keras")
+        assert not extension_available("horovod.torch")
+        assert not gpu_available("horovod.tensorflow")  # the collectives run on the host
+        assert is_iterable([1]) and not is_iterable(3)
+        assert [n for n in range(9) if num_rank_is_power_2(n)] == [1, 2, 4, 8]
+        assert get_ext_suffix().endswith(".so")
+        e = HorovodVersionMismatchError("tensorflow", "2.21.0", "2.15.0")
+        assert isinstance(e, ImportError) and isinstance(e, errors.SyncdpError)
+        assert (e.name, e.version, e.installed_version) == ("tensorflow", "2.21.0", "2.15.0")
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
 def test_the_pth_file_is_silent_when_syncdp_is_gone_and_installs_the_names_otherwise(tmp_path):
     """Python runs the .pth line at every start: a checkout removed under an editable install
     (syncdp no longer importable) must not print a traceback at every start."""
