@@ -33,7 +33,12 @@ from syncdp.tensorflow.keras2_names import (
     optimizer_variables,
     package_of,
 )
-from syncdp.tensorflow.tape import check_groups, local_positions, reduce_gradients
+from syncdp.tensorflow.tape import (
+    check_groups,
+    local_positions,
+    reduce_gradients,
+    reduced_by_a_tape,
+)
 
 try:  # Private, but the only way to know at trace time that XLA will compile the graph.
     from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
@@ -430,6 +435,8 @@ class Distributed:
         if self.backward_passes_per_step == 1:
             if reduced_before is not None and (aggregated or _same(reduced_before, grads)):
                 reduced = grads  # from _compute_gradients or aggregate_gradients
+            elif reduced_by_a_tape(grads):
+                reduced = grads  # a DistributedGradientTape's, as it returned them
             else:
                 reduced = self._reduce(grads, trainable_variables)
             self._apply_inner(reduced, trainable_variables)

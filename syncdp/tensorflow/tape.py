@@ -24,6 +24,7 @@ trace shows the buckets' collectives against the backward pass.
 from __future__ import annotations
 
 import time
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -166,6 +167,19 @@ def _after(check, grads):
             else:
                 out.append(tf.identity(g))
     return out
+
+
+# What DistributedGradientTape.gradient returned, by id, while it lives: a DistributedOptimizer
+# given these very gradients applies them as they are (Horovod's applies what it is given), so
+# a program that wraps both the tape and the optimizer reduces once.
+_REDUCED_BY_A_TAPE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def reduced_by_a_tape(grads) -> bool:
+    """Whether every gradient of ``grads`` but None is one a DistributedGradientTape returned
+    (the very object: a gradient clipped or scaled since is a new one)."""
+    given = [g for g in grads if g is not None]
+    return bool(given) and all(_REDUCED_BY_A_TAPE.get(id(g)) is g for g in given)
 
 
 def check_groups(num_groups, groups) -> None:
@@ -541,6 +555,9 @@ class DistributedGradientTape(tf.GradientTape):
             local=local_positions(variables, self._local_sources),
             **self._options,
         )
+        for g in reduced:
+            if g is not None:
+                _REDUCED_BY_A_TAPE[id(g)] = g
         return tf.nest.pack_sequence_as(grads, reduced)
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None):

@@ -617,3 +617,24 @@ def test_settings_set_on_the_distributed_optimizer_reach_the_update():
         hvd.DistributedOptimizer,
         [("momentum", 0.0), ("nesterov", True), ("clipnorm", 0.5), ("weight_decay", 0.1)],
     )
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_a_distributed_tapes_gradients_are_not_reduced_again_by_the_optimizer(traced):
+    """A program that wraps both the tape and the optimizer (harmless in Horovod, whose Keras
+    optimizer applies the gradients it is given) reduces once: with Sum, rank r's gradient
+    r + 1 sums to n (n + 1) / 2, not n times that."""
+    n, r = hvd.size(), hvd.rank()
+    v = tf.Variable([1.0])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Sum)
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v) * (r + 1.0)
+        grads = hvd.DistributedGradientTape(tape, op=hvd.Sum).gradient(loss, [v])
+        opt.apply_gradients(zip(grads, [v]))
+
+    step = tf.function(step) if traced else step
+    for k in range(1, 3):
+        step()
+        np.testing.assert_allclose(v.numpy(), [1.0 - k * n * (n + 1) / 2])
