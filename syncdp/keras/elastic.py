@@ -9,9 +9,13 @@
         hvd.elastic.CommitStateCallback(state, batches_per_commit=10),
     ]
 
-in any order: the commit is taken when the next batch begins (or the epoch or training ends),
-after every callback has updated the state, so a commit always holds the batch and epoch
-counters of the weights it saved.
+in any order: a commit always holds the batch and epoch counters of the weights it saved. A
+commit every k batches is taken when the next batch begins, after every callback has updated
+the state. The commit at an epoch's end is taken there and then (first bringing the state's
+epoch and batch counters up to date through the callbacks above, wherever they are in the
+list), before any later callback's collective (``MetricAverageCallback``'s) can meet a lost
+rank and lose the epoch; and once more when the next epoch begins (or training ends), to take
+in what other callbacks changed at the epoch's end (a learning rate reduced on a plateau).
 
 :class:`KerasState` takes a model and optimizer of either Keras. The callbacks are objects of
 one Keras: :func:`for_package` builds them for a Keras package (once per package); the ones here
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 from types import ModuleType
 
 import keras as _keras3
@@ -63,6 +68,34 @@ class KerasState(TensorFlowKerasState):
         super().__init__(model, optimizer, **kwargs)
 
 
+class _Fit:
+    """One ``fit`` of a state: its epoch and batch callbacks, by the epoch they last began."""
+
+    def __init__(self):
+        self.began: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+# state -> its current fit, begun by its CommitStateCallback (the callbacks of one state meet
+# here; the state itself is not touched: its attributes are what it commits).
+_FITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _began(state, callback, epoch: int) -> None:
+    """An epoch or batch callback of ``state`` began ``epoch`` in the current fit."""
+    fit = _FITS.get(state)
+    if fit is not None:
+        fit.began[callback] = epoch
+
+
+def _bring_up_to_date(state, epoch: int, logs) -> None:
+    """Ends ``epoch`` for the epoch and batch callbacks of ``state`` that began it in the
+    current fit (their ``on_epoch_end`` sets the same values when Keras calls it again)."""
+    fit = _FITS.get(state)
+    for callback, began in list(fit.began.items()) if fit is not None else []:
+        if began == epoch:
+            callback.on_epoch_end(epoch, logs)
+
+
 @functools.cache
 def for_package(keras: ModuleType) -> types.SimpleNamespace:
     """The callbacks below built for ``keras`` (Keras 3's ``keras`` or tf-keras's
@@ -70,10 +103,11 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
     ``UpdateBatchStateCallback`` and ``UpdateEpochStateCallback``."""
 
     class CommitStateCallback(_callback.base_for(keras)):
-        """Commits the state every ``batches_per_commit`` batches and at the end of every epoch.
+        """Commits the state every ``batches_per_commit`` batches and at the end of every epoch
+        (see the module's docstring for when).
 
-        The count of batches starts again at every ``fit`` (as Horovod's does), so the ranks
-        of a resumed ``fit`` commit at the same batches.
+        The count of batches starts again at every ``fit`` and runs on across epochs (as
+        Horovod's does), so the ranks of a resumed ``fit`` commit at the same batches.
 
         Args:
             state: The elastic state.
@@ -108,6 +142,7 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
             # script, so the survivors must not carry their count into the resumed fit.
             self._since = 0
             self._pending = False
+            _FITS[self.state] = _Fit()
 
         def on_train_batch_begin(self, batch, logs=None):
             self._commit_pending()
@@ -122,8 +157,10 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
             self._commit_pending()
 
         def on_epoch_end(self, epoch, logs=None):
-            self._since = 0
-            self._pending = True
+            _bring_up_to_date(self.state, epoch, logs)
+            self._pending = False  # a batch's commit due: this one holds it
+            self.state.commit()
+            self._pending = True  # again, with what later callbacks change at the epoch's end
 
         def on_train_end(self, logs=None):
             self._commit_pending()
@@ -147,6 +184,7 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
 
         def on_epoch_begin(self, epoch, logs=None):
             self._start = self.state.batch
+            _began(self.state, self, epoch)
 
         def on_train_batch_end(self, batch, logs=None):
             self.state.batch = self._start + batch + 1
@@ -177,6 +215,7 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
         def on_epoch_begin(self, epoch, logs=None):
             if self._offset is None:
                 self._offset = self.state.epoch - epoch
+            _began(self.state, self, epoch)
 
         def on_epoch_end(self, epoch, logs=None):
             self.state.epoch = (self._offset or 0) + epoch + 1

@@ -267,15 +267,16 @@ def test_commits_every_few_batches_stay_in_step_when_a_spare_takes_a_lost_place(
     results = [json.loads(m) for m in re.findall(r"<stdout>:RESULT (\{.*\})", result.stdout)]
     assert sorted(r["rank"] for r in results) == [0, 1] and len(results) == 2, out
     assert 1 not in {r["label"] for r in results}, out  # the spare took label 1's place
-    # The last commit before the loss was epoch 1's start (epoch 1's 2 batches were not
-    # committed): the first one-step fit, 3 epochs of 6 batches, and the reset callback's step.
-    # After the recovery the resumed fit runs epochs 1 and 2 from step 1 + 6 + 1 = 8: a commit
-    # after every 4th batch (at the next batch's start), at an epoch's end and at the fit's.
+    # The first one-step fit, then a commit after every 4th batch of the fit (taken as the
+    # next batch begins; the count runs on across epochs, as Horovod's), at an epoch's end and
+    # again as the next epoch begins or the fit ends: steps 5, 7, 7 and 9 (epoch 1, batch 2)
+    # before the loss. The resumed fit, after the reset callback's step (10), runs epochs 1
+    # (in full: a Keras epoch cannot be shortened) and 2: 12 more steps.
     for r in results:
         assert r["size"] == 2 and r["epoch"] == 3, out
-        assert r["iterations"] == 1 + 3 * 6 + 1, out
+        assert r["iterations"] == 9 + 1 + 2 * 6, out
         assert r["weights"] == results[0]["weights"], out
-        assert r["commits"] == [12, 14, 18, 20], out
+        assert r["commits"] == [14, 16, 16, 18, 22, 22], out
     assert "1 membership change(s)" in result.stderr, out
 
 

@@ -279,6 +279,7 @@ def test_commits_hold_the_counters_of_their_weights_in_any_callback_order(commit
         for c in callbacks:
             getattr(c, name)(*args)
 
+    fire("on_train_begin")
     for epoch in range(2):  # Keras's order of calls for 2 epochs of 3 batches
         fire("on_epoch_begin", epoch)
         for batch in range(3):
@@ -286,8 +287,51 @@ def test_commits_hold_the_counters_of_their_weights_in_any_callback_order(commit
             fire("on_train_batch_end", batch)
         fire("on_epoch_end", epoch)
     fire("on_train_end")
-    # After batch 2 of each epoch (2 batches done), and at each epoch's end (next epoch, 0).
-    assert state.commits == [(0, 2), (1, 0), (1, 2), (2, 0)]
+    # At batch 2 (2 batches done), at epoch 0's end (next epoch, 0) and again as epoch 1
+    # begins, at its batch 1 (the count runs on across epochs, as Horovod's: 2 batches since
+    # batch 2 of epoch 0), at epoch 1's end and again as training ends.
+    assert state.commits == [(0, 2), (1, 0), (1, 0), (1, 1), (2, 0), (2, 0)]
+
+
+@pytest.mark.parametrize("commit_first", [True, False])
+def test_an_epochs_end_is_committed_before_a_later_callbacks_collective_meets_a_lost_rank(
+    commit_first,
+):
+    """A rank lost during validation (before on_epoch_end) surfaces in the first collective
+    after it: MetricAverageCallback's at the epoch's end. The epoch's end must be committed
+    before that, with the counters of the next epoch, or the whole epoch is trained again."""
+    from syncdp.base.errors import RankFailureError
+    from syncdp.keras.elastic import (
+        CommitStateCallback,
+        UpdateBatchStateCallback,
+        UpdateEpochStateCallback,
+    )
+
+    class LostRankAtEpochEnd:  # stands for MetricAverageCallback's allreduce meeting the loss
+        def __getattr__(self, name):
+            return lambda *args: None
+
+        def on_epoch_end(self, epoch, logs=None):
+            raise RankFailureError("a rank of the job was lost")
+
+    state = _CountingState()
+    commit = CommitStateCallback(state, batches_per_commit=0)
+    updates = [UpdateBatchStateCallback(state), UpdateEpochStateCallback(state)]
+    ordered = [commit, *updates] if commit_first else [*updates, commit]
+    callbacks = [*ordered, LostRankAtEpochEnd()]
+    with pytest.raises(RankFailureError):
+        for c in callbacks:
+            c.on_train_begin()
+        for c in callbacks:
+            c.on_epoch_begin(0)
+        for batch in range(3):
+            for c in callbacks:
+                c.on_train_batch_begin(batch)
+            for c in callbacks:
+                c.on_train_batch_end(batch)
+        for c in callbacks:
+            c.on_epoch_end(0)
+    assert state.commits == [(1, 0)]  # epoch 0 done: a resumed fit starts at epoch 1
 
 
 @pytest.mark.parametrize("keras_numbering", [False, True], ids=["horovod", "initial_epoch"])
@@ -349,7 +393,8 @@ def test_commit_state_callback_rejects_a_bad_period_and_0_commits_at_epoch_ends_
         commit.on_epoch_end(epoch)
         state.epoch = epoch + 1
     commit.on_train_end()
-    assert state.commits == [(1, 0), (2, 0)]  # at the start of epoch 1 and at the end
+    # at each epoch's end, and again as the next epoch begins (or training ends)
+    assert state.commits == [(0, 0), (1, 0), (1, 0), (2, 0)]
 
 
 def test_worker_labels_a_replacement_and_tells_its_child(tmp_path, monkeypatch):
