@@ -55,6 +55,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from syncdp.base.errors import (
+    ElasticAbortError,
     HorovodInternalError,
     HostsUpdatedInterrupt,
     RankFailureError,
@@ -307,6 +308,24 @@ def _failure(error: BaseException) -> Exception | None:
     return None
 
 
+def _no_recovery_from_an_ending(event: Exception, error: Exception) -> None:
+    """Raises ElasticAbortError when the rank behind a loss ended the job on purpose (it
+    raised an exception, and said so before it went): that is not a loss, and the survivors
+    must not re-form the job, train on, or make a new rank 0 while it ends."""
+    if not isinstance(event, RankFailureError):
+        return
+    watchdog = runtime.communicator().watchdog
+    ender = watchdog.ended_on_purpose() if watchdog is not None else None
+    if ender is None:
+        return
+    message = (
+        f"rank {ender} ended the job (it raised an exception: its own lines say which), which "
+        "is no loss to recover from; this rank ends too"
+    )
+    print(f"syncdp: rank {runtime.rank()}: {message}.", file=sys.stderr, flush=True)
+    raise ElasticAbortError(message) from error
+
+
 def run(func: Callable) -> Callable:
     """Makes ``func(state, *args, **kwargs)`` survive lost ranks: Horovod's ``elastic.run``.
 
@@ -321,7 +340,8 @@ def run(func: Callable) -> Callable:
         The wrapped function, returning what ``func`` returns.
 
     Raises:
-        ElasticAbortError: Fewer than ``--min-np`` ranks are left, or the reset limit was hit.
+        ElasticAbortError: Fewer than ``--min-np`` ranks are left, the reset limit was hit, or
+            a rank raised an exception (which ends the job rather than being recovered from).
     """
     return run_fn(func, _no_reset)
 
@@ -408,6 +428,7 @@ def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
                 event = _failure(error)
                 if event is None or runtime.elastic_plan() is None:
                     raise
+                _no_recovery_from_an_ending(event, error)
             grow = isinstance(event, HostsUpdatedInterrupt)
             if not grow:
                 print(

@@ -482,6 +482,22 @@ class Watchdog:
     def _said_farewell(self, r: int) -> bool:
         return self._side.iprobe(source=r, tag=_ENDING)
 
+    def ended_on_purpose(self) -> int | None:
+        """The lowest other rank that said :meth:`farewell` (it raised, or ended a stalled
+        job, and ends the whole job), or None. Not a collective; safe on a broken group (a
+        rank that cannot be asked is taken to have said nothing)."""
+        if self._side is None:
+            return None
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            try:
+                if self._said_farewell(r):
+                    return r
+            except self._MPI.Exception:  # a failed rank with nothing left to match
+                continue
+        return None
+
     def _name_gone(self, seq: int, name: str) -> None:
         """Names the ranks whose processes ended while this rank waits in collective ``seq``."""
         gone = sorted(self.gone)

@@ -283,6 +283,49 @@ def test_ranks_that_commit_at_different_points_fail_instead_of_pairing_silently(
     assert "it raised an exception, so the job ends" in result.stderr, out
 
 
+RAISES = """
+import sys
+import time
+import syncdp
+import syncdp.elastic
+
+syncdp.init()
+state = syncdp.elastic.ObjectState(step=0)
+
+
+@syncdp.elastic.run
+def train(state):
+    while state.step < 40:
+        syncdp.barrier()
+        state.step += 1
+        state.commit()
+        if syncdp.rank() == int(sys.argv[1]) and state.step == 3:
+            raise ValueError("user error")
+        time.sleep(0.05)
+
+
+train(state)
+print("FINISHED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("raiser", [0, 2])
+def test_an_exception_on_one_rank_ends_the_job_without_a_recovery(tmp_path, raiser):
+    # An exception is not a loss: the survivors, which meet it as a lost rank, must not
+    # re-form the job (nor make a new rank 0 of themselves) and train on while it ends.
+    program = tmp_path / "raises.py"
+    program.write_text(RAISES)
+    flags = ("--min-np", "1", "--spares", "1")
+    result = launch(3, "python", str(program), str(raiser), launcher_args=flags, timeout=120)
+    out = f"--- stdout ---\n{result.stdout[-3000:]}\n--- stderr ---\n{result.stderr[-5000:]}"
+    assert result.returncode == 1, out
+    assert "FINISHED" not in result.stdout, out
+    assert f"rank {raiser} ended the job (it raised an exception" in result.stderr, out
+    assert "Recovering from the last commit" not in result.stderr, out
+    assert "took over" not in result.stderr and "recovered" not in result.stderr, out
+    assert result.stderr.splitlines()[-1].endswith("failed with ValueError: user error"), out
+
+
 def test_stalled_rank_is_removed_and_replaced(tmp_path):
     result = _run(tmp_path, 3, "2:0:4:STOP", launcher=("--stall-timeout", "4"))
     _assert_finished(result, size=3, changes=1)
