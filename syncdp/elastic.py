@@ -308,7 +308,7 @@ def _failure(error: BaseException) -> Exception | None:
     return None
 
 
-def _no_recovery_from_an_ending(event: Exception, error: Exception) -> None:
+def _abort_if_a_rank_ended_the_job(event: Exception, error: Exception) -> None:
     """Raises ElasticAbortError when the rank behind a loss ended the job on purpose (it
     raised an exception, and said so before it went): that is not a loss, and the survivors
     must not re-form the job, train on, or make a new rank 0 while it ends."""
@@ -428,7 +428,7 @@ def run_fn(func: Callable, reset: Callable[[], None]) -> Callable:
                 event = _failure(error)
                 if event is None or runtime.elastic_plan() is None:
                     raise
-                _no_recovery_from_an_ending(event, error)
+                _abort_if_a_rank_ended_the_job(event, error)
             grow = isinstance(event, HostsUpdatedInterrupt)
             if not grow:
                 print(

@@ -93,8 +93,8 @@ class Distributed:
             the sum of the k (rank-averaged) gradients, as Horovod's does. Defaults to False
             (Horovod's default).
         num_groups: Accepted for Horovod compatibility; fusion follows the threshold.
-        groups: Accepted for Horovod compatibility (a positive integer or a list of lists of
-            variables, as Horovod checks); fusion follows the threshold.
+        groups: Accepted for Horovod compatibility (a positive integer or a list, as Horovod
+            checks); fusion follows the threshold.
         process_set: The ranks that average together; a rank outside it keeps its own
             gradients. Defaults to the whole job.
         scale_local_gradients: Divide the gradients of variables registered with
@@ -363,6 +363,11 @@ class Distributed:
         # base class's build() would act on (an EMA or accumulators of the wrapper's own).
         if name in self.__dict__ and name not in _BASE_BUILD_READS:
             super().__setattr__(name, value)
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """The wrapped optimizer's: it decays the weights (Keras 3, and Keras 2's current
+        optimizers)."""
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)

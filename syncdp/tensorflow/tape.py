@@ -185,7 +185,7 @@ def reduced_by_a_tape(grads) -> bool:
 def check_groups(num_groups, groups) -> None:
     """Refuses what Horovod refuses for its fusion groups (syncdp fuses by the threshold, so
     it takes the arguments and uses neither): ``groups`` (or a non-zero ``num_groups``) must
-    be a positive integer or a list of lists of variables.
+    be a positive integer or a list (Horovod's are lists of variables).
 
     Raises:
         ValueError: Neither.
@@ -429,11 +429,12 @@ class DistributedGradientTape(tf.GradientTape):
         device_sparse: Accepted for Horovod compatibility.
         compression: ``Compression.none`` or ``Compression.fp16``. Defaults to none.
         sparse_as_dense: Reduce IndexedSlices gradients as dense tensors. Defaults to False.
-        op: ``Average``, ``Sum`` or ``Adasum``. Defaults to ``Average``.
+        op: ``Average``, ``Sum`` or ``Adasum``; ``Min``, ``Max`` or ``Product`` as Horovod
+            takes them (see :func:`reduce_gradients`). Defaults to ``Average``.
         gradient_predivide_factor: See :func:`reduce_gradients`. Defaults to 1.
         num_groups: Accepted for Horovod compatibility; fusion is set by the threshold.
         groups: Accepted for Horovod compatibility (checked as Horovod does: a positive
-            integer or a list of lists of variables); fusion is set by the threshold.
+            integer or a list); fusion is set by the threshold.
         process_set: The ranks that average together. Defaults to the whole job.
         scale_local_gradients: Divide the gradients of local sources by the set's size.
             Defaults to True.

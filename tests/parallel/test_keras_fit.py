@@ -619,6 +619,16 @@ def test_settings_set_on_the_distributed_optimizer_reach_the_update():
     )
 
 
+def test_variables_excluded_from_weight_decay_through_the_distributed_optimizer():
+    """exclude_from_weight_decay() called on the wrapper reaches the optimizer that decays:
+    with zero gradients and a rate of 1, SGD's decay of 0.5 halves only the kernel."""
+    bias, kernel = tf.Variable([1.0], name="bias"), tf.Variable([1.0], name="kernel")
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0, weight_decay=0.5))
+    opt.exclude_from_weight_decay(var_names=["bias"])
+    opt.apply_gradients([(tf.zeros([1]), bias), (tf.zeros([1]), kernel)])
+    np.testing.assert_allclose([bias.numpy()[0], kernel.numpy()[0]], [1.0, 0.5])
+
+
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
 def test_a_distributed_tapes_gradients_are_not_reduced_again_by_the_optimizer(traced):
     """A program that wraps both the tape and the optimizer (harmless in Horovod, whose Keras
