@@ -681,9 +681,11 @@ def test_elastic_callbacks_count_batches_and_epochs_and_commit():
     )
     assert seen == [(e, b) for e in range(epochs) for b in range(1, steps + 1)]
     assert (state.epoch, state.batch) == (epochs, 0)
-    # Every 2 batches (taken when the next batch begins) and at every epoch's end: in epoch 1
-    # after batch 2 and at its end; in epoch 2 the same; the last one when training ends.
-    assert Counting.commits == 4
+    # Every 2 batches of the fit (taken when the next batch begins; the count runs on across
+    # epochs), at every epoch's end and again as the next epoch begins or training ends: in
+    # epoch 1 after batch 2, at its end and as epoch 2 begins; in epoch 2 after its batch 1
+    # (the 2nd since), at its end and as training ends.
+    assert Counting.commits == 6
     state.restore()
     assert (state.epoch, state.batch) == (epochs, 0)
 
