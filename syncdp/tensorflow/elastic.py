@@ -86,6 +86,15 @@ class TensorFlowState(_VariablesState):
         return self.variables
 
 
+def _wraps(outer, optimizer) -> bool:
+    """Whether ``outer`` is ``optimizer`` (None: any), or wraps it (``inner_optimizer``)."""
+    while outer is not None:
+        if optimizer is None or outer is optimizer:
+            return True
+        outer = getattr(outer, "inner_optimizer", None)
+    return False
+
+
 class TensorFlowKerasState(_VariablesState):
     """State of a Keras model and its optimizer, plus any picklable values.
 
@@ -95,7 +104,9 @@ class TensorFlowKerasState(_VariablesState):
 
     Args:
         model: A built Keras model.
-        optimizer: Its optimizer. Defaults to ``model.optimizer``.
+        optimizer: Its optimizer. Defaults to ``model.optimizer``, which is also taken when
+            it wraps ``optimizer`` (the LossScaleOptimizer ``compile()`` puts around it under
+            mixed precision, whose loss scale is then kept too).
         backend: Accepted for Horovod compatibility.
         **kwargs: Picklable values, read back as attributes (``state.epoch``, ``state.batch``).
     """
@@ -108,7 +119,10 @@ class TensorFlowKerasState(_VariablesState):
                 "or call model.build(input_shape) or model(batch) first."
             )
         self.model = model
-        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        compiled = getattr(model, "optimizer", None)
+        # compile() under mixed precision wraps the optimizer given it in a LossScaleOptimizer,
+        # whose scale is state too: replicas that scale differently round differently.
+        self.optimizer = compiled if _wraps(compiled, optimizer) else optimizer
         super().__init__(**kwargs)
         self._saved_values = [v.numpy() for v in self._variables()]
 

@@ -724,3 +724,28 @@ def test_the_state_of_a_model_not_yet_built_is_refused_by_name(package):
     model.build((None, 3))
     state = TensorFlowKerasState(model, epoch=0)
     assert len(state.model.variables) == 2
+
+
+def test_the_state_keeps_the_loss_scale_compile_wraps_the_given_optimizer_in():
+    # Under mixed precision compile() wraps the optimizer in a LossScaleOptimizer. A state
+    # given the inner optimizer (Horovod's examples pass it) must keep the loss scale too: a
+    # replacement that scaled differently from the survivors would round differently.
+    import keras
+
+    from syncdp.tensorflow.elastic import TensorFlowKerasState
+
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        opt = keras.optimizers.SGD(0.1)
+        model.compile(optimizer=opt, loss="mse")
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+    assert model.optimizer is not opt and model.optimizer.inner_optimizer is opt
+    state = TensorFlowKerasState(model, optimizer=opt, epoch=0)
+    assert state.optimizer is model.optimizer
+    scale = model.optimizer.dynamic_scale
+    assert any(v is scale for v in state._variables())
+    other = keras.optimizers.SGD(0.2)  # not the compiled one's: taken as given
+    assert TensorFlowKerasState(model, optimizer=other, epoch=0).optimizer is other
