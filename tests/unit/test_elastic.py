@@ -424,8 +424,16 @@ def test_worker_labels_a_replacement_and_tells_its_child(tmp_path, monkeypatch):
     assert out.stdout.strip() == "[6]<stdout>:6"
 
 
+class _FakeWatchdog:
+    ender = None  # the rank that said it ends the job (it raised), if any
+
+    def ended_on_purpose(self):
+        return self.ender
+
+
 class _FakeCommunicator:
     broken = False
+    watchdog = _FakeWatchdog()
 
     def all_agree(self, value, name):
         return value
@@ -482,6 +490,24 @@ def test_run_fn_calls_reset_after_the_job_is_healed_and_before_the_callbacks(mon
         "sync",
         "train",
     ]
+
+
+def test_run_fn_does_not_recover_from_a_rank_that_ended_the_job(monkeypatch):
+    # The lost rank raised an exception and said it ends the job: no restore, no healing.
+    from syncdp.base.errors import ElasticAbortError, RankFailureError
+    from syncdp.tensorflow import elastic
+
+    calls = []
+    _elastic_loop(monkeypatch, calls)
+    monkeypatch.setattr(_FakeWatchdog, "ender", 2)
+
+    def train(state):
+        calls.append("train")
+        raise RankFailureError("a rank of the job was lost")
+
+    with pytest.raises(ElasticAbortError, match="rank 2 ended the job"):
+        elastic.run_fn(train, lambda: calls.append("reset"))(_RecordingState(calls))
+    assert calls == ["sync", "train"]
 
 
 def test_run_fn_reraises_an_ordinary_error_without_a_reset(monkeypatch):
