@@ -68,30 +68,36 @@ class KerasState(TensorFlowKerasState):
         super().__init__(model, optimizer, **kwargs)
 
 
-class _Fit:
-    """One ``fit`` of a state: its epoch and batch callbacks, by the epoch they last began."""
+# id(state) -> (a weak reference to the state, its current fit: the epoch and batch callbacks
+# of the state, by the epoch they last began). Begun by the state's CommitStateCallback; the
+# callbacks of one state meet here. The state itself is not touched (its attributes are what it
+# commits), nor hashed (a user's State may define __eq__).
+_FITS: dict[int, tuple[weakref.ref, dict]] = {}
 
-    def __init__(self):
-        self.began: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+def _begin_fit(state) -> None:
+    for key in [k for k, (ref, _) in _FITS.items() if ref() is None]:
+        del _FITS[key]  # states gone since
+    _FITS[id(state)] = (weakref.ref(state), {})
 
 
-# state -> its current fit, begun by its CommitStateCallback (the callbacks of one state meet
-# here; the state itself is not touched: its attributes are what it commits).
-_FITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _fit_of(state) -> dict | None:
+    entry = _FITS.get(id(state))
+    return entry[1] if entry is not None and entry[0]() is state else None
 
 
 def _began(state, callback, epoch: int) -> None:
     """An epoch or batch callback of ``state`` began ``epoch`` in the current fit."""
-    fit = _FITS.get(state)
+    fit = _fit_of(state)
     if fit is not None:
-        fit.began[callback] = epoch
+        fit[id(callback)] = (callback, epoch)
 
 
 def _bring_up_to_date(state, epoch: int, logs) -> None:
     """Ends ``epoch`` for the epoch and batch callbacks of ``state`` that began it in the
     current fit (their ``on_epoch_end`` sets the same values when Keras calls it again)."""
-    fit = _FITS.get(state)
-    for callback, began in list(fit.began.items()) if fit is not None else []:
+    fit = _fit_of(state)
+    for callback, began in list(fit.values()) if fit is not None else []:
         if began == epoch:
             callback.on_epoch_end(epoch, logs)
 
@@ -142,7 +148,7 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
             # script, so the survivors must not carry their count into the resumed fit.
             self._since = 0
             self._pending = False
-            _FITS[self.state] = _Fit()
+            _begin_fit(self.state)
 
         def on_train_batch_begin(self, batch, logs=None):
             self._commit_pending()
