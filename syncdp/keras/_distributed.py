@@ -652,7 +652,7 @@ class Distributed:
             "compression": self._compression_name(),
             "sparse_as_dense": self.sparse_as_dense,
             "gradient_predivide_factor": self.gradient_predivide_factor,
-            "op": self.op.value,
+            "op": self.op.kind,
             "backward_passes_per_step": self.backward_passes_per_step,
             "average_aggregated_gradients": self.average_aggregated_gradients,
         }
@@ -683,7 +683,7 @@ class Distributed:
                 if found is not None:
                     objects.setdefault(key, found)
         config["compression"] = _compression.from_name(name, objects)
-        config["op"] = ops.ReduceOp(config.get("op", ops.Average.value))
+        config["op"] = ops.ReduceOp[str(config.get("op", ops.Average.kind)).upper()]
         return cls(optimizer, **config)
 
 

@@ -187,3 +187,22 @@ print("ok")
         [sys.executable, "-c", program], capture_output=True, text=True, timeout=300
     )
     assert done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_reduce_ops_are_horovods_numbers():
+    """Horovod's ops are the integers of its C++ enum: programs compare them with numbers,
+    store them as numbers (JSON), and pass numbers back."""
+    import json
+
+    import syncdp.tensorflow as hvd
+
+    numbers = {"Average": 0, "Sum": 1, "Adasum": 2, "Min": 3, "Max": 4, "Product": 5}
+    for name, number in numbers.items():
+        op = getattr(hvd, name)
+        assert op == number and hvd.ReduceOp(number) is op
+        assert hvd.collectives.reduce_op(number) is op  # what every op= argument reads
+    assert json.loads(json.dumps({"op": hvd.Sum})) == {"op": 1}
+    assert f"{hvd.Min}" == str(hvd.Min) == "ReduceOp.MIN"  # messages name the op
+    for bad in (6, -1, True, "sum"):
+        with pytest.raises(ValueError):
+            hvd.collectives.reduce_op(bad)

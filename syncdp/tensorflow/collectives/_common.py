@@ -31,15 +31,30 @@ __all__ = [
 ]
 
 
-class ReduceOp(enum.Enum):
-    """How allreduce combines the ranks' tensors."""
+class ReduceOp(enum.IntEnum):
+    """How allreduce combines the ranks' tensors: Horovod's numbers for them (its reduce ops
+    are the integers of its C++ enum, so ``hvd.Sum == 1`` and an op goes into JSON as one).
+    ``kind`` is the engine's name for it."""
 
-    AVERAGE = "average"
-    SUM = "sum"
-    MIN = "min"
-    MAX = "max"
-    PRODUCT = "product"
-    ADASUM = "adasum"
+    AVERAGE = 0
+    SUM = 1
+    ADASUM = 2
+    MIN = 3
+    MAX = 4
+    PRODUCT = 5
+
+    @property
+    def kind(self) -> str:
+        """The engine's name: ``"average"``, ``"sum"``, ``"adasum"``, ``"min"``, ``"max"``,
+        ``"product"``."""
+        return self.name.lower()
+
+    # An IntEnum prints as its number; messages name the op.
+    def __str__(self) -> str:
+        return f"ReduceOp.{self.name}"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
 
 
 Average = ReduceOp.AVERAGE
@@ -48,10 +63,6 @@ Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 Adasum = ReduceOp.ADASUM
-
-# Horovod's reduce ops are the integers of its C++ enum (``hvd.Sum == 1``); a program that
-# stored one as a number passes it on.
-_HOROVOD_NUMBERS = {0: Average, 1: Sum, 2: Adasum, 3: Min, 4: Max, 5: Product}
 
 
 def reduce_op(op) -> ReduceOp:
@@ -70,8 +81,8 @@ def reduce_op(op) -> ReduceOp:
     if isinstance(op, ReduceOp):
         return op
     if isinstance(op, numbers.Integral) and not isinstance(op, bool):
-        if int(op) in _HOROVOD_NUMBERS:
-            return _HOROVOD_NUMBERS[int(op)]
+        if 0 <= int(op) <= 5:
+            return ReduceOp(int(op))
     raise ValueError(
         "op must be one of syncdp.Average, Sum, Min, Max, Product, Adasum (or Horovod's "
         f"number for one, 0-5); got {op!r}."

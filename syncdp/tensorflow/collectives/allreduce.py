@@ -122,9 +122,10 @@ def _reduce_bucket(
     dtypes = [m.dtype for m in sent] + ([tf.int64] if carries else [])
     shapes = [m.shape for m in sent] + ([tf.TensorShape([])] if carries else [])
     gradient = None
-    if reducer.op in (Average.value, Sum.value) and sent[0].dtype.is_floating:
+    if reducer.op in (Average.kind, Sum.kind) and sent[0].dtype.is_floating:
+        op = ReduceOp[reducer.op.upper()]
         gradient = _bucket_gradient(
-            ReduceOp(reducer.op), reducer.prescale, reducer.postscale, reducer.name, process_set, j
+            op, reducer.prescale, reducer.postscale, reducer.name, process_set, j
         )
     outs = ordered_call(run, inputs, dtypes, shapes, reducer.name, gradient=gradient)
     reduced = outs[:j]
@@ -239,11 +240,11 @@ def fused_allreduce(
             members = [wire[i] for i in bucket.indices]
             reducer = engine.BucketReducer(
                 members[0].dtype.as_numpy_dtype,
-                op.value,
+                op.kind,
                 prescale=prescale,
                 postscale=postscale,
                 name=f"{name}.bucket{b}",
-                info={"bucket": b, "tensors": len(members), "op": op.value},
+                info={"bucket": b, "tensors": len(members), "op": op.kind},
                 carry_step=step is not None and b == 0,
             )
             with tf.name_scope(f"syncdp_bucket{b}"):

@@ -139,13 +139,13 @@ def _scatter_counts(rows: int, size: int) -> list[int]:
 def _reducescatter_call(tensor, op: ReduceOp, name: str, process_set, pre=1.0, post=1.0):
     shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
     reducer = engine.BucketReducer(
-        tensor.dtype.as_numpy_dtype, op.value, prescale=pre, postscale=post, name=name
+        tensor.dtype.as_numpy_dtype, op.kind, prescale=pre, postscale=post, name=name
     )
 
     def run(a):
         comm = _comm(process_set)
         scales = dict(_scale_fields(reducer.prescale, reducer.postscale))
-        comm.agree(_signature(name, a, op=op.value, shape=a.shape, **scales), name=name)
+        comm.agree(_signature(name, a, op=op.kind, shape=a.shape, **scales), name=name)
         rows = _scatter_counts(a.shape[0], comm.size)
         row = int(np.prod(a.shape[1:], dtype=np.int64))
         out = reducer.scatter(comm, a, [r * row for r in rows])
