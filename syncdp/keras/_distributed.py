@@ -209,6 +209,11 @@ class Distributed:
         self._given_name = name  # what the config keeps: a default is made again on loading
         self.built = False
         self.inner_optimizer = optimizer
+        for setting in _READ_FROM_INNER:
+            if hasattr(optimizer, setting):
+                # The base class's copy is a default the update never uses: read (through
+                # __getattr__) and set the wrapped optimizer's instead.
+                self.__dict__.pop(setting, None)
         self.compression = compression
         self.sparse_as_dense = sparse_as_dense
         self.gradient_predivide_factor = gradient_predivide_factor
@@ -721,6 +726,10 @@ _OWN = frozenset(
         "name",
     }
 )
+
+# Settings the Keras base class keeps on the wrapper too, unused by its methods the wrapper
+# calls: the wrapped optimizer's are read and set instead.
+_READ_FROM_INNER = ("clipnorm", "global_clipnorm", "clipvalue", "weight_decay")
 
 # Settings the Keras base class keeps on the wrapper too and its build() reads.
 _BASE_BUILD_READS = frozenset(

@@ -838,3 +838,13 @@ def test_settings_set_on_the_distributed_optimizer_reach_the_update(legacy):
     _settings_set_on_the_wrapper_reach_the_update(
         lambda: optimizers.SGD(0.1, momentum=0.9), hvd.DistributedOptimizer, settings
     )
+
+
+def test_the_distributed_optimizer_reads_the_wrapped_optimizers_clipping_and_decay():
+    """As tests/parallel/test_keras_fit.py's test of the same name, for Keras 2's optimizers."""
+    opt = hvd.DistributedOptimizer(keras.optimizers.AdamW(0.05, weight_decay=0.4, clipnorm=0.7))
+    assert (opt.weight_decay, opt.clipnorm) == (0.4, 0.7)
+    opt.weight_decay = opt.weight_decay * 0.5
+    assert opt.weight_decay == opt.inner_optimizer.weight_decay == 0.2
+    legacy = hvd.DistributedOptimizer(keras.optimizers.legacy.SGD(0.1, clipnorm=0.7))
+    assert legacy.clipnorm == 0.7

@@ -619,6 +619,18 @@ def test_settings_set_on_the_distributed_optimizer_reach_the_update():
     )
 
 
+def test_the_distributed_optimizer_reads_the_wrapped_optimizers_clipping_and_decay():
+    """Read, then set from what was read (a decay cut between two phases): the wrapped
+    optimizer's values, not the Keras base class's defaults on the wrapper."""
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, clipnorm=0.7, weight_decay=0.4))
+    assert (opt.clipnorm, opt.weight_decay) == (0.7, 0.4)
+    opt.weight_decay = opt.weight_decay * 0.5
+    assert opt.weight_decay == opt.inner_optimizer.weight_decay == 0.2
+    for clipping in (dict(clipvalue=2.0), dict(global_clipnorm=3.0)):  # one at a time
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, **clipping))
+        assert {name: getattr(opt, name) for name in clipping} == clipping
+
+
 def test_variables_excluded_from_weight_decay_through_the_distributed_optimizer():
     """exclude_from_weight_decay() called on the wrapper reaches the optimizer that decays:
     with zero gradients and a rate of 1, SGD's decay of 0.5 halves only the kernel."""
