@@ -164,8 +164,7 @@ def for_package(keras: ModuleType) -> types.SimpleNamespace:
 
         def on_epoch_end(self, epoch, logs=None):
             _bring_up_to_date(self.state, epoch, logs)
-            self._pending = False  # a batch's commit due: this one holds it
-            self.state.commit()
+            self.state.commit()  # holds a batch's commit due too
             self._pending = True  # again, with what later callbacks change at the epoch's end
 
         def on_train_end(self, logs=None):

@@ -21,18 +21,24 @@ syncdp.broadcast(tf.ones([2]), name="tl_bcast")
 """
 
 
-@pytest.mark.parametrize("np_", [1, 2])
-def test_timeline_one_event_per_collective_per_rank(tmp_path, np_):
+def _traced(tmp_path, np_: int, job: str):
+    """Runs ``job`` at ``np_`` ranks with ``--timeline-filename``; returns the trace's path."""
     trace = tmp_path / "trace.json"
     check(
         launch(
             np_,
             "python",
-            python_script(tmp_path, JOB),
+            python_script(tmp_path, job),
             launcher_args=("--timeline-filename", str(trace)),
             timeout=240,
         )
     )
+    return trace
+
+
+@pytest.mark.parametrize("np_", [1, 2])
+def test_timeline_one_event_per_collective_per_rank(tmp_path, np_):
+    trace = _traced(tmp_path, np_, JOB)
     data = json.loads(trace.read_text())  # valid JSON
     assert isinstance(data["traceEvents"], list)
     ranks = load(str(trace))
@@ -96,16 +102,7 @@ def test_first_bucket_starts_before_the_last_gradient_exists(tmp_path):
     A batch of 512 gives each layer milliseconds of backprop: with 64, TensorFlow's order of the
     cheap bias gradients (which it may run at the very end) and of the timeline's marks decided
     the outcome on 2 cores (it failed 1 run in 5 before this session's engine, 3 in 5 after)."""
-    trace = tmp_path / "trace.json"
-    check(
-        launch(
-            2,
-            "python",
-            python_script(tmp_path, OVERLAP_JOB),
-            launcher_args=("--timeline-filename", str(trace)),
-            timeout=240,
-        )
-    )
+    trace = _traced(tmp_path, 2, OVERLAP_JOB)
     for rank, events in load(str(trace)).items():
         buckets = [e for e in events if e["name"].startswith("gradients.bucket")]
         marks = [e for e in events if e["ph"] == "i" and e["name"].startswith("gradient ")]
@@ -250,16 +247,7 @@ hvd.allreduce(tf.ones([4]), name="all")
 
 
 def test_a_process_sets_collectives_are_in_the_timeline(tmp_path):
-    trace = tmp_path / "trace.json"
-    check(
-        launch(
-            3,
-            "python",
-            python_script(tmp_path, SETS_JOB),
-            launcher_args=("--timeline-filename", str(trace)),
-            timeout=240,
-        )
-    )
+    trace = _traced(tmp_path, 3, SETS_JOB)
     pair = ["pair0.bucket0", "pair1.bucket0"]
     found = _collectives(trace)
     ours = {r: [n for n in names if n != "add_process_set"] for r, names in found.items()}

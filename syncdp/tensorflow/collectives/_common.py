@@ -7,6 +7,7 @@ promises).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import numbers
 
@@ -81,7 +82,7 @@ def reduce_op(op) -> ReduceOp:
     if isinstance(op, ReduceOp):
         return op
     if isinstance(op, numbers.Integral) and not isinstance(op, bool):
-        if 0 <= int(op) <= 5:
+        with contextlib.suppress(ValueError):  # not one of the enum's numbers
             return ReduceOp(int(op))
     raise ValueError(
         "op must be one of syncdp.Average, Sum, Min, Max, Product, Adasum (or Horovod's "
