@@ -69,6 +69,8 @@ class ProcessSet:
         process_set_id: The id every rank agrees on once registered; None before.
     """
 
+    _removed = False  # removed by remove_process_set() and not added again
+
     def __init__(self, ranks: Iterable[int] | object):
         self.mpi_comm = None
         self.process_set_id: int | None = None
@@ -113,8 +115,11 @@ class ProcessSet:
             raise ValueError(f"root_rank {root_rank} is not in {self}.")
         return ranks.index(root_rank)
 
-    def included(self) -> bool:
-        """Whether this process is one of the set's ranks."""
+    def included(self) -> bool | None:
+        """Whether this process is one of the set's ranks; None once the set is removed (as
+        Horovod's invalidated set answers), until it is added again."""
+        if self._removed:
+            return None
         return runtime.rank() in self._resolve()
 
     def __repr__(self) -> str:
@@ -300,6 +305,7 @@ def _register(ps: ProcessSet, world, sets: dict[int, ProcessSet]) -> ProcessSet:
     included = world.rank in ps.ranks
     sub = world.mpi.Split(0 if included else MPI.UNDEFINED, key=world.rank)
     ps.process_set_id = max(sets, default=0) + 1
+    ps._removed = False
     scope = f"the process set of ranks {', '.join(map(str, ps.ranks))}"
     ps._comm = (
         Communicator(
@@ -349,8 +355,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         found._comm = None
     _forget(found.process_set_id)
     _renewed(found.process_set_id)
-    found.process_set_id = None
-    process_set.process_set_id = None
+    for removed in (found, process_set):
+        removed.process_set_id = None
+        removed._removed = True
     return True
 
 
@@ -375,6 +382,7 @@ def _forget(process_set_id: int) -> None:
     _aliases[:] = [a for a in _aliases if a.process_set_id != process_set_id]
     for alias in gone:
         alias.process_set_id = None
+        alias._removed = True
 
 
 def communicator_of(process_set: ProcessSet | None) -> Communicator:
@@ -453,6 +461,7 @@ def _register_at_init(entries: Iterable) -> None:
         if found is ps:
             continue
         ps.process_set_id = 0 if found is None else found.process_set_id
+        ps._removed = False
         if not any(a is ps for a in _aliases):  # by identity: equal sets are separate objects
             _aliases.append(ps)
 

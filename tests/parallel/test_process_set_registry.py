@@ -49,3 +49,23 @@ def test_the_global_set_under_another_object_is_removed_like_it(hvd):
     assert whole.process_set_id == 0
     assert not hvd.remove_process_set(whole if hvd.rank() == 0 else hvd.global_process_set)
     assert hvd.get_process_set_ids_and_ranks() == {0: list(range(hvd.size()))}
+
+
+def test_a_removed_set_answers_none_to_included_until_it_is_added_again(hvd):
+    # Horovod invalidates a removed set: included() answers None, so a program's
+    # `if ps.included(): hvd.allreduce(..., process_set=ps)` skips a set that is gone on
+    # every rank alike, including the set's own ranks and other objects given its id.
+    n = hvd.size()
+    if n == 1:
+        pytest.skip("one rank has no set but the global one")
+    ps = hvd.add_process_set([0])
+    alias = hvd.ProcessSet([0])
+    hvd.init(process_sets=[alias])  # another object given the same id
+    assert alias.process_set_id == ps.process_set_id
+    assert ps.included() == alias.included() == (hvd.rank() == 0)
+    assert hvd.remove_process_set(ps)
+    assert ps.included() is None and alias.included() is None
+    assert ps.size() is None and ps.rank() is None
+    hvd.add_process_set(ps)
+    assert ps.included() == (hvd.rank() == 0)
+    assert hvd.remove_process_set(ps)
