@@ -48,6 +48,45 @@ except ImportError:  # pragma: no cover - a TensorFlow that moved it: the check 
 __all__ = ["Distributed", "keras_of_optimizer"]
 
 
+class _WrappedSetting:
+    """A setting the Keras base class keeps on the wrapper and acts on in its own ``build()``
+    (an EMA of the weights, gradient accumulation): read from and set on the wrapped optimizer,
+    which does the update. The base class's ``__init__`` and ``build()`` see the wrapper's own
+    default instead, so that the wrapper makes no EMA or accumulators of its own."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, wrapper, owner=None):
+        if wrapper is None:
+            return self
+        state = wrapper.__dict__
+        inner = state.get("inner_optimizer")
+        if inner is not None and not state.get("_base_building") and hasattr(inner, self.name):
+            return getattr(inner, self.name)
+        if self.name in state:
+            return state[self.name]  # the base class's default
+        raise AttributeError(f"{type(wrapper).__name__!r} object has no attribute {self.name!r}")
+
+    def __set__(self, wrapper, value):
+        inner = wrapper.__dict__.get("inner_optimizer")
+        if inner is None or not hasattr(inner, self.name):
+            wrapper.__dict__[self.name] = value  # the base class's __init__
+            return
+        if self.name == "gradient_accumulation_steps" and value:
+            _check_one_accumulation(wrapper.backward_passes_per_step, value)
+        setattr(inner, self.name, value)
+
+
+def _check_one_accumulation(backward_passes_per_step: int, gradient_accumulation_steps) -> None:
+    if backward_passes_per_step > 1 and gradient_accumulation_steps:
+        raise ValueError(
+            f"backward_passes_per_step ({backward_passes_per_step}) and the wrapped optimizer's "
+            f"gradient_accumulation_steps ({gradient_accumulation_steps}) both accumulate "
+            "gradients over several steps; use one of them."
+        )
+
+
 class Distributed:
     """Wraps a Keras optimizer so that gradients are averaged over all ranks before use.
 
@@ -116,6 +155,11 @@ class Distributed:
     _base_arguments: dict  # what that Keras' base class's __init__ needs besides the name
     _for_package: Callable[[ModuleType], type]  # the class for another Keras' optimizer
 
+    use_ema = _WrappedSetting()
+    ema_momentum = _WrappedSetting()
+    ema_overwrite_frequency = _WrappedSetting()
+    gradient_accumulation_steps = _WrappedSetting()
+
     def __new__(cls, optimizer=None, *args, **kwargs):
         # Keras' compile takes only its own Keras' optimizers: wrap with the class of the
         # optimizer's Keras, whichever package's class was called.
@@ -173,12 +217,9 @@ class Distributed:
                 "backward_passes_per_step must be an integer >= 1; got "
                 f"{backward_passes_per_step!r}."
             )
-        if backward_passes_per_step > 1 and getattr(optimizer, "gradient_accumulation_steps", None):
-            raise ValueError(
-                "backward_passes_per_step and the wrapped optimizer's "
-                "gradient_accumulation_steps both accumulate gradients over several steps; "
-                "use one of them."
-            )
+        _check_one_accumulation(
+            backward_passes_per_step, getattr(optimizer, "gradient_accumulation_steps", None)
+        )
         if not _compression.is_compressor(compression):
             raise ValueError(
                 "compression must be a compressor: syncdp.Compression.none, "
@@ -255,7 +296,11 @@ class Distributed:
                 self._passes = self.add_variable(
                     shape=(), dtype="int64", initializer="zeros", name="syncdp_passes"
                 )
-        super().build(var_list)
+        self.__dict__["_base_building"] = True  # see _WrappedSetting
+        try:
+            super().build(var_list)
+        finally:
+            self.__dict__["_base_building"] = False
         self._built_for = self._no_dependency(var_list)  # the model's, not this optimizer's
         self.built = True
 
@@ -364,9 +409,8 @@ class Distributed:
             return
         setattr(inner, name, value)
         # The Keras base class keeps copies of some settings here, unused since the wrapped
-        # optimizer updates: kept equal so that reading them here agrees, except those the
-        # base class's build() would act on (an EMA or accumulators of the wrapper's own).
-        if name in self.__dict__ and name not in _BASE_BUILD_READS:
+        # optimizer updates: kept equal so that reading them here agrees.
+        if name in self.__dict__:
             super().__setattr__(name, value)
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
@@ -730,11 +774,6 @@ _OWN = frozenset(
 # Settings the Keras base class keeps on the wrapper too, unused by its methods the wrapper
 # calls: the wrapped optimizer's are read and set instead.
 _READ_FROM_INNER = ("clipnorm", "global_clipnorm", "clipvalue", "weight_decay")
-
-# Settings the Keras base class keeps on the wrapper too and its build() reads.
-_BASE_BUILD_READS = frozenset(
-    {"use_ema", "ema_momentum", "ema_overwrite_frequency", "gradient_accumulation_steps"}
-)
 
 
 def _settable_on(inner, name: str, wrapper_class: type) -> bool:

@@ -848,3 +848,7 @@ def test_the_distributed_optimizer_reads_the_wrapped_optimizers_clipping_and_dec
     assert opt.weight_decay == opt.inner_optimizer.weight_decay == 0.2
     legacy = hvd.DistributedOptimizer(keras.optimizers.legacy.SGD(0.1, clipnorm=0.7))
     assert legacy.clipnorm == 0.7
+    ema = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.5))
+    assert (ema.use_ema, ema.ema_momentum) == (True, 0.5)
+    ema.ema_momentum = 0.9
+    assert ema.inner_optimizer.ema_momentum == 0.9

@@ -631,6 +631,44 @@ def test_the_distributed_optimizer_reads_the_wrapped_optimizers_clipping_and_dec
         assert {name: getattr(opt, name) for name in clipping} == clipping
 
 
+def test_an_ema_of_the_wrapped_optimizer_is_kept_and_read_through_the_wrapper():
+    """use_ema=True on the wrapped optimizer: fit ends with the weights' moving average, as the
+    plain optimizer on the global batches ends; the wrapper reads the wrapped optimizer's EMA
+    settings and keeps no EMA of its own."""
+
+    def sgd():
+        return keras.optimizers.SGD(0.1, momentum=0.5, use_ema=True, ema_momentum=0.5)
+
+    local = _local_batch()
+    x, y = _data(steps=3)
+    model = _model(seed=100 + hvd.rank())
+    opt = hvd.DistributedOptimizer(sgd())
+    assert (opt.use_ema, opt.ema_momentum, opt.ema_overwrite_frequency) == (True, 0.5, None)
+    model.compile(optimizer=opt, loss=_loss())
+    _fit_my_rows(model, x, y, local)
+    assert "_model_variables_moving_average" not in vars(opt)
+    reference = _model(seed=100)
+    reference.compile(optimizer=sgd(), loss=_loss())
+    reference.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
+    for got, want in zip(model.weights, reference.weights, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=0, atol=1e-5)
+    opt.ema_momentum = 0.9
+    assert opt.ema_momentum == opt.inner_optimizer.ema_momentum == 0.9
+
+
+def test_gradient_accumulation_set_beside_backward_passes_is_refused_clearly():
+    """Two accumulations at once are refused when set after construction too, as the
+    constructor refuses them, before any step runs."""
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+    assert opt.gradient_accumulation_steps is None
+    with pytest.raises(ValueError, match="both accumulate gradients"):
+        opt.gradient_accumulation_steps = 3
+    assert opt.inner_optimizer.gradient_accumulation_steps is None
+    single = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    single.gradient_accumulation_steps = 3
+    assert single.inner_optimizer.gradient_accumulation_steps == 3
+
+
 def test_variables_excluded_from_weight_decay_through_the_distributed_optimizer():
     """exclude_from_weight_decay() called on the wrapper reaches the optimizer that decays:
     with zero gradients and a rate of 1, SGD's decay of 0.5 halves only the kernel."""
