@@ -36,12 +36,21 @@ __all__ = [
 ]
 
 
+def op_error_arguments(args: tuple) -> tuple:
+    """TensorFlow's ``(node_def, op, message)`` for one of syncdp's TensorFlow errors, made
+    from a message (as syncdp raises it) or from TensorFlow's own arguments (as Keras makes the
+    error again, its context added, when it is raised in a layer's ``call()``)."""
+    if len(args) == 1:
+        return None, None, args[0]
+    return args[:3]
+
+
 class MismatchError(errors.MismatchError, tf.errors.FailedPreconditionError):
     """Ranks passed different arguments to one collective; also TensorFlow's
     ``FailedPreconditionError``, which is what Horovod raises on every rank in that case."""
 
-    def __init__(self, message: str):
-        tf.errors.FailedPreconditionError.__init__(self, None, None, message)
+    def __init__(self, *args):
+        tf.errors.FailedPreconditionError.__init__(self, *op_error_arguments(args))
 
     def __str__(self) -> str:
         return self.message
@@ -51,8 +60,8 @@ class InvalidArgument(ValueError, tf.errors.InvalidArgumentError):
     """A bad argument found while a collective runs: TensorFlow's ``InvalidArgumentError``
     eagerly, and (being a ValueError) inside a graph too."""
 
-    def __init__(self, message: str):
-        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
+    def __init__(self, *args):
+        tf.errors.InvalidArgumentError.__init__(self, *op_error_arguments(args))
 
     def __str__(self) -> str:
         return self.message

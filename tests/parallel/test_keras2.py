@@ -852,3 +852,10 @@ def test_the_distributed_optimizer_reads_the_wrapped_optimizers_clipping_and_dec
     assert (ema.use_ema, ema.ema_momentum) == (True, 0.5)
     ema.ema_momentum = 0.9
     assert ema.inner_optimizer.ema_momentum == 0.9
+
+
+def test_errors_raised_in_a_layer_keep_their_class_and_message():
+    """As tests/parallel/test_keras_fit.py's test of the same name, in a Keras 2 layer."""
+    from tests.parallel.test_keras_fit import _errors_raised_in_a_layer_keep_their_class_and_message
+
+    _errors_raised_in_a_layer_keep_their_class_and_message(keras)

@@ -698,3 +698,41 @@ def test_a_distributed_tapes_gradients_are_not_reduced_again_by_the_optimizer(tr
     for k in range(1, 3):
         step()
         np.testing.assert_allclose(v.numpy(), [1.0 - k * n * (n + 1) / 2])
+
+
+def _errors_raised_in_a_layer_keep_their_class_and_message(package):
+    """A syncdp error raised in a layer's call() reaches the program as itself: Keras makes it
+    again, its context added, from TensorFlow's arguments (node_def, op, message, code)."""
+    import syncdp.tensorflow as stf
+    from syncdp.tensorflow.collectives import NotInProcessSetError
+    from syncdp.tensorflow.graph import MismatchError
+
+    class Collective(package.layers.Layer):
+        def __init__(self, fn):
+            super().__init__()
+            self.fn = fn
+
+        def call(self, x):
+            return self.fn(x)
+
+    if hvd.size() > 1:  # trailing dimensions that differ between the ranks
+        with pytest.raises(MismatchError, match="ranks passed different") as raised:
+            Collective(stf.allgather)(tf.ones([2, 3 + hvd.rank()]))
+        assert isinstance(raised.value, tf.errors.FailedPreconditionError)
+        assert "Exception encountered when calling" in str(raised.value)
+        only_rank_0 = stf.add_process_set([0])
+        try:
+            if hvd.rank() > 0:
+                with pytest.raises(NotInProcessSetError, match="is not in") as raised:
+                    Collective(lambda x: stf.allreduce(x, process_set=only_rank_0))(tf.ones([2]))
+                assert isinstance(raised.value, tf.errors.InvalidArgumentError)
+                assert "Exception encountered when calling" in str(raised.value)
+        finally:
+            stf.remove_process_set(only_rank_0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="splits") as raised:
+        Collective(lambda x: stf.alltoall(x, splits=[-1] * hvd.size()))(tf.ones([2]))
+    assert isinstance(raised.value, ValueError)
+
+
+def test_errors_raised_in_a_layer_keep_their_class_and_message():
+    _errors_raised_in_a_layer_keep_their_class_and_message(keras)

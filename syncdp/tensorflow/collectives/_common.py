@@ -135,8 +135,8 @@ class NotInProcessSetError(process_sets.NotInProcessSetError, tf.errors.InvalidA
     """A rank used a process set it is not in; also TensorFlow's ``InvalidArgumentError``,
     which is what Horovod raises then."""
 
-    def __init__(self, message: str):
-        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
+    def __init__(self, *args):
+        tf.errors.InvalidArgumentError.__init__(self, *graph.op_error_arguments(args))
 
     def __str__(self) -> str:
         return self.message
