@@ -205,21 +205,32 @@ def test_alltoall_gradient_is_that_of_the_sum_of_every_ranks_loss(hvd):
     )
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["single", "grouped"])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (2.0, 0.5), (3.0, 1.0), (1.0, -0.25)])
 @pytest.mark.parametrize("op", ["Sum", "Average"])
-def test_reducescatter_gradient_is_size_times_that_of_the_sum_of_losses(hvd, op):
+def test_reducescatter_gradient_is_size_times_that_of_the_sum_of_losses(hvd, op, scales, grouped):
     """Horovod's convention (kept for its programs): the sum-of-losses gradient, times the
-    number of ranks."""
+    number of ranks; the scale factors are in the loss, so in the gradient too."""
     r, n = hvd.rank(), hvd.size()
     x = rows_of(r, 2 * n) / 100.0
     red = getattr(hvd, op)
+    pre, post = scales
+
+    def scatter(t):
+        if grouped:
+            (out,) = hvd.grouped_reducescatter(
+                [t], op=red, prescale_factor=pre, postscale_factor=post
+            )
+            return out
+        return hvd.reducescatter(t, op=red, prescale_factor=pre, postscale_factor=post)
 
     def loss_of(t):
-        local = tf.reduce_sum(tf.sin(hvd.reducescatter(t, op=red)) * _rank_weights(hvd, [2, 2]))
+        local = tf.reduce_sum(tf.sin(scatter(t)) * _rank_weights(hvd, [2, 2]))
         return float(hvd.allreduce(local, op=hvd.Sum))
 
     t = tf.Variable(x)
     with tf.GradientTape() as tape:
-        local = tf.reduce_sum(tf.sin(hvd.reducescatter(t, op=red)) * _rank_weights(hvd, [2, 2]))
+        local = tf.reduce_sum(tf.sin(scatter(t)) * _rank_weights(hvd, [2, 2]))
     np.testing.assert_allclose(
         tape.gradient(local, t).numpy(),
         n * _finite_difference(hvd, x, loss_of),

@@ -171,7 +171,7 @@ def reducescatter(
     Rank ``r`` gets rows ``[r * n // size ...)``: ``n // size`` rows each, the first
     ``n % size`` ranks one more. A synchronization point: every rank passes the same shape.
     Differentiable as in Horovod: the gradient is the allgather of the slices' gradients
-    (times the number of ranks for Sum).
+    (times the number of ranks for Sum), times the two scale factors.
 
     Args:
         tensor: A tensor of rank >= 1 and a reducible dtype.
@@ -210,8 +210,10 @@ def reducescatter(
     @tf.custom_gradient
     def scatter(x):
         def grad(dy):
+            factor = prescale_factor * postscale_factor
             if op is Sum:
-                dy = dy * _comm(process_set).size
+                factor *= _comm(process_set).size
+            dy = dy * tf.cast(factor, dy.dtype)
             return allgather(dy, name=f"{name}.grad", process_set=process_set)
 
         return forward(x), grad
