@@ -895,6 +895,12 @@ def shutdown() -> None:
                 _state.keeper.close()
         _state.reserve = None
     _state.keeper = None
+    if not comm.broken and not comm.config.elastic:
+        # A rank still to come to a collective of this one's would wait for it forever
+        # (join() has no stall timeout): tell them this rank's collectives end here.
+        sets = _state.sets.communicators() if _state.sets is not None else []
+        for dog in [c.watchdog for c in [comm, *sets] if c.watchdog is not None]:
+            dog.leaving()
     _drop(broken=comm.broken)
     _state.steps_unsynced = False
     _state.config = None

@@ -532,6 +532,8 @@ class Verdict:
             # one that left through syncdp's exit handshake reports itself and ends by abort.
             if report.get("gone") and ended is not None and not ended.get("signal"):
                 how = f"exited (code {ended.get('code') or 0})"
+            if report.get("shut_down"):
+                how = "shut syncdp down (shutdown())"
             place = ""
             if report.get("collective"):
                 place = f" in collective #{report.get('seq')} {report['collective']}"

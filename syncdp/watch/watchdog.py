@@ -56,7 +56,7 @@ from syncdp.watch import report
 
 __all__ = ["Watchdog", "Process"]
 
-_QUERY, _REPLY, _ENDING = 1, 2, 3
+_QUERY, _REPLY, _ENDING, _LEFT = 1, 2, 3, 4
 _POLL_SECONDS = 0.1
 # For a while after a rank's process ends, the others ask where this rank is (to name who
 # waits for it): answer at once rather than at the next poll.
@@ -163,6 +163,8 @@ class Watchdog:
         self.processes: list[Process] = self._side.allgather(Process.this()) if self._side else []
         # The ranks whose processes ended (found by their pidfds), in the order seen.
         self.gone: list[int] = []
+        # rank -> the last collective it finished before it shut syncdp down (see leaving).
+        self.left: dict[int, int] = {}
         self._pidfds = self._open_pidfds()
         self._queries: list = []  # this rank's messages still in flight (see ask_others)
         self._stop = threading.Event()
@@ -226,6 +228,68 @@ class Watchdog:
         while not self._MPI.Request.Testall(sent) and time.monotonic() < deadline:
             time.sleep(0.005)
         self._queries += sent
+
+    def leaving(self) -> None:
+        """Tells the other ranks that this one shuts syncdp down after the collectives it has
+        finished (``shutdown()``, which a program may call before its end): a rank that waits,
+        or comes to wait, in a later collective of this communicator ends the job rather than
+        wait for this one forever (``join()`` waits with no stall timeout). Not a collective.
+        """
+        if self._side is None:
+            return
+        others = [r for r in range(self.size) if r != self.rank and r not in self.gone]
+        try:
+            sent = [self._side.isend(self.last_done, dest=r, tag=_LEFT) for r in others]
+        except self._MPI.Exception:  # a rank is gone: nothing to tell it
+            return
+        deadline = time.monotonic() + 0.2
+        while not self._MPI.Request.Testall(sent) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self._queries += sent
+
+    def _note_leavers(self) -> None:
+        MPI = self._MPI
+        status = MPI.Status()
+        while (
+            message := self._side.improbe(source=MPI.ANY_SOURCE, tag=_LEFT, status=status)
+        ) is not None:
+            self.left[status.Get_source()] = message.recv()
+
+    def _end_for_leavers(self, seq: int, name: str, late: list[int]) -> None:
+        """Ends the job: ``late`` ranks shut syncdp down before collective ``seq``, which
+        this rank waits in."""
+        me = self._job_rank[self.rank]
+        who = _ranks_text([self._job_rank[r] for r in late])
+        done = ", ".join(f"#{self.left[r]}" for r in late)
+        message = (
+            f"{who} shut syncdp down (shutdown()) after collective {done}{self.of_scope}, "
+            f"but rank {me} waits for {'it' if len(late) == 1 else 'them'} in "
+            f"{self._collective(seq, name)}"
+        )
+        print(
+            f"syncdp: {message}; ending the job. Every rank must run the same collectives "
+            "before shutdown(); if the ranks' data differ in length, call syncdp.join() on "
+            "every rank first.",
+            file=sys.stderr,
+            flush=True,
+        )
+        report.send(
+            "exit_early",
+            self._job_rank[late[0]],
+            message,
+            ranks=[me],
+            collective=f"{name}{self.of_scope}",
+            seq=seq,
+            shut_down=True,
+            reporter=me,
+            **(
+                {"pid": self.processes[late[0]].pid, "host": self.processes[late[0]].host}
+                if self.processes
+                else {}
+            ),
+        )
+        self.farewell()
+        self._MPI.COMM_WORLD.Abort(1)
 
     def _open_pidfds(self) -> dict[int, int]:
         """pidfd -> rank, for the other ranks whose pids this one can watch (same host)."""
@@ -300,10 +364,14 @@ class Watchdog:
                 break
             if self._can_ask:
                 self._answer_questions()
+                self._note_leavers()
             current = self.current
             if current is None:
                 continue
             seq, name, start, timeout = current
+            late = sorted(r for r, done in self.left.items() if done < seq)
+            if late and self.current is current:
+                self._end_for_leavers(seq, name, late)
             if self.gone and not named_gone:
                 named_gone = True
                 self._name_gone(seq, name)

@@ -201,6 +201,68 @@ if syncdp.rank() != 1:
     ), result.stderr[-3000:]
 
 
+SHUT_DOWN_EARLY = """
+import sys, time
+import tensorflow as tf
+import syncdp
+syncdp.init()
+r, last = syncdp.rank(), syncdp.size() - 1
+mode = sys.argv[1]
+pair = syncdp.add_process_set([0, last]) if mode == "set" else None
+if mode == "everyone":  # the same collectives, then shutdown() and init() again everywhere
+    syncdp.allreduce(tf.ones([2]))
+    if r == 0:
+        time.sleep(1)  # the others' shutdown() reaches rank 0 before its own
+    syncdp.shutdown()
+    syncdp.init()
+    total = syncdp.allreduce(tf.ones([2]) * r, op=syncdp.Sum).numpy().tolist()
+    syncdp.shutdown()
+    print(f"rank {r} done, sum {total}", flush=True)
+elif r == last:  # shuts syncdp down after one collective, then its program goes on
+    syncdp.allreduce(tf.ones([2]), process_set=pair if mode == "set" else None)
+    syncdp.shutdown()
+    time.sleep(600)
+elif mode == "set":
+    if r == 0:
+        syncdp.allreduce(tf.ones([2]), process_set=pair)
+        syncdp.allreduce(tf.ones([2]), process_set=pair)
+else:
+    syncdp.allreduce(tf.ones([2]))
+    syncdp.join()  # no stall timeout: the last rank must never come
+"""
+
+
+@pytest.mark.parametrize(
+    "np_, mode", [(2, "join"), (3, "join"), (3, "set"), (1, "everyone"), (3, "everyone")]
+)
+def test_a_rank_that_shuts_syncdp_down_ends_the_job_where_another_waits_for_it(tmp_path, np_, mode):
+    # shutdown() before the end of the program: the ranks still to come to a collective of
+    # the one that shut down (a join() that waits with no stall timeout, a process set's
+    # collective) end the job at once, naming it, rather than wait for it forever. Ranks that
+    # ran the same collectives shut down (and start again) as they please.
+    script = python_script(tmp_path, SHUT_DOWN_EARLY)
+    start = time.monotonic()
+    result = launch(np_, "python", script, mode, timeout=120, env={"SYNCDP_STALL_TIMEOUT": "0"})
+    if mode == "everyone":
+        assert result.returncode == 0, result.stderr[-3000:]
+        total = [float(sum(range(np_)))] * 2
+        for r in range(np_):
+            assert f"rank {r} done, sum {total}" in result.stdout
+        return
+    assert time.monotonic() - start < 60, "the job waited for the rank that shut down"
+    assert result.returncode != 0
+    last = np_ - 1
+    scope = f" of the process set of ranks 0, {last}" if mode == "set" else ""
+    assert re.search(
+        rf"syncdp: rank {last} shut syncdp down \(shutdown\(\)\) after collective #\d+{scope}, "
+        rf"but rank \d waits for it in collective #\d+ (join|allreduce)",
+        result.stderr,
+    ), result.stderr[-3000:]
+    final = result.stderr.splitlines()[-1]
+    assert f"first failure: rank {last} (pid " in final, final
+    assert re.search(r"shut syncdp down \(shutdown\(\)\) while rank \d waits for it", final), final
+
+
 def test_a_killed_mpiruns_session_directory_does_not_stop_a_later_job(tmp_path):
     # A killed mpirun leaves ompi.PID with its PMIx rendezvous file under $TMPDIR; an mpirun
     # that later gets the same process id stopped at once ("The PMIx server's listener thread
