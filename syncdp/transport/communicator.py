@@ -64,7 +64,18 @@ _UFUNC = {"sum": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multip
 
 def signature_digest(signature: tuple) -> int:
     """The checksum :meth:`Communicator.agree` exchanges for ``signature``."""
-    return zlib.crc32(repr(signature).encode())
+    return zlib.crc32(repr(_plain(signature)).encode())
+
+
+def _plain(value):
+    """``value`` with NumPy scalars as the Python numbers they equal, in tuples and lists too:
+    NumPy 2 writes ``np.int64(1)`` where Python writes ``1``, and a rank that passes one
+    (an epoch, a seed, a root) agrees with a rank that passes the other."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if type(value) in (tuple, list):
+        return type(value)(_plain(v) for v in value)
+    return value
 
 
 def _as_bytes(array: np.ndarray) -> np.ndarray:
@@ -357,7 +368,7 @@ class Communicator:
             return ()
         if min(digests) < 0:
             return self._serve_joined(signature, self._digests, name, join)
-        raise MismatchError(_mismatch_message(name, self.mpi.allgather((name, signature))))
+        raise MismatchError(_mismatch_message(name, self.mpi.allgather((name, _plain(signature)))))
 
     def allreduce(self, array: np.ndarray, op: str = "sum", *, name: str = "allreduce"):
         """Element-wise reduction of ``array`` over all ranks; every rank gets the result.

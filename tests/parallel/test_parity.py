@@ -513,3 +513,34 @@ def test_the_keras_modules_collectives_take_horovods_keras_order(hvd, module):
     np.testing.assert_allclose(rows.numpy(), [[total, total]])
     np.testing.assert_allclose(face.allgather(np.array([r]), "ranks").numpy(), np.arange(n))
     np.testing.assert_allclose(face.broadcast(np.array([r]), n - 1, "last").numpy(), [n - 1])
+
+
+def test_a_numpy_integer_agrees_with_the_python_integer_it_equals(hvd, tmp_path_factory):
+    """A root, epoch or seed that is a NumPy integer on some ranks (a result of join(), a
+    NumPy loop) and a Python one on others is the same argument: no MismatchError."""
+    import syncdp.data
+
+    r, n = hvd.rank(), hvd.size()
+    numpy_here = r % 2 == 0
+    v = tf.Variable([float(r), 1.0])
+    last = n - 1
+    hvd.broadcast_variables([v], root_rank=np.int64(last) if numpy_here else last)
+    np.testing.assert_array_equal(v.numpy(), [float(last), 1.0])
+    got = hvd.broadcast(tf.constant([r]), root_rank=np.int32(0) if numpy_here else 0)
+    np.testing.assert_array_equal(got.numpy(), [0])
+    # Every rank names the same files (in a directory of rank 0's, shared through the job).
+    folder = hvd.broadcast_object(str(tmp_path_factory.mktemp("files")) if r == 0 else None)
+    files = [f"{folder}/part-{i}.tfrecord" for i in range(2 * n)]
+    if r == 0:
+        for i, path in enumerate(files):
+            with tf.io.TFRecordWriter(path) as w:
+                for k in range(i + 1):
+                    w.write(b"x" * k)
+    hvd.barrier()
+    mine = syncdp.data.shard_files(
+        files,
+        seed=np.int64(7) if numpy_here else 7,
+        epoch=np.int64(1) if numpy_here else 1,
+    )
+    everyone = hvd.allgather_object(sorted(mine))
+    assert sorted(p for part in everyone for p in part) == sorted(files)
