@@ -13,7 +13,8 @@ step check leaves out; once every rank has joined, the group's step check counts
 steps anew (:class:`~syncdp.engine.steps.Agreement`).
 
 An allgather's task (:func:`gather_task`) has the joined rank give no rows, as Horovod's does,
-so sparse gradients (gathered rows and indices) train on too.
+so sparse gradients (gathered rows and indices) train on too. An Adasum's
+(:func:`adasum_task`) has it give zeros, which Adasum leaves out.
 
 Once every rank has joined, ``join()`` returns on every rank the rank that joined last.
 Other collectives (broadcasts, alltoall, reducescatter, barriers, objects) cannot run while a
@@ -27,7 +28,7 @@ import numpy as np
 from syncdp.engine import steps as _steps
 from syncdp.engine.reducer import BucketReducer
 
-__all__ = ["task", "gather_task", "stand_in", "join"]
+__all__ = ["task", "gather_task", "adasum_task", "stand_in", "join"]
 
 
 def task(reducer: BucketReducer, sizes) -> dict:
@@ -58,6 +59,12 @@ def gather_task(array: np.ndarray, name: str) -> dict:
     }
 
 
+def adasum_task(array: np.ndarray, name: str) -> dict:
+    """What a joined rank needs to stand in for an Adasum of ``array``: it gives zeros, which
+    Adasum leaves out (a zero gradient combined with any other gives that other)."""
+    return {"kind": "adasum", "dtype": array.dtype.name, "size": int(array.size), "name": name}
+
+
 def _identity(dtype: np.dtype, op: str):
     if op in ("sum", "average"):
         return 0
@@ -83,6 +90,9 @@ def stand_in(comm, spec: dict) -> None:
     dtype = _dtype(spec)
     if spec["kind"] == "allgather":
         comm.allgather(np.empty((0, *spec["trailing"]), dtype), name=spec["name"])
+        return
+    if spec["kind"] == "adasum":
+        comm.allgather_equal(np.zeros(spec["size"], dtype), name=spec["name"])
         return
     reducer = BucketReducer(
         dtype,

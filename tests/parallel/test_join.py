@@ -255,6 +255,45 @@ def test_join_within_a_process_set(hvd):
         assert hvd.remove_process_set(ps) == (n > 2)
 
 
+def _adasum_of_pair(a, b):
+    # Adasum's combination of two gradients (Maleki et al., 2020); a zero side has weight 1.
+    dot = float(a @ b)
+    ca = 1.0 - dot / (2.0 * float(a @ a)) if a.any() else 1.0
+    cb = 1.0 - dot / (2.0 * float(b @ b)) if b.any() else 1.0
+    return ca * a + cb * b
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_adasum_runs_while_a_rank_has_joined_which_gives_zeros(hvd, graph):
+    # Rank 0 joins at once; the others reduce with Adasum (a collective and a tape). Rank 0's
+    # zeros drop out of the pairwise tree: its pair with rank 1 is rank 1's gradient, and that
+    # meets rank 2's (at n = 3) by Adasum's formula.
+    n, r = hvd.size(), hvd.rank()
+    if n == 1:
+        pytest.skip("needs 2 ranks")
+    rows = [np.array([1.0, 2.0 * k, -1.0, k * k], np.float64) for k in range(n)]
+    want = _adasum_of_pair(np.zeros(4), rows[1])
+    if n == 3:
+        want = _adasum_of_pair(want, rows[2])
+    v = tf.Variable(tf.zeros([4], tf.float64))
+
+    def reduce():
+        direct = hvd.allreduce(tf.constant(rows[r]), op=hvd.Adasum)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v * tf.constant(rows[r]))
+        tape = hvd.DistributedGradientTape(tape, op=hvd.Adasum)
+        return direct, tape.gradient(loss, [v])[0]
+
+    reduce = tf.function(reduce) if graph else reduce
+    if r == 0:
+        hvd.join()
+    else:
+        direct, gradient = reduce()
+        hvd.join()
+        np.testing.assert_allclose(direct.numpy(), want, rtol=1e-12)
+        np.testing.assert_allclose(gradient.numpy(), want, rtol=1e-12)
+
+
 def test_a_collective_that_cannot_stand_in_raises_while_a_rank_has_joined(hvd):
     n, r = hvd.size(), hvd.rank()
     if n == 1:

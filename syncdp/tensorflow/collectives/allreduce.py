@@ -571,7 +571,11 @@ def _adasum(
     def run(array):
         comm = _comm(process_set)
         checked = dict((*_scale_fields(prescale, postscale), *fields))
-        comm.agree(_signature(name, array, op="adasum", shape=array.shape, **checked), name=name)
+        comm.agree(
+            _signature(name, array, op="adasum", shape=array.shape, **checked),
+            name=name,
+            join=lambda: joining.adasum_task(array, name),
+        )
         rows = comm.allgather_equal(array, name=name).reshape(comm.size, -1).astype(np.float64)
         combined = adasum_tree(rows) * (prescale * postscale)
         return (combined.astype(array.dtype).reshape(array.shape),)
