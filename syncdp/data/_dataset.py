@@ -16,7 +16,13 @@ import numpy as np
 import tensorflow as tf
 
 from syncdp.base.errors import DataError
-from syncdp.data._sharding import _assign, _check_whole, _gather_counts, _resolved
+from syncdp.data._sharding import (
+    _assign,
+    _check_compression,
+    _check_whole,
+    _gather_counts,
+    _resolved,
+)
 from syncdp.job import runtime
 
 __all__ = ["tfrecord_dataset"]
@@ -109,11 +115,7 @@ def _check_args(batch_size, shuffle_buffer, shard_by, compression_type, seed, ep
         raise ValueError(
             f"tfrecord_dataset: shard_by must be one of {_SHARD_BY}; got {shard_by!r}."
         )
-    if compression_type not in (None, "", "GZIP", "ZLIB"):
-        raise ValueError(
-            f"tfrecord_dataset: compression_type must be None, 'GZIP' or 'ZLIB'; "
-            f"got {compression_type!r}."
-        )
+    _check_compression("tfrecord_dataset", compression_type)
     # The same on every rank (it decides which rank reads which file): no random default.
     _check_whole("tfrecord_dataset", "seed", seed)
     _check_whole("tfrecord_dataset", "epoch", epoch)

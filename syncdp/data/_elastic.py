@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from syncdp.base.errors import DataError
-from syncdp.data._sharding import _check_whole, _gather_counts, _resolved
+from syncdp.data._sharding import _check_compression, _check_whole, _gather_counts, _resolved
 from syncdp.job import runtime
 
 __all__ = ["elastic_tfrecord_dataset", "elastic_steps"]
@@ -97,24 +97,25 @@ def elastic_tfrecord_dataset(
             the epoch has fewer records than one global batch.
         MismatchError: Ranks passed different ``global_batch_size``, ``epoch``,
             ``start_batch`` or (with ``shuffle_files``) ``seed``.
-        ValueError: ``global_batch_size`` is below the number of ranks, ``seed`` or ``epoch``
-            is not an integer >= 0, or ``start_batch`` is outside the epoch: raised on every
-            rank.
+        ValueError: ``global_batch_size`` is not an integer at least the number of ranks,
+            ``seed``, ``epoch`` or ``start_batch`` is not an integer >= 0, ``compression_type``
+            is unknown, or ``start_batch`` is past the epoch: raised on every rank.
     """
     size, rank = runtime.size(), runtime.rank()
 
     def check():
-        try:
-            whole = int(global_batch_size)
-        except (TypeError, ValueError):  # None, a list: refused on every rank all the same
-            whole = None
-        if whole is None or whole < size:
+        whole = isinstance(global_batch_size, (int, np.integer)) and not isinstance(
+            global_batch_size, bool
+        )
+        if not whole or global_batch_size < size:
             raise ValueError(
                 f"global_batch_size must be an integer at least the number of ranks ({size}) "
                 f"so every rank gets a record each step; got {global_batch_size!r}."
             )
         _check_whole("elastic_tfrecord_dataset", "seed", seed)
         _check_whole("elastic_tfrecord_dataset", "epoch", epoch)
+        _check_whole("elastic_tfrecord_dataset", "start_batch", start_batch)
+        _check_compression("elastic_tfrecord_dataset", compression_type)
 
     paths, problem = _resolved(files, "elastic_tfrecord_dataset", check)
     if problem is None:  # else raised on every rank by the counting's agreement

@@ -93,6 +93,14 @@ def _check_whole(caller: str, what: str, value, *, optional: bool = False) -> No
         )
 
 
+def _check_compression(caller: str, compression_type) -> None:
+    """Refuses a ``compression_type`` TensorFlow's TFRecord reader does not know."""
+    if compression_type not in (None, "", "GZIP", "ZLIB"):
+        raise ValueError(
+            f"{caller}: compression_type must be None, 'GZIP' or 'ZLIB'; got {compression_type!r}."
+        )
+
+
 def _count_one(
     path: str, verify: bool, compression_type: str | None, skip_corrupt: bool
 ) -> tuple[int, str | None, int | None]:
@@ -331,8 +339,8 @@ def shard_files(
             see them differently). Raised on every rank.
         MismatchError: Ranks passed different ``seed``, ``epoch`` or ``balance``, on every
             rank.
-        ValueError: ``seed`` or ``epoch`` is not an integer >= 0 (``seed`` may be None) on any
-            rank: raised on every rank.
+        ValueError: ``seed`` or ``epoch`` is not an integer >= 0 (``seed`` may be None), or
+            ``compression_type`` is unknown, on any rank: raised on every rank.
 
     Example:
         >>> my_files = syncdp.data.shard_files("data/*.tfrecord", seed=1, epoch=epoch)
@@ -341,6 +349,7 @@ def shard_files(
     def check():
         _check_whole("shard_files", "seed", seed, optional=True)
         _check_whole("shard_files", "epoch", epoch)
+        _check_compression("shard_files", compression_type)
 
     paths, problem = _resolved(files, "shard_files", check)
     size, rank = runtime.size(), runtime.rank()

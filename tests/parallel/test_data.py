@@ -291,6 +291,23 @@ def test_elastic_dataset_bad_input(hvd, data):
         elastic_tfrecord_dataset(data["abc"], parse_id, 40, start_batch=6)
     with pytest.raises(DataError, match="do not fill one global batch"):
         elastic_tfrecord_dataset(data["abc"], parse_id, 500)
+    # Refused on every rank before anything is read: a fraction of a batch was truncated, a
+    # start_batch of None or 1.5 a TypeError, an unknown compression read as none.
+    with pytest.raises(ValueError, match="global_batch_size must be an integer"):
+        elastic_tfrecord_dataset(data["abc"], parse_id, 40.5)
+    for start in (None, 1.5, -1):
+        with pytest.raises(ValueError, match="needs start_batch to be an integer >= 0"):
+            elastic_tfrecord_dataset(data["abc"], parse_id, 40, start_batch=start)
+    with pytest.raises(ValueError, match="compression_type must be None, 'GZIP' or 'ZLIB'"):
+        elastic_tfrecord_dataset(data["abc"], parse_id, 40, compression_type="gzip")
+
+
+def test_shard_files_refuses_an_unknown_compression(hvd, data):
+    from syncdp.data import shard_files
+
+    for balance in (True, False):
+        with pytest.raises(ValueError, match="shard_files: compression_type must be None"):
+            shard_files(data["abc"], balance=balance, compression_type="BOGUS")
 
 
 def test_every_rank_writing_the_same_shards_at_once_leaves_whole_files(hvd):
