@@ -114,7 +114,7 @@ def join(comm) -> int:
 
     A synchronization point: every rank of the group must call it once it has no more data.
     """
-    arrived_before = comm.join_arrive()
+    comm.join_arrive()
     served = 0
     while comm.size > 1:
         spec = comm.join_round(served)
@@ -123,6 +123,6 @@ def join(comm) -> int:
         if spec:  # an empty task: the others skip a collective while ranks have joined
             stand_in(comm, spec)
             served += 1
-    last = comm.join_last(arrived_before)
+    last = comm.join_last(served)
     _steps.rebase(comm)  # the ranks made different numbers of steps before it
     return last

@@ -78,6 +78,14 @@ def _plain(value):
     return value
 
 
+def last_to_join(order: list[int], stood_in: list[int]) -> int:
+    """The rank that called ``join()`` last: of those that stood in for the fewest of the
+    others' collectives (none, unless a collective could not be stood in for), the last in
+    ``order``, rank 0's record of every rank's arrival."""
+    least = min(stood_in)
+    return [r for r in order if stood_in[r] == least][-1]
+
+
 def _as_bytes(array: np.ndarray) -> np.ndarray:
     """A flat uint8 view, so any dtype (bfloat16 included) can be moved without arithmetic."""
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
@@ -169,7 +177,8 @@ class Communicator:
         self.timeline = timeline
         self.seq = 0
         self._checked_at: float | None = None  # when the last argument check began
-        self._join_notes: list[int] = []  # rank 0 in join(): who arrived after it, in order
+        # Rank 0 in join(): every rank's arrival (its own included), in the order it saw them.
+        self._join_notes: list[int] = []
         # The engine's step check across join()s (syncdp.engine.steps.agreement): its own.
         self.steps = None
         # Set once a rank of this group was found dead: nothing more can run on it.
@@ -755,16 +764,16 @@ class Communicator:
             return False
         return active[0][1]
 
-    def join_arrive(self) -> int:
-        """Notes this rank's arrival in ``join()`` on rank 0's clock (not a collective);
-        returns how many other ranks rank 0 had heard arrive before it (0 elsewhere)."""
+    def join_arrive(self) -> None:
+        """Notes this rank's arrival in ``join()`` on rank 0's clock (a message to rank 0; not
+        a collective)."""
         self._join_notes = []
         if self.size == 1:
-            return 0
+            return
         if self.rank != 0:
             self.mpi.send(None, dest=0, tag=_JOIN_TAG)
-            return 0
-        return len(self._received_join_notes())
+            return
+        self._join_notes = [*self._received_join_notes(), 0]
 
     def _received_join_notes(self) -> list[int]:
         """The ranks whose arrival notes have reached rank 0, in the order received."""
@@ -774,28 +783,34 @@ class Communicator:
             sources.append(status.Get_source())
         return sources
 
-    def join_last(self, arrived_before: int, *, name: str = "join") -> int:
+    def join_last(self, served: int, *, name: str = "join") -> int:
         """Once every rank has joined: the rank that arrived last, the same on every rank.
 
-        Arrivals are ordered on one clock, rank 0's (:meth:`join_arrive`): the notes already
-        waiting when rank 0 arrived came before it; rank 0 receives the rest as they come
-        while it waits in :meth:`join_round`, and the last received is the last to arrive
-        (rank 0 itself, if none was missing). Clocks of different hosts are never compared.
+        Args:
+            served: How many collectives this rank stood in for in ``join()``.
+
+        A rank that arrived before another's collective stood in for it; the last to arrive
+        stood in for none. Ranks that stood in for none (that arrived with no collective
+        between them) are ordered on one clock, rank 0's (:meth:`join_arrive`): the notes
+        waiting when rank 0 arrived came before it, and it receives the rest as they come
+        while it waits in :meth:`join_round`. Clocks of different hosts are never compared.
+        The notes alone cannot order ranks a collective separates: a note can reach rank 0
+        after a collective its sender took part in later (relayed by another rank).
         """
         if self.size == 1:
             return 0
         MPI = self._MPI
 
         def run():
+            stood_in = self.mpi.allgather(served)
             if self.rank != 0:
                 return self.mpi.bcast(None, root=0)
             status = MPI.Status()
-            heard = self._join_notes
-            last = heard[-1] if heard else 0
-            for _ in range(self.size - 1 - arrived_before - len(heard)):
+            order = list(self._join_notes)
+            for _ in range(self.size - len(order)):
                 self.mpi.recv(source=MPI.ANY_SOURCE, tag=_JOIN_TAG, status=status)
-                last = status.Get_source()
-            return self.mpi.bcast(last, root=0)
+                order.append(status.Get_source())
+            return self.mpi.bcast(last_to_join(order, stood_in), root=0)
 
         return self._run(name, run)
 

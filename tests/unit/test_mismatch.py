@@ -1,5 +1,7 @@
 """The MismatchError message: what each rank passed, from every rank's (name, signature)."""
 
+import numpy as np
+
 from syncdp.transport.communicator import _mismatch_message
 
 
@@ -68,3 +70,32 @@ def test_missing_gradients_are_compared_by_position_and_shown_by_name():
     everyone = [("g", (("name", "g"),)), ("g", (("name", "g"), ("no_gradient", theirs)))]
     text = _mismatch_message("g", everyone)
     assert "rank 1: no_gradient=dense/bias" in text
+
+
+def test_the_last_to_join_is_one_that_stood_in_for_nothing():
+    from syncdp.transport.communicator import last_to_join
+
+    # Rank 2 joined, stood in for rank 1's last step, and its arrival note reached rank 0
+    # after rank 1's (relayed through rank 1, the collective ended before the note came).
+    assert last_to_join(order=[0, 1, 2], stood_in=[2, 0, 1]) == 1
+    # Ranks that joined with no collective between them: rank 0's clock orders them.
+    assert last_to_join(order=[2, 0, 1], stood_in=[0, 0, 3]) == 1
+    assert last_to_join(order=[2, 1, 0], stood_in=[0, 0, 3]) == 0
+    assert last_to_join(order=[0, 2, 1], stood_in=[1, 0, 0]) == 1
+    assert last_to_join(order=[0], stood_in=[0]) == 0
+
+
+def test_a_numpy_scalar_and_the_python_number_it_equals_have_one_digest():
+    from syncdp.transport.communicator import signature_digest
+
+    plain = (("name", "x"), ("root", 1), ("shape", (2, 3)), ("seed", [7]))
+    numpy = (
+        ("name", "x"),
+        ("root", np.int64(1)),
+        ("shape", (np.int32(2), 3)),
+        ("seed", [np.uint8(7)]),
+    )
+    assert signature_digest(plain) == signature_digest(numpy)
+    assert signature_digest(plain) != signature_digest(
+        (("name", "x"), ("root", 2), ("shape", (2, 3)), ("seed", [7]))
+    )
