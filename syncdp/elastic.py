@@ -51,6 +51,7 @@ import functools
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -77,6 +78,10 @@ __all__ = [
 
 # What every rank's commit check carries (State.check_host_updates).
 _COMMIT_SIGNATURE = (("collective", "elastic.commit_check"),)
+# How long a survivor of a loss looks for the lost rank's farewell (it ended the job on purpose)
+# before it recovers: the farewell leaves before that rank's MPI_Abort, but between hosts it may
+# arrive after the news of the loss.
+_FAREWELL_GRACE_SECONDS = 0.3
 
 
 def _broadcast_object(obj, root_rank: int = 0):
@@ -315,7 +320,11 @@ def _abort_if_a_rank_ended_the_job(event: Exception, error: Exception) -> None:
     if not isinstance(event, RankFailureError):
         return
     watchdog = runtime.communicator().watchdog
-    ender = watchdog.ended_on_purpose() if watchdog is not None else None
+    if watchdog is None:
+        return
+    deadline = time.monotonic() + _FAREWELL_GRACE_SECONDS
+    while (ender := watchdog.ended_on_purpose()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     if ender is None:
         return
     message = (

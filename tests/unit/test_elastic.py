@@ -515,6 +515,31 @@ def test_run_fn_does_not_recover_from_a_rank_that_ended_the_job(monkeypatch):
     assert calls == ["sync", "train"]
 
 
+def test_run_fn_waits_briefly_for_a_farewell_that_comes_after_the_loss(monkeypatch):
+    # Between hosts the news of the loss may come before the lost rank's farewell: a survivor
+    # looks for it a little longer before it recovers; a loss without one heals.
+    from syncdp.base.errors import ElasticAbortError, RankFailureError
+    from syncdp.tensorflow import elastic
+
+    asked = []
+
+    def late_farewell(self):
+        asked.append(1)
+        return 1 if len(asked) >= 3 else None
+
+    calls = []
+    _elastic_loop(monkeypatch, calls)
+    monkeypatch.setattr(_FakeWatchdog, "ended_on_purpose", late_farewell)
+
+    def train(state):
+        calls.append("train")
+        raise RankFailureError("a rank of the job was lost")
+
+    with pytest.raises(ElasticAbortError, match="rank 1 ended the job"):
+        elastic.run_fn(train, lambda: calls.append("reset"))(_RecordingState(calls))
+    assert calls == ["sync", "train"]
+
+
 def test_run_fn_reraises_an_ordinary_error_without_a_reset(monkeypatch):
     from syncdp.tensorflow import elastic
 
