@@ -239,11 +239,7 @@ class CheckpointManager:
         Example:
             >>> start = manager.restore()  # rank 0's state at step 0 in an empty directory
         """
-        if not tf.executing_eagerly():
-            raise CheckpointError(
-                "CheckpointManager.restore() must run eagerly, not inside "
-                "tf.function; call it before the training loop."
-            )
+        _check_eager("restore", "; call it before the training loop")
         comm = runtime.communicator()
         variables = self._variables()
         signature = [
@@ -435,10 +431,7 @@ class CheckpointManager:
         Example:
             >>> manager.save(100, metadata={"epoch": 4})
         """
-        if not tf.executing_eagerly():
-            raise CheckpointError(
-                "CheckpointManager.save() must run eagerly, not inside tf.function."
-            )
+        _check_eager("save")
         step = int(step)
         if step < 0:
             raise CheckpointError(f"save(step) needs a step >= 0; got {step}.")
@@ -552,3 +545,18 @@ def _key_not_a_string(value):
 def _warn(warnings) -> None:
     for line in warnings:
         print(line, file=sys.stderr, flush=True)
+
+
+def _check_eager(method: str, hint: str = "") -> None:
+    """Raises CheckpointError unless ``CheckpointManager.<method>()`` runs eagerly."""
+    if tf.executing_eagerly():
+        return
+    if not tf.compat.v1.executing_eagerly_outside_functions():
+        raise CheckpointError(
+            f"CheckpointManager.{method}() needs eager execution, which this program turned "
+            "off (tf.compat.v1.disable_eager_execution()); in a TF1 graph save from rank 0 "
+            "with tf.compat.v1.train.Saver, or Keras' ModelCheckpoint, instead."
+        )
+    raise CheckpointError(
+        f"CheckpointManager.{method}() must run eagerly, not inside tf.function{hint}."
+    )

@@ -272,6 +272,7 @@ class Distributed:
         self._summed = self._no_dependency(set())
         self._passes = None
         self._built_for = self._no_dependency([])  # the variables build() was given
+        self._track_for_graph_session()
         _display.quiet_other_ranks(self._keras)
 
     def build(self, var_list):
@@ -302,7 +303,21 @@ class Distributed:
         finally:
             self.__dict__["_base_building"] = False
         self._built_for = self._no_dependency(var_list)  # the model's, not this optimizer's
+        self._track_for_graph_session()
         self.built = True
+
+    def _track_for_graph_session(self) -> None:
+        """In a TF1 graph (Keras 2 with eager execution turned off), Keras' session initializes
+        only the variables it tracks: this wrapper's own (the base class's step count, never
+        used but saved with the model, and the accumulators) are plain ``tf.Variable``s."""
+        if tf.compat.v1.executing_eagerly_outside_functions():
+            return
+        backend = getattr(getattr(self._keras, "__internal__", None), "backend", None)
+        track = getattr(backend, "track_variable", None)
+        if track is None:
+            return
+        for variable in self.__dict__.get("_variables", ()):
+            track(variable)
 
     @property
     def variables(self):
@@ -342,6 +357,8 @@ class Distributed:
 
     def get_weights(self) -> list:
         """The values of :attr:`variables`, as arrays (Keras 2's optimizer API)."""
+        if not tf.executing_eagerly():  # a TF1 graph: read in Keras 2's session
+            return self._keras.backend.batch_get_value(list(self.variables))
         return [v.numpy() for v in self.variables]
 
     def set_weights(self, weights) -> None:
@@ -362,6 +379,10 @@ class Distributed:
                     f"{self.name}'s variable {variable.name} has shape {tuple(variable.shape)}; "
                     f"got a value of shape {np.shape(value)}."
                 )
+        if not tf.executing_eagerly():  # a TF1 graph: assign in Keras 2's session
+            self._keras.backend.batch_set_value(list(zip(variables, weights, strict=True)))
+            return
+        for variable, value in zip(variables, weights, strict=True):
             variable.assign(value)
 
     @property

@@ -143,6 +143,61 @@ def test_keras2_in_a_tf1_graph_warms_up_the_rate_with_momentum_correction(np, tm
     _assert_weights(found, w, b)
 
 
+@pytest.mark.parametrize("np", [1, 2, 3])
+def test_keras2_in_a_tf1_graph_saves_and_loads_the_optimizers_state(np, tmp_path):
+    # Horovod's keras_mnist.py resumes from ModelCheckpoint's .h5 through hvd.load_model. In a
+    # TF1 graph the loaded optimizer's state was dropped (assigned by ops nothing ran:
+    # iterations 0, momentum zeros), and a SavedModel could not be written at all (the
+    # wrapper's own step count was never initialized in Keras' session).
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    job = GRAPH_MODE_JOB.replace(
+        "keras.optimizers.legacy.SGD(0.1)", "keras.optimizers.legacy.SGD(0.1, momentum=0.9)"
+    ).replace(
+        "w, b = model.get_weights()",
+        f"""state = model.optimizer.get_weights()
+if r == 0:
+    model.save("{folder}/model.h5")
+    model.save("{folder}/model", save_format="tf")
+hvd.barrier()
+loaded = hvd.load_model("{folder}/model.h5")
+again = loaded.optimizer.get_weights()
+assert len(again) == len(state) == 3, (len(again), len(state))  # the step count, 2 momenta
+assert int(again[0]) == 3, again[0]  # 3 global batches
+for got, want in zip(again, state):
+    np.testing.assert_array_equal(got, want)
+assert tf.io.gfile.exists("{folder}/model/saved_model.pb")
+w, b = loaded.get_weights()""",
+    )
+    found = _run_graph_job(np, tmp_path, job)
+    x, y, w, b = _whole_batches()
+    vw, vb = numpy.zeros((3, 1)), numpy.zeros(1)
+    for s in range(0, 18, 6):
+        error = x[s : s + 6] @ w + b - y[s : s + 6]
+        vw, vb = 0.9 * vw - 0.1 * 2 * x[s : s + 6].T @ error / 6, 0.9 * vb - 0.1 * 2 * error.mean(0)
+        w, b = w + vw, b + vb
+    _assert_weights(found, w, b)
+
+
+def test_keras2_in_a_tf1_graph_says_checkpoint_callback_needs_eager_execution(tmp_path):
+    # It said "must run eagerly, not inside tf.function" to a program with no tf.function.
+    job = GRAPH_MODE_JOB.replace(
+        "callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)]",
+        f"callbacks=[syncdp.tensorflow.keras.CheckpointCallback({str(tmp_path / 'ck')!r})]",
+    ).replace(
+        "import horovod.tensorflow.keras as hvd",
+        "import horovod.tensorflow.keras as hvd\nimport syncdp.tensorflow.keras",
+    )
+    result = launch(
+        1, "python", python_script(tmp_path, job), env={"TF_USE_LEGACY_KERAS": "1"}, timeout=180
+    )
+    assert result.returncode != 0
+    assert (
+        "CheckpointManager.restore() needs eager execution, which this program turned off"
+        in result.stderr
+    ), result.stderr[-3000:]
+
+
 def test_keras2_in_a_tf1_graph_names_a_current_optimizer_it_cannot_train_with(tmp_path):
     # Keras 2 trains in a TF1 graph only with its legacy optimizers; a current one is refused
     # with the fix, not an AttributeError from deep inside Keras.
