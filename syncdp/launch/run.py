@@ -644,14 +644,15 @@ def _run_once(
         lifeline.start(lost_after=restart.HOST_LOST_SECONDS, on_lost=loss.on_lost)
     else:
         lifeline.start(lost_after=lost_after(ranks_config.stall_timeout), on_lost=on_lost)
-    cmd = build_command(config, env, mpirun, stdin_is_terminal=_stdin_is_terminal())
+    terminal = _stdin_is_terminal()
+    cmd = build_command(config, env, mpirun, stdin_is_terminal=terminal)
     if config.spares and not quiet:
         first, last = config.num_proc, config.num_proc + config.spares - 1
         labels = f"[{first}]" if first == last else f"[{first}] to [{last}]"
         _say(f"elastic: {config.spares} warm spare(s), output labelled {labels}, wait in init().")
     if config.settings.get("verbose") or config.log_level in _CHATTY:
         _say(shlex.join(cmd))  # the secret is exported by name (-x), never on a command line
-    process = supervision.start_mpirun(cmd, env)
+    process = supervision.start_mpirun(cmd, env, terminal=sys.stdin.fileno() if terminal else None)
     sweeper.mpirun_pid = process.pid
     loss.process = process
     chatty = config.log_level in _CHATTY

@@ -76,22 +76,56 @@ def _end_with_launcher() -> None:
         pass
 
 
-def start_mpirun(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+def start_mpirun(
+    cmd: list[str], env: dict[str, str], *, terminal: int | None = None
+) -> subprocess.Popen:
     """Starts mpirun (see the module docstring), its output on pipes, once the session
     directories that killed mpiruns left behind are gone (one would stop an mpirun that gets
     its process id: :func:`syncdp.launch.cleanup.remove_stale_session_dirs`) and so are the
     shared-memory segments that killed processes of earlier jobs left on this host
-    (:func:`syncdp.launch.cleanup.remove_stale_segments`)."""
+    (:func:`syncdp.launch.cleanup.remove_stale_segments`).
+
+    Args:
+        cmd: The mpirun command line.
+        env: Its environment.
+        terminal: The launcher's standard input when it is a terminal, whose lines mpirun
+            forwards to rank 0. mpirun reads a terminal only while its process group is the
+            terminal's foreground one, which in a session of its own it never is: the launcher
+            reads the terminal and passes what it reads on to mpirun through a pipe. Defaults
+            to None: mpirun inherits the launcher's input (which it reads only when asked to,
+            ``--stdin``).
+    """
     remove_stale_session_dirs(env)
     remove_stale_segments()
-    return subprocess.Popen(
+    process = subprocess.Popen(
         cmd,
         env=env,
+        stdin=None if terminal is None else subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
         preexec_fn=_end_with_launcher,
     )
+    if terminal is not None:
+        threading.Thread(
+            target=_pass_on, args=(terminal, process.stdin), name="syncdp-stdin", daemon=True
+        ).start()
+    return process
+
+
+def _pass_on(terminal: int, pipe) -> None:
+    """Copies what is typed on ``terminal`` to mpirun's input until either side ends."""
+    try:
+        while data := os.read(terminal, 65536):
+            pipe.write(data)
+            pipe.flush()
+    except OSError:  # the terminal went away, or mpirun ended (a broken pipe)
+        pass
+    finally:
+        try:
+            pipe.close()
+        except OSError:
+            pass
 
 
 def stop(

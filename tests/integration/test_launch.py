@@ -2,7 +2,9 @@
 
 import contextlib
 import os
+import pty
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -544,6 +546,48 @@ def test_a_rank_that_reads_its_input_to_the_end_is_not_left_waiting(np_):
     read = "import sys; print('read', repr(sys.stdin.read()), flush=True)"
     result = check(launch(np_, "python", "-c", read, timeout=60, input="hello\n"))
     assert result.stdout.count("read ''") == np_, result.stdout
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3])
+def test_a_line_typed_on_the_launchers_terminal_reaches_rank_0(np_):
+    # The launcher on a terminal (its controlling one, in the foreground, as a shell starts
+    # it): rank 0 reads the line typed there, the others an empty input. mpirun, in a session
+    # of its own, never read the terminal, and rank 0 waited for the line forever.
+    read = (
+        "import os; line = input() if os.environ['OMPI_COMM_WORLD_RANK'] == '0' else ''; "
+        "print('read', repr(line), flush=True)"
+    )
+    pid, terminal = pty.fork()
+    if pid == 0:  # the launcher, on the terminal
+        try:
+            command = [sys.executable, "-m", "syncdp.launch", "-np", str(np_), "python", "-c", read]
+            os.chdir(ROOT)
+            os.execve(sys.executable, command, rank_env())
+        finally:
+            os._exit(127)
+    os.write(terminal, b"hello\n")  # typed at once: the terminal keeps the line until read
+    seen, deadline = b"", time.monotonic() + 90
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([terminal], [], [], 1.0)
+            if ready:
+                try:
+                    chunk = os.read(terminal, 65536)
+                except OSError:  # the launcher has exited: the terminal is closed
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+        else:
+            os.killpg(pid, signal.SIGKILL)
+            pytest.fail(f"the job did not end: {seen.decode(errors='replace')[-3000:]}")
+    finally:
+        os.close(terminal)
+        _, status = os.waitpid(pid, 0)
+    text = seen.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text[-3000:]
+    assert "[0]<stdout>:read 'hello'" in text, text[-3000:]
+    assert text.count("read ''") == np_ - 1, text[-3000:]
 
 
 def test_a_failing_ranks_output_reaches_a_slow_reader_whole(tmp_path):
