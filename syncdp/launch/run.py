@@ -376,6 +376,9 @@ def _print_on_usr1(timings: TimingBoard):
     def show(signum, frame):
         print(timings.table() or "syncdp-run: no timing reports yet", file=sys.stderr, flush=True)
 
+    if not supervision.in_main_thread():
+        yield  # only the main thread may set handlers (horovod.run from another)
+        return
     previous = signal.signal(signal.SIGUSR1, show)
     try:
         yield

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from syncdp.launch.output import Flow
     from syncdp.launch.verdict import Verdict
 
-__all__ = ["start_mpirun", "stop", "end_session", "supervise", "StopOnSignals"]
+__all__ = ["start_mpirun", "stop", "end_session", "supervise", "StopOnSignals", "in_main_thread"]
 
 _PR_SET_PDEATHSIG = 1
 # Seconds between asking mpirun to stop (SIGTERM) and killing it.
@@ -276,12 +276,18 @@ class Stopped(Exception):
         self.signum = signum
 
 
+def in_main_thread() -> bool:
+    """Whether this is the main thread, the only one Python lets set signal handlers."""
+    return threading.current_thread() is threading.main_thread()
+
+
 class StopOnSignals:
     """``with StopOnSignals(process) as signals:`` SIGINT, SIGTERM and SIGHUP stop the job.
 
     Before the job starts (``process`` None: the hosts are being checked), they raise
     :class:`Stopped` in the main thread instead. A signal that was ignored when the launcher
-    started (``nohup`` ignores SIGHUP) stays ignored.
+    started (``nohup`` ignores SIGHUP) stays ignored. Outside the main thread (``horovod.run``
+    called from another thread) nothing is set: the program's own handlers stay.
 
     Attributes:
         received: The signals received, in order.
@@ -301,6 +307,8 @@ class StopOnSignals:
         threading.Thread(target=stop, args=(self.process,), daemon=True).start()
 
     def __enter__(self) -> StopOnSignals:
+        if not in_main_thread():
+            return self  # only the main thread may set handlers (horovod.run from another)
         for s in self._SIGNALS:
             if signal.getsignal(s) is not signal.SIG_IGN:
                 self._previous[s] = signal.signal(s, self._on_signal)

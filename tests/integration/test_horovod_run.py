@@ -60,6 +60,15 @@ if mode == "values":
         got = horovod.run(work, args=(2.0,), kwargs={"offset": 1.0}, num_proc=n, env=env,
                           use_mpi=True)
     print("RESULT " + json.dumps(got), flush=True)
+elif mode == "thread":  # from a thread other than the main one, which alone sets handlers
+    import threading
+
+    got = {}
+    call = lambda: got.update(r=horovod.run(work, args=(1.0,), num_proc=n))  # noqa: E731
+    caller = threading.Thread(target=call)
+    caller.start()
+    caller.join()
+    print("RESULT " + json.dumps(got.get("r")), flush=True)
 else:
     try:
         if mode == "unpicklable":
@@ -102,6 +111,16 @@ def test_run_returns_each_ranks_value_in_rank_order(tmp_path, n):
     assert done.returncode == 0, done.stderr[-3000:]
     total = n * (n + 1) / 2  # the sum of rank + 1 over the ranks
     assert _line(done, "RESULT ") == [[r, n, total * 2.0 + 1.0, "given"] for r in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_run_called_from_another_thread_returns_each_ranks_value(tmp_path, n):
+    # It set the launcher's signal handlers, which only the main thread may: the job started,
+    # then ended with "signal only works in main thread", its ranks stopped.
+    done = _call(tmp_path, "thread", n)
+    assert done.returncode == 0, done.stderr[-3000:]
+    total = n * (n + 1) / 2
+    assert _line(done, "RESULT ") == [[r, n, total, None] for r in range(n)], done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("n", [2, 3])
