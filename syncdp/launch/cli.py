@@ -386,6 +386,15 @@ def _check_settings(
     return resolved
 
 
+def _split_words(parser: argparse.ArgumentParser, flag: str, text: str) -> tuple[str, ...]:
+    """``text`` split as a shell splits it; a usage error (not a traceback) for a quote left
+    open."""
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as e:
+        parser.error(f'{flag} {text!r}: {e}: close the quote, or escape it (\\")')
+
+
 def parse_args(
     argv: list[str] | None = None,
     *,
@@ -515,18 +524,20 @@ def parse_args(
             )
     _check_elastic_limits(spelled, resolved, args.num_proc, prog)
     _check_spares(args.spares, args.num_proc, resolved, listed, prog)
+    mpi_args = _split_words(parser, "--mpi-args", args.mpi_args)
+    binding_args = _split_words(parser, "--binding-args", args.binding_args)
     return LaunchConfig(
         num_proc=args.num_proc,
         command=tuple(command),
         hosts=args.hosts,
         hostfile=args.hostfile,
         settings=types.MappingProxyType(resolved),
-        mpi_args=tuple(shlex.split(args.mpi_args)),
+        mpi_args=mpi_args,
         ssh_port=args.ssh_port,
         ssh_identity_file=args.ssh_identity_file,
         network_interfaces=tuple(args.network_interfaces or ()),
         tcp=args.tcp,
-        binding_args=tuple(shlex.split(args.binding_args)),
+        binding_args=binding_args,
         output_filename=args.output_filename,
         timestamps=args.timestamps,
         log_level=args.log_level or "WARNING",

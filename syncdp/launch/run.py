@@ -303,8 +303,11 @@ def build_command(
         if outside:
             cmd += ["--prtemca", "oob_tcp_if_include", ",".join(outside)]
     # Ranks on other hosts do not inherit mpirun's environment: export it, by name, as
-    # horovodrun does (jobenv.exported leaves out what belongs to this host or process).
-    for key in sorted(k for k in env if jobenv.exported(k)):
+    # horovodrun does (jobenv.exported leaves out what belongs to this host or process). Not a
+    # name --mpi-args exports itself: Open MPI keeps the first -x of a name, and the user's
+    # -x NAME=VALUE must win over the launcher's own value.
+    own = set(_exported_by_user(config.mpi_args))
+    for key in sorted(k for k in env if jobenv.exported(k) and k not in own):
         cmd += ["-x", key]
     cmd += list(config.mpi_args)
     # -P: the job's working directory is not put first on the supervisor's sys.path, where a

@@ -663,3 +663,13 @@ def test_standard_input_reaches_rank_0_only_from_a_terminal_or_when_asked():
     assert stdin_args(terminal=False) == ["none"]
     assert stdin_args(terminal=True) == []
     assert stdin_args("--mpi-args=--stdin 0", terminal=False) == ["0"]
+
+
+def test_a_variable_mpi_args_exports_with_a_value_is_not_exported_by_the_launcher_too():
+    # Open MPI keeps the first -x of a name: the launcher's own -x FOO, first, gave the ranks
+    # the launcher's FOO instead of the user's -x FOO=bar.
+    c = parse("--mpi-args=-x FOO=bar -x BAZ")
+    cmd = run.build_command(c, run.build_env(c, environ={"FOO": "orig", "BAZ": "b", "QUX": "q"}))
+    exported = [value for flag, value in zip(cmd, cmd[1:]) if flag == "-x"]
+    assert exported.count("FOO=bar") == 1 and "FOO" not in exported
+    assert exported.count("BAZ") == 1 and "QUX" in exported

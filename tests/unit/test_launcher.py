@@ -51,6 +51,8 @@ def test_settings_flags_are_kept_by_name_in_the_flags_unit():
         (["-np", "2", "--hostfile", "/", "python"], "'/' is a directory, not a hostfile"),
         (["-np", "2", "--min-np", "3", "python"], "--min-np (3) must not exceed -np (2)"),
         (["-np", "3", "--max-np", "2", "python"], "--max-np (2) must be at least -np (3)"),
+        (["-np", "2", '--mpi-args=--mca btl "self', "python"], "--mpi-args '--mca btl \"self'"),
+        (["-np", "2", "--binding-args=--bind-to 'core", "python"], "No closing quotation"),
     ],
 )
 def test_bad_command_lines_exit_with_usage(argv, words, capsys):
