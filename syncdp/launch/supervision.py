@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import threading
@@ -62,6 +63,9 @@ START_STOP_GRACE_SECONDS = 2.0
 # Once every rank has reported how it ended, mpirun gets this long to exit, then as long again
 # after SIGTERM.
 FINISHED_GRACE_SECONDS = 5.0
+# How often the terminal's reader looks whether the job has ended or the launcher is back in
+# the foreground.
+_TERMINAL_POLL_SECONDS = 0.2
 # How often the job's processes on this host are looked at for their shared-memory segments
 # (until one is found: syncdp.launch.cleanup.ShmLeftovers).
 _LOOK_SECONDS = 2.0
@@ -108,15 +112,34 @@ def start_mpirun(
     )
     if terminal is not None:
         threading.Thread(
-            target=_pass_on, args=(terminal, process.stdin), name="syncdp-stdin", daemon=True
+            target=_pass_on,
+            args=(terminal, process),
+            name="syncdp-stdin",
+            daemon=True,
         ).start()
     return process
 
 
-def _pass_on(terminal: int, pipe) -> None:
-    """Copies what is typed on ``terminal`` to mpirun's input until either side ends."""
+def _pass_on(terminal: int, process: subprocess.Popen) -> None:
+    """Copies what is typed on ``terminal`` to mpirun's input until either side ends.
+
+    It reads only while the launcher is the terminal's foreground job, as a shell's job
+    control expects (a background read would stop the launcher, and with it the job's
+    output), and it stops once mpirun has ended, so that nothing typed after the job (into
+    the program that called ``horovod.run``) is taken.
+    """
+    pipe = process.stdin
     try:
-        while data := os.read(terminal, 65536):
+        while process.poll() is None:
+            if os.tcgetpgrp(terminal) != os.getpgrp():  # in the background: wait for fg
+                time.sleep(_TERMINAL_POLL_SECONDS)
+                continue
+            ready, _, _ = select.select([terminal], [], [], _TERMINAL_POLL_SECONDS)
+            if not ready:
+                continue
+            data = os.read(terminal, 65536)
+            if not data:  # end of input (Ctrl-D at the start of a line)
+                break
             pipe.write(data)
             pipe.flush()
     except OSError:  # the terminal went away, or mpirun ended (a broken pipe)

@@ -548,24 +548,25 @@ def test_a_rank_that_reads_its_input_to_the_end_is_not_left_waiting(np_):
     assert result.stdout.count("read ''") == np_, result.stdout
 
 
-@pytest.mark.parametrize("np_", [1, 2, 3])
-def test_a_line_typed_on_the_launchers_terminal_reaches_rank_0(np_):
-    # The launcher on a terminal (its controlling one, in the foreground, as a shell starts
-    # it): rank 0 reads the line typed there, the others an empty input. mpirun, in a session
-    # of its own, never read the terminal, and rank 0 waited for the line forever.
-    read = (
-        "import os; line = input() if os.environ['OMPI_COMM_WORLD_RANK'] == '0' else ''; "
-        "print('read', repr(line), flush=True)"
-    )
+def _on_a_terminal(np_: int, source: str, typed: bytes, *, background: bool = False):
+    """Runs the launcher on a terminal of its own (its controlling one, as a shell starts it),
+    with ``typed`` waiting on it; in the terminal's foreground job, or a background one.
+    Returns the launcher's exit code and what the terminal showed."""
     pid, terminal = pty.fork()
-    if pid == 0:  # the launcher, on the terminal
+    if pid == 0:  # the session's leader, on the terminal
         try:
-            command = [sys.executable, "-m", "syncdp.launch", "-np", str(np_), "python", "-c", read]
+            command = [sys.executable, "-m", "syncdp.launch", "-np", str(np_), "python", "-c"]
             os.chdir(ROOT)
-            os.execve(sys.executable, command, rank_env())
+            if background:  # the launcher in a process group of its own, as `syncdp-run &`
+                launcher = os.fork()
+                if launcher == 0:
+                    os.setpgid(0, 0)
+                    os.execve(sys.executable, [*command, source], rank_env())
+                os._exit(os.waitstatus_to_exitcode(os.waitpid(launcher, 0)[1]))
+            os.execve(sys.executable, [*command, source], rank_env())
         finally:
             os._exit(127)
-    os.write(terminal, b"hello\n")  # typed at once: the terminal keeps the line until read
+    os.write(terminal, typed)  # typed at once: the terminal keeps the line until read
     seen, deadline = b"", time.monotonic() + 90
     try:
         while time.monotonic() < deadline:
@@ -579,15 +580,36 @@ def test_a_line_typed_on_the_launchers_terminal_reaches_rank_0(np_):
                     break
                 seen += chunk
         else:
-            os.killpg(pid, signal.SIGKILL)
+            for member in [pid, *cleanup.session_members(pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(member, signal.SIGKILL)
             pytest.fail(f"the job did not end: {seen.decode(errors='replace')[-3000:]}")
     finally:
         os.close(terminal)
         _, status = os.waitpid(pid, 0)
-    text = seen.decode(errors="replace")
-    assert os.waitstatus_to_exitcode(status) == 0, text[-3000:]
+    return os.waitstatus_to_exitcode(status), seen.decode(errors="replace")
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3])
+def test_a_line_typed_on_the_launchers_terminal_reaches_rank_0(np_):
+    # Rank 0 reads the line typed there, the others an empty input. mpirun, in a session of
+    # its own, never read the terminal, and rank 0 waited for the line forever.
+    read = (
+        "import os; line = input() if os.environ['OMPI_COMM_WORLD_RANK'] == '0' else ''; "
+        "print('read', repr(line), flush=True)"
+    )
+    code, text = _on_a_terminal(np_, read, b"hello\n")
+    assert code == 0, text[-3000:]
     assert "[0]<stdout>:read 'hello'" in text, text[-3000:]
     assert text.count("read ''") == np_ - 1, text[-3000:]
+
+
+def test_a_launcher_in_the_background_of_its_terminal_runs_its_job_to_the_end():
+    # `syncdp-run ... &` from a shell: the launcher must not read the terminal (the kernel
+    # would stop it, and with it the job's output), and its job ends as in the foreground.
+    code, text = _on_a_terminal(2, "print('ran', flush=True)", b"for the shell\n", background=True)
+    assert code == 0, text[-3000:]
+    assert text.count("<stdout>:ran") == 2, text[-3000:]
 
 
 def test_a_failing_ranks_output_reaches_a_slow_reader_whole(tmp_path):
