@@ -104,8 +104,13 @@ def elastic_tfrecord_dataset(
     size, rank = runtime.size(), runtime.rank()
 
     def check():
-        whole = isinstance(global_batch_size, (int, np.integer)) and not isinstance(
-            global_batch_size, bool
+        # A whole float (64.0, from arithmetic) is the integer it equals; 40.5 is refused.
+        whole = not isinstance(global_batch_size, bool) and (
+            isinstance(global_batch_size, (int, np.integer))
+            or (
+                isinstance(global_batch_size, (float, np.floating))
+                and global_batch_size.is_integer()
+            )
         )
         if not whole or global_batch_size < size:
             raise ValueError(

@@ -82,8 +82,8 @@ def _resolved(files, caller: str, check=None) -> tuple[list[str], ValueError | N
 
 
 def _check_whole(caller: str, what: str, value, *, optional: bool = False) -> None:
-    """Refuses a ``seed`` or ``epoch`` that cannot order the files (not an integer >= 0; None
-    where ``optional``), naming the argument."""
+    """Refuses a ``seed``, ``epoch`` or ``start_batch`` that cannot order the files or
+    batches (not an integer >= 0; None where ``optional``), naming the argument."""
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:

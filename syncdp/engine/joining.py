@@ -115,14 +115,15 @@ def join(comm) -> int:
     A synchronization point: every rank of the group must call it once it has no more data.
     """
     comm.join_arrive()
-    served = 0
+    served = rounds = 0  # collectives stood in for; rounds of the others' collectives
     while comm.size > 1:
         spec = comm.join_round(served)
         if spec is None:
             break
+        rounds += 1
         if spec:  # an empty task: the others skip a collective while ranks have joined
             stand_in(comm, spec)
             served += 1
-    last = comm.join_last(served)
+    last = comm.join_last(rounds)
     _steps.rebase(comm)  # the ranks made different numbers of steps before it
     return last

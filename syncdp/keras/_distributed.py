@@ -310,7 +310,7 @@ class Distributed:
         """In a TF1 graph (Keras 2 with eager execution turned off), Keras' session initializes
         only the variables it tracks: this wrapper's own (the base class's step count, never
         used but saved with the model, and the accumulators) are plain ``tf.Variable``s."""
-        if tf.compat.v1.executing_eagerly_outside_functions():
+        if not _in_a_tf1_graph():
             return
         backend = getattr(getattr(self._keras, "__internal__", None), "backend", None)
         track = getattr(backend, "track_variable", None)
@@ -340,7 +340,7 @@ class Distributed:
         """
         if not self._accumulators:
             return
-        if not self.process_set.included():
+        if self.process_set.included() is False:  # a removed set (None) is refused below
             return
         if int(tf.convert_to_tensor(self._passes)) % self.backward_passes_per_step == 0:
             return  # no window open: the accumulators are zeros on every rank
@@ -357,7 +357,7 @@ class Distributed:
 
     def get_weights(self) -> list:
         """The values of :attr:`variables`, as arrays (Keras 2's optimizer API)."""
-        if not tf.executing_eagerly():  # a TF1 graph: read in Keras 2's session
+        if _in_a_tf1_graph():  # read in Keras 2's session
             return self._keras.backend.batch_get_value(list(self.variables))
         return [v.numpy() for v in self.variables]
 
@@ -379,7 +379,7 @@ class Distributed:
                     f"{self.name}'s variable {variable.name} has shape {tuple(variable.shape)}; "
                     f"got a value of shape {np.shape(value)}."
                 )
-        if not tf.executing_eagerly():  # a TF1 graph: assign in Keras 2's session
+        if _in_a_tf1_graph():  # assigned in Keras 2's session
             self._keras.backend.batch_set_value(list(zip(variables, weights, strict=True)))
             return
         for variable, value in zip(variables, weights, strict=True):
@@ -805,6 +805,12 @@ def _settable_on(inner, name: str, wrapper_class: type) -> bool:
         return False
     # Keras 2's legacy optimizers keep hyperparameters in _hyper (reading one may create it).
     return name in getattr(inner, "_hyper", ()) or hasattr(inner, name)
+
+
+def _in_a_tf1_graph() -> bool:
+    """Whether eager execution is off (``tf.compat.v1.disable_eager_execution()``: Keras 2
+    runs its graph in a session of its own)."""
+    return not tf.compat.v1.executing_eagerly_outside_functions()
 
 
 def _same(reduced: list, grads: list) -> bool:

@@ -650,7 +650,8 @@ def _run_once(
         lifeline.start(lost_after=restart.HOST_LOST_SECONDS, on_lost=loss.on_lost)
     else:
         lifeline.start(lost_after=lost_after(ranks_config.stall_timeout), on_lost=on_lost)
-    terminal = _stdin_is_terminal()
+    # From another thread (horovod.run) the main one may be reading the terminal itself.
+    terminal = _stdin_is_terminal() and supervision.in_main_thread()
     cmd = build_command(config, env, mpirun, stdin_is_terminal=terminal)
     if config.spares and not quiet:
         first, last = config.num_proc, config.num_proc + config.spares - 1

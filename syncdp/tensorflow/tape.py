@@ -257,8 +257,10 @@ def reduce_gradients(
     """
     op = collectives.reduce_op(op)
     grads = list(grads)
-    if process_set is not None and not process_set.included():
-        return grads  # as in Horovod: a rank outside the set keeps its own gradients
+    if process_set is not None and process_set.included() is False:
+        # As in Horovod: a rank outside the set keeps its own gradients. A removed set (None)
+        # is refused below, as not registered.
+        return grads
     comm = collectives._comm(process_set)
     if local:
         return _reduce_except_local(

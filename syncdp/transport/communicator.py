@@ -78,12 +78,12 @@ def _plain(value):
     return value
 
 
-def last_to_join(order: list[int], stood_in: list[int]) -> int:
-    """The rank that called ``join()`` last: of those that stood in for the fewest of the
-    others' collectives (none, unless a collective could not be stood in for), the last in
-    ``order``, rank 0's record of every rank's arrival."""
-    least = min(stood_in)
-    return [r for r in order if stood_in[r] == least][-1]
+def _last_to_join(order: list[int], rounds: list[int]) -> int:
+    """The rank that called ``join()`` last: of those that took part in the fewest of the
+    others' collectives while joined (none), the last in ``order``, rank 0's record of every
+    rank's arrival."""
+    least = min(rounds)
+    return [r for r in order if rounds[r] == least][-1]
 
 
 def _as_bytes(array: np.ndarray) -> np.ndarray:
@@ -783,14 +783,15 @@ class Communicator:
             sources.append(status.Get_source())
         return sources
 
-    def join_last(self, served: int, *, name: str = "join") -> int:
+    def join_last(self, rounds: int, *, name: str = "join") -> int:
         """Once every rank has joined: the rank that arrived last, the same on every rank.
 
         Args:
-            served: How many collectives this rank stood in for in ``join()``.
+            rounds: In how many of the others' collectives this rank took part in ``join()``
+                (stood in for, or answered the argument check of).
 
-        A rank that arrived before another's collective stood in for it; the last to arrive
-        stood in for none. Ranks that stood in for none (that arrived with no collective
+        A rank that arrived before another's collective took part in it; the last to arrive
+        took part in none. Ranks that took part in none (that arrived with no collective
         between them) are ordered on one clock, rank 0's (:meth:`join_arrive`): the notes
         waiting when rank 0 arrived came before it, and it receives the rest as they come
         while it waits in :meth:`join_round`. Clocks of different hosts are never compared.
@@ -802,7 +803,7 @@ class Communicator:
         MPI = self._MPI
 
         def run():
-            stood_in = self.mpi.allgather(served)
+            rounds_of = self.mpi.allgather(rounds)
             if self.rank != 0:
                 return self.mpi.bcast(None, root=0)
             status = MPI.Status()
@@ -810,7 +811,7 @@ class Communicator:
             for _ in range(self.size - len(order)):
                 self.mpi.recv(source=MPI.ANY_SOURCE, tag=_JOIN_TAG, status=status)
                 order.append(status.Get_source())
-            return self.mpi.bcast(last_to_join(order, stood_in), root=0)
+            return self.mpi.bcast(_last_to_join(order, rounds_of), root=0)
 
         return self._run(name, run)
 

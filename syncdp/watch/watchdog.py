@@ -159,8 +159,12 @@ class Watchdog:
         # abort, but cannot say where the other ranks are.
         self._can_ask = self._MPI.Query_thread() == self._MPI.THREAD_MULTIPLE
         self._side = comm.Dup() if self._can_ask else None
-        # Every rank's process, in rank order (empty without a side channel to swap them on).
-        self.processes: list[Process] = self._side.allgather(Process.this()) if self._side else []
+        # Every rank's process, in rank order (empty without a side channel to swap them on),
+        # and rank 0's token for this watchdog's messages: a message a watchdog of an earlier
+        # init() sent (its communicator freed, its context id given to this one's) is not ours.
+        found = self._side.allgather((Process.this(), os.urandom(8))) if self._side else []
+        self.processes: list[Process] = [process for process, _ in found]
+        self._token = found[0][1] if found else b""
         # The ranks whose processes ended (found by their pidfds), in the order seen.
         self.gone: list[int] = []
         # rank -> the last collective it finished before it shut syncdp down (see leaving).
@@ -217,17 +221,7 @@ class Watchdog:
         Called just before ``MPI_Abort`` (an exception, a stall, an early exit), so that the
         ranks that see this process end do not name it as gone. Not a collective.
         """
-        if self._side is None:
-            return
-        others = [r for r in range(self.size) if r != self.rank and r not in self.gone]
-        try:
-            sent = [self._side.isend(None, dest=r, tag=_ENDING) for r in others]
-        except self._MPI.Exception:  # a rank is gone: the job ends either way
-            return
-        deadline = time.monotonic() + 0.2
-        while not self._MPI.Request.Testall(sent) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        self._queries += sent
+        self._tell_others(_ENDING, None)
 
     def leaving(self) -> None:
         """Tells the other ranks that this one shuts syncdp down after the collectives it has
@@ -235,11 +229,16 @@ class Watchdog:
         or comes to wait, in a later collective of this communicator ends the job rather than
         wait for this one forever (``join()`` waits with no stall timeout). Not a collective.
         """
+        self._tell_others(_LEFT, (self._token, self.last_done))
+
+    def _tell_others(self, tag: int, message) -> None:
+        """Sends ``message`` to every other rank not known to be gone, waiting up to 0.2 s for
+        the sends to leave (the process may end right after)."""
         if self._side is None:
             return
         others = [r for r in range(self.size) if r != self.rank and r not in self.gone]
         try:
-            sent = [self._side.isend(self.last_done, dest=r, tag=_LEFT) for r in others]
+            sent = [self._side.isend(message, dest=r, tag=tag) for r in others]
         except self._MPI.Exception:  # a rank is gone: nothing to tell it
             return
         deadline = time.monotonic() + 0.2
@@ -253,7 +252,9 @@ class Watchdog:
         while (
             message := self._side.improbe(source=MPI.ANY_SOURCE, tag=_LEFT, status=status)
         ) is not None:
-            self.left[status.Get_source()] = message.recv()
+            token, done = message.recv()
+            if token == self._token:
+                self.left[status.Get_source()] = done
 
     def _end_for_leavers(self, seq: int, name: str, late: list[int]) -> None:
         """Ends the job: ``late`` ranks shut syncdp down before collective ``seq``, which

@@ -295,6 +295,8 @@ def test_elastic_dataset_bad_input(hvd, data):
     # start_batch of None or 1.5 a TypeError, an unknown compression read as none.
     with pytest.raises(ValueError, match="global_batch_size must be an integer"):
         elastic_tfrecord_dataset(data["abc"], parse_id, 40.5)
+    whole = elastic_tfrecord_dataset(data["abc"], parse_id, 40.0)  # the integer it equals
+    assert whole.cardinality() == elastic_tfrecord_dataset(data["abc"], parse_id, 40).cardinality()
     for start in (None, 1.5, -1):
         with pytest.raises(ValueError, match="needs start_batch to be an integer >= 0"):
             elastic_tfrecord_dataset(data["abc"], parse_id, 40, start_batch=start)

@@ -4,6 +4,7 @@ Apart from test_process_sets.py, whose sets stay registered for its whole module
 """
 
 import pytest
+import tensorflow as tf
 
 
 def test_ranks_that_remove_different_sets_are_refused_on_every_rank(hvd):
@@ -66,6 +67,12 @@ def test_a_removed_set_answers_none_to_included_until_it_is_added_again(hvd):
     assert hvd.remove_process_set(ps)
     assert ps.included() is None and alias.included() is None
     assert ps.size() is None and ps.rank() is None
+    # A tape of the removed set is refused, not skipped as by a rank outside it.
+    v = tf.Variable([1.0])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(v * v)
+    with pytest.raises(ValueError, match="is not registered"):
+        hvd.DistributedGradientTape(tape, process_set=ps).gradient(loss, [v])
     hvd.add_process_set(ps)
     assert ps.included() == (hvd.rank() == 0)
     assert hvd.remove_process_set(ps)

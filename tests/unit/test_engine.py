@@ -337,3 +337,16 @@ def test_without_the_step_check_rank_0s_step_is_agreed_and_the_sum_is_exact(engi
     for values, agreed in results:
         np.testing.assert_array_equal(values[0], [4.0, 7.0])
         assert agreed == 15
+
+
+def test_the_last_to_join_took_part_in_none_of_the_others_collectives():
+    from syncdp.transport.communicator import _last_to_join
+
+    # Rank 2 joined and took part in rank 1's last step; its arrival note reached rank 0 after
+    # rank 1's (relayed through rank 1, the collective ended before the note came).
+    assert _last_to_join(order=[0, 1, 2], rounds=[2, 0, 1]) == 1
+    # Ranks that joined with no collective between them: rank 0's clock orders them.
+    assert _last_to_join(order=[2, 0, 1], rounds=[0, 0, 3]) == 1
+    assert _last_to_join(order=[2, 1, 0], rounds=[0, 0, 3]) == 0
+    assert _last_to_join(order=[0, 2, 1], rounds=[1, 0, 0]) == 1
+    assert _last_to_join(order=[0], rounds=[0]) == 0

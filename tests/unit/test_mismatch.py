@@ -72,19 +72,6 @@ def test_missing_gradients_are_compared_by_position_and_shown_by_name():
     assert "rank 1: no_gradient=dense/bias" in text
 
 
-def test_the_last_to_join_is_one_that_stood_in_for_nothing():
-    from syncdp.transport.communicator import last_to_join
-
-    # Rank 2 joined, stood in for rank 1's last step, and its arrival note reached rank 0
-    # after rank 1's (relayed through rank 1, the collective ended before the note came).
-    assert last_to_join(order=[0, 1, 2], stood_in=[2, 0, 1]) == 1
-    # Ranks that joined with no collective between them: rank 0's clock orders them.
-    assert last_to_join(order=[2, 0, 1], stood_in=[0, 0, 3]) == 1
-    assert last_to_join(order=[2, 1, 0], stood_in=[0, 0, 3]) == 0
-    assert last_to_join(order=[0, 2, 1], stood_in=[1, 0, 0]) == 1
-    assert last_to_join(order=[0], stood_in=[0]) == 0
-
-
 def test_a_numpy_scalar_and_the_python_number_it_equals_have_one_digest():
     from syncdp.transport.communicator import signature_digest
 

@@ -181,8 +181,9 @@ def join(device: int = -1, process_set=global_process_set) -> tf.Tensor:
     set's size, as Horovod's does), the identity to a min, max or product; to an
     ``allgather`` (sparse gradients' too) it gives no rows. So ranks with uneven data can
     each train on what they have, then join. Other collectives raise on the active ranks
-    while a rank has joined. Arrivals are ordered on rank 0's clock alone,
-    never by comparing hosts' clocks.
+    while a rank has joined. The last to join took part in none of the others' collectives
+    while joined; ranks that joined with no collective between them are ordered on rank 0's
+    clock alone, never by comparing hosts' clocks. Adasum gets zeros, which it leaves out.
 
     A synchronization point: every rank of the set must call it.
 
