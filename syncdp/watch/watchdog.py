@@ -75,6 +75,8 @@ _NO_COLLECTIVE = "in no collective: computing, or stuck outside syncdp"
 # A rank asked where it is, and in no collective of the asker's communicator, can then name
 # the collective it is in on another one (ranks that passed different process sets).
 _RUNNING: list[Watchdog] = []
+# Side channels of watchdogs stopped at shutdown(), never freed (see Watchdog.stop).
+_RETIRED: list = []
 _RUNNING_LOCK = threading.Lock()
 
 
@@ -169,6 +171,7 @@ class Watchdog:
         self.gone: list[int] = []
         # rank -> the last collective it finished before it shut syncdp down (see leaving).
         self.left: dict[int, int] = {}
+        self._told_leaving = False
         self._pidfds = self._open_pidfds()
         self._queries: list = []  # this rank's messages still in flight (see ask_others)
         self._stop = threading.Event()
@@ -206,7 +209,12 @@ class Watchdog:
             os.close(fd)
         self._pidfds = {}
         if self._side is not None:
-            if free:
+            if self._told_leaving:
+                # The others' notes that they left may still be on their way here: freed,
+                # this channel's context id could go to a later communicator of another size,
+                # where such a note is a fatal error (a source that does not exist). Kept.
+                _RETIRED.append(self._side)
+            elif free:
                 self._side.Free()
             self._side = None
 
@@ -229,6 +237,7 @@ class Watchdog:
         or comes to wait, in a later collective of this communicator ends the job rather than
         wait for this one forever (``join()`` waits with no stall timeout). Not a collective.
         """
+        self._told_leaving = True
         self._tell_others(_LEFT, (self._token, self.last_done))
 
     def _tell_others(self, tag: int, message) -> None:
