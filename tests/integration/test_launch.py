@@ -216,8 +216,11 @@ if mode == "everyone":  # the same collectives, then shutdown() and init() again
     if r == 0:
         time.sleep(1)  # the others' shutdown() reaches rank 0 before its own
     syncdp.shutdown()
+    if r == last:
+        time.sleep(1)  # and the last rank last the second time
     syncdp.init()
-    total = syncdp.allreduce(tf.ones([2]) * r, op=syncdp.Sum).numpy().tolist()
+    for _ in range(10):  # past the collectives before: a note from then is not taken now
+        total = syncdp.allreduce(tf.ones([2]) * r, op=syncdp.Sum).numpy().tolist()
     syncdp.shutdown()
     print(f"rank {r} done, sum {total}", flush=True)
 elif r == last:  # shuts syncdp down after one collective, then its program goes on
