@@ -784,12 +784,16 @@ def _install_failure_hook() -> None:
     _state.hook_installed = True
 
 
+def _watchdogs() -> list:
+    """The watchdogs of the job's communicator and of every process set's this rank is in."""
+    sets = _state.sets.communicators() if _state.sets is not None else []
+    return [c.watchdog for c in [_state.comm, *sets] if c is not None and c.watchdog is not None]
+
+
 def _farewell() -> None:
     """Tells every other rank that this one ends the job on purpose (see Watchdog.farewell)."""
-    comms = [_state.comm] + (_state.sets.communicators() if _state.sets is not None else [])
-    for comm in comms:
-        if comm is not None and comm.watchdog is not None:
-            comm.watchdog.farewell()
+    for dog in _watchdogs():
+        dog.farewell()
 
 
 def _at_exit() -> None:
@@ -809,8 +813,7 @@ def _at_exit() -> None:
         watchdog = None
     if watchdog is not None and watchdog.can_ask and exit_comm is not None:
         # Every communicator's: a rank may wait for this one in a process set's collective.
-        sets = _state.sets.communicators() if _state.sets is not None else []
-        dogs = [watchdog] + [c.watchdog for c in sets if c.watchdog is not None]
+        dogs = _watchdogs()
         for dog in dogs:
             dog.exiting = True
         everyone_here = exit_comm.Ibarrier()
@@ -898,8 +901,7 @@ def shutdown() -> None:
     if not comm.broken and not comm.config.elastic:
         # A rank still to come to a collective of this one's would wait for it forever
         # (join() has no stall timeout): tell them this rank's collectives end here.
-        sets = _state.sets.communicators() if _state.sets is not None else []
-        for dog in [c.watchdog for c in [comm, *sets] if c.watchdog is not None]:
+        for dog in _watchdogs():
             dog.leaving()
     _drop(broken=comm.broken)
     _state.steps_unsynced = False

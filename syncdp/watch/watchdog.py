@@ -161,12 +161,8 @@ class Watchdog:
         # abort, but cannot say where the other ranks are.
         self._can_ask = self._MPI.Query_thread() == self._MPI.THREAD_MULTIPLE
         self._side = comm.Dup() if self._can_ask else None
-        # Every rank's process, in rank order (empty without a side channel to swap them on),
-        # and rank 0's token for this watchdog's messages: a message a watchdog of an earlier
-        # init() sent (its communicator freed, its context id given to this one's) is not ours.
-        found = self._side.allgather((Process.this(), os.urandom(8))) if self._side else []
-        self.processes: list[Process] = [process for process, _ in found]
-        self._token = found[0][1] if found else b""
+        # Every rank's process, in rank order (empty without a side channel to swap them on).
+        self.processes: list[Process] = self._side.allgather(Process.this()) if self._side else []
         # The ranks whose processes ended (found by their pidfds), in the order seen.
         self.gone: list[int] = []
         # rank -> the last collective it finished before it shut syncdp down (see leaving).
@@ -238,7 +234,7 @@ class Watchdog:
         wait for this one forever (``join()`` waits with no stall timeout). Not a collective.
         """
         self._told_leaving = True
-        self._tell_others(_LEFT, (self._token, self.last_done))
+        self._tell_others(_LEFT, self.last_done)
 
     def _tell_others(self, tag: int, message) -> None:
         """Sends ``message`` to every other rank not known to be gone, waiting up to 0.2 s for
@@ -256,14 +252,8 @@ class Watchdog:
         self._queries += sent
 
     def _note_leavers(self) -> None:
-        MPI = self._MPI
-        status = MPI.Status()
-        while (
-            message := self._side.improbe(source=MPI.ANY_SOURCE, tag=_LEFT, status=status)
-        ) is not None:
-            token, done = message.recv()
-            if token == self._token:
-                self.left[status.Get_source()] = done
+        for source, done in self._messages(_LEFT):
+            self.left[source] = done
 
     def _end_for_leavers(self, seq: int, name: str, late: list[int]) -> None:
         """Ends the job: ``late`` ranks shut syncdp down before collective ``seq``, which
@@ -335,15 +325,19 @@ class Watchdog:
         return None
 
     def _answer_questions(self) -> None:
-        # Matched probes: the main thread may answer questions too (ask_others), and a plain
-        # Iprobe + recv from two threads could race for the same message.
+        for source, _ in self._messages(_QUERY):
+            self._side.send(self._where(), dest=source, tag=_REPLY)
+
+    def _messages(self, tag: int):
+        """Yields ``(source, message)`` for each message with ``tag`` waiting here. Matched
+        probes: the main thread may receive too (ask_others), and a plain Iprobe + recv from
+        two threads could race for the same message."""
         MPI = self._MPI
         status = MPI.Status()
         while (
-            message := self._side.improbe(source=MPI.ANY_SOURCE, tag=_QUERY, status=status)
+            message := self._side.improbe(source=MPI.ANY_SOURCE, tag=tag, status=status)
         ) is not None:
-            message.recv()
-            self._side.send(self._where(), dest=status.Get_source(), tag=_REPLY)
+            yield status.Get_source(), message.recv()
 
     def _loop(self) -> None:
         try:
